@@ -1,0 +1,33 @@
+# The two newcomer commands (see README): `make serve` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PORT ?= 8080
+MODEL ?= /tmp/gaudi-serve-tiny-llama
+
+.PHONY: venv serve test lint proto
+
+$(BIN)/gaudi-serve: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[runtime,operator,test]'
+	$(BIN)/pip install -q --no-deps 'text-generation==0.7.0'
+	touch $@
+
+venv: $(BIN)/gaudi-serve
+
+# Serve a tiny random-weight Llama generated on the spot, on CPU.
+serve: venv
+	test -f $(MODEL)/config.json || $(BIN)/gaudi-serve tiny-model $(MODEL) --family llama
+	$(BIN)/gaudi-serve launch --model-id $(MODEL) --hostname 127.0.0.1 --port $(PORT) \
+	  --dtype float32 --max-input-tokens 256 --max-total-tokens 512 --max-batch-size 16
+
+test: venv
+	$(BIN)/ruff check runtime operator tests
+	$(BIN)/python -m pytest -q tests; code=$$?; [ $$code -eq 5 ] && echo "no tests ran" && exit 1; exit $$code
+
+lint: venv
+	$(BIN)/ruff check runtime operator tests
+
+proto: venv
+	PATH=$(BIN):$$PATH hack/gen-proto.sh

@@ -1,0 +1,192 @@
+"""The only module that talks to the Kubernetes API server (and to the runtime pods).
+
+Uses the official `kubernetes` client (its configuration: in-cluster or
+kubeconfig, the same one Kopf logs in with) in worker threads, so the event
+loop never blocks. Children are written with server-side apply under the
+field manager `gaudi-serve-operator`, forced: the operator owns the fields it
+renders and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+import uuid
+from typing import Any
+
+import aiohttp
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from .spec import FIELD_MANAGER, GROUP, PLURAL, VERSION
+
+log = logging.getLogger(__name__)
+
+# kind -> (api prefix, plural)
+_KINDS = {
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "Service": ("/api/v1", "services"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "Pod": ("/api/v1", "pods"),
+    "Event": ("/api/v1", "events"),
+    "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+}
+
+_client: kubernetes.client.ApiClient | None = None
+
+
+class NotFound(Exception):
+    pass
+
+
+def configure(client: kubernetes.client.ApiClient | None = None) -> None:
+    """Use `client`, or load the in-cluster config, else the kubeconfig ($KUBECONFIG)."""
+    global _client
+    if client is None:
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        client = kubernetes.client.ApiClient()
+    _client = client
+
+
+def _api() -> kubernetes.client.ApiClient:
+    if _client is None:
+        configure()
+    assert _client is not None
+    return _client
+
+
+def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    prefix, plural = _KINDS[kind]
+    path = f"{prefix}/namespaces/{namespace}/{plural}"
+    if name:
+        path += f"/{name}"
+    if sub:
+        path += f"/{sub}"
+    return path
+
+
+def _call(method: str, path: str, *, query: list[tuple[str, str]] | None = None, body: Any = None,
+          content_type: str = "application/json") -> Any:
+    try:
+        return _api().call_api(
+            path, method, query_params=query or [], body=body,
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            response_type="object", auth_settings=["BearerToken"], _return_http_data_only=True,
+            _preload_content=True, _request_timeout=30,
+        )
+    except ApiException as exc:
+        if exc.status == 404:
+            raise NotFound(path) from None
+        raise
+
+
+async def _run(method: str, path: str, **kw: Any) -> Any:
+    return await asyncio.to_thread(_call, method, path, **kw)
+
+
+async def apply(obj: dict[str, Any]) -> dict[str, Any]:
+    """Server-side apply `obj` (forced, field manager gaudi-serve-operator); returns the live object."""
+    meta = obj["metadata"]
+    path = _path(obj["kind"], meta["namespace"], meta["name"])
+    query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+    return await _run("PATCH", path, query=query, body=obj, content_type="application/apply-patch+yaml")
+
+
+async def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return await _run("GET", _path(kind, namespace, name))
+    except NotFound:
+        return None
+
+
+async def delete(kind: str, namespace: str, name: str) -> bool:
+    """Delete if present; False when it was not there."""
+    try:
+        await _run("DELETE", _path(kind, namespace, name), body={"propagationPolicy": "Background"})
+        return True
+    except NotFound:
+        return False
+
+
+async def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
+    rsp = await _run("GET", _path("Pod", namespace), query=[("labelSelector", selector)])
+    return list(rsp.get("items") or [])
+
+
+async def patch_status(namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+    """JSON-merge-patch the status subresource; None when the object is gone."""
+    try:
+        return await _run("PATCH", _path("InferenceService", namespace, name, "status"),
+                          body={"status": patch}, content_type="application/merge-patch+json")
+    except NotFound:
+        return None
+
+
+async def post_event(body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+    """Record a core/v1 Event about `body`; failures are logged, never raised."""
+    meta = body["metadata"]
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:12]}", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": body.get("apiVersion", f"{GROUP}/{VERSION}"),
+                           "kind": body.get("kind", "InferenceService"), "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta.get("uid"),
+                           "resourceVersion": meta.get("resourceVersion")},
+        "type": type_,
+        "reason": reason,
+        "message": message[:1024],
+        "source": {"component": FIELD_MANAGER},
+        "reportingComponent": FIELD_MANAGER,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+    try:
+        await _run("POST", _path("Event", meta["namespace"]), body=event)
+    except Exception as exc:  # events are best effort
+        log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], exc)
+
+
+async def fetch_warmup(pods: list[dict[str, Any]], port: int, *, concurrency: int = 8,
+                       timeout: float = 2.0) -> dict[str, dict[str, Any]]:
+    """GET http://<podIP>:<port>/health of each running, not-ready pod; pod name -> its `warmup` object.
+
+    Bounded concurrency and short timeouts; an unreachable pod or an answer
+    without warmup progress is simply left out.
+    """
+    targets = []
+    for pod in pods:
+        st = pod.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+        if st.get("phase") == "Running" and st.get("podIP") and not ready \
+                and not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            targets.append((pod["metadata"]["name"], st["podIP"]))
+    if not targets:
+        return {}
+    sem = asyncio.Semaphore(concurrency)
+    out: dict[str, dict[str, Any]] = {}
+    client_timeout = aiohttp.ClientTimeout(total=timeout, connect=timeout)
+
+    async def one(session: aiohttp.ClientSession, pod: str, ip: str) -> None:
+        host = f"[{ip}]" if ":" in ip else ip
+        async with sem:
+            try:
+                async with session.get(f"http://{host}:{port}/health") as rsp:
+                    data = json.loads(await rsp.text())
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
+                log.debug("warmup progress of pod %s unavailable: %s", pod, exc)
+                return
+        warm = data.get("warmup") if isinstance(data, dict) else None
+        if isinstance(warm, dict) and isinstance(warm.get("total"), int) and isinstance(warm.get("done"), int):
+            out[pod] = warm
+
+    async with aiohttp.ClientSession(timeout=client_timeout) as session:
+        await asyncio.gather(*(one(session, pod, ip) for pod, ip in targets))
+    return out

@@ -1,0 +1,224 @@
+"""Typed view of an InferenceService's spec, with the CRD's defaults (pure).
+
+The CRD (`crds/inferenceservices.gaudiserve.io.yaml`) is the single source of
+truth for the API; the defaults here equal the schema's `default:` values (a
+unit test checks it), so an object that skipped API-server defaulting (an old
+object, a test) is read the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "gaudiserve.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+FIELD_MANAGER = "gaudi-serve-operator"
+
+ALLOWED_SHARDS = (1, 2, 4, 8)
+RUNTIME_PORT = 8080
+DEFAULT_IMAGE = "ghcr.io/gaudi-serve/runtime:0.1.0"
+
+# Startup budget model (seconds): loading the weights, then one pass per warmup shape.
+LOAD_SECONDS = 600
+SECONDS_PER_SHAPE_GRAPHS = 15
+SECONDS_PER_SHAPE_EAGER = 3
+
+__all__ = [
+    "ALLOWED_SHARDS", "API_VERSION", "FIELD_MANAGER", "GROUP", "KIND", "PLURAL", "RUNTIME_PORT",
+    "VERSION", "InferenceServiceSpec", "SpecError", "parse_spec",
+]
+
+
+class SpecError(ValueError):
+    """The spec cannot be read; the message names the field."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
+
+
+class SecretKeyRef(_Model):
+    name: str
+    key: str = "HF_TOKEN"
+
+
+class PVCRef(_Model):
+    claim_name: str
+    read_only: bool = False
+
+
+class EphemeralCache(_Model):
+    size: str = "100Gi"
+    storage_class_name: str | None = None
+
+
+class CacheVolume(_Model):
+    persistent_volume_claim: PVCRef | None = None
+    ephemeral: EphemeralCache | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> CacheVolume:
+        if self.persistent_volume_claim is not None and self.ephemeral is not None:
+            raise ValueError("spec.model.cache: set persistentVolumeClaim or ephemeral, not both")
+        return self
+
+
+class ModelSource(_Model):
+    id: str = Field(min_length=1)
+    revision: str | None = None
+    hub_token_secret_ref: SecretKeyRef | None = None
+    cache: CacheVolume | None = None
+
+
+class ConfigMapKeyRef(_Model):
+    name: str
+    key: str = "quant_config.json"
+
+
+class Measurements(_Model):
+    persistent_volume_claim: PVCRef
+    mount_path: str = "/quant/measurements"
+
+
+class Quantization(_Model):
+    config_map_ref: ConfigMapKeyRef | None = None
+    measurements: Measurements | None = None
+
+
+class Serving(_Model):
+    max_input_tokens: int = Field(1024, ge=1)
+    max_total_tokens: int = Field(2048, ge=2)
+    max_batch_size: int | None = Field(None, ge=1)
+    max_batch_prefill_tokens: int | None = Field(None, ge=1)
+    max_batch_total_tokens: int | None = Field(None, ge=1)
+    max_concurrent_requests: int = Field(128, ge=1)
+    max_waiting_tokens: int = Field(20, ge=0)
+    waiting_served_ratio: float = Field(0.3, ge=0)
+
+    @model_validator(mode="after")
+    def _input_below_total(self) -> Serving:
+        if self.max_input_tokens >= self.max_total_tokens:
+            raise ValueError("spec.serving.maxInputTokens must be less than spec.serving.maxTotalTokens")
+        return self
+
+
+class Batching(_Model):
+    batch_bucket_size: int = Field(8, ge=1)
+    prefill_batch_bucket_size: int = Field(4, ge=1)
+    pad_sequence_to_multiple_of: int = Field(128, ge=1)
+    hpu_graphs: bool = True
+    limit_hpu_graphs: bool = True
+    warmup: bool = True
+
+
+class ProbeTiming(_Model):
+    period_seconds: int | None = Field(None, ge=1)
+    timeout_seconds: int | None = Field(None, ge=1)
+    failure_threshold: int | None = Field(None, ge=1)
+
+
+class StartupProbeTiming(ProbeTiming):
+    budget_seconds: int | None = Field(None, ge=1)
+
+
+class Probes(_Model):
+    startup: StartupProbeTiming = StartupProbeTiming()
+    readiness: ProbeTiming = ProbeTiming()
+    liveness: ProbeTiming = ProbeTiming()
+
+
+class ServiceSpec(_Model):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(80, ge=1, le=65535)
+
+
+class PodTemplateMeta(_Model):
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+
+
+class PodTemplate(_Model):
+    metadata: PodTemplateMeta = PodTemplateMeta()
+    spec: dict[str, Any] = {}
+
+
+class InferenceServiceSpec(_Model):
+    model: ModelSource
+    replicas: int = Field(1, ge=0)
+    shards: int = 1
+    precision: Literal["bf16", "fp8"] = "bf16"
+    quantization: Quantization | None = None
+    serving: Serving = Serving()
+    batching: Batching = Batching()
+    image: str = DEFAULT_IMAGE
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    image_pull_secrets: list[dict[str, Any]] = []
+    resources: dict[str, Any] = {}
+    env: list[dict[str, Any]] = []
+    node_selector: dict[str, str] = {}
+    tolerations: list[dict[str, Any]] = []
+    affinity: dict[str, Any] = {}
+    service_account_name: str | None = None
+    shm_size: str = "16Gi"
+    service: ServiceSpec = ServiceSpec()
+    probes: Probes = Probes()
+    pod_template: PodTemplate = PodTemplate()
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> InferenceServiceSpec:
+        if self.shards not in ALLOWED_SHARDS:
+            raise ValueError("spec.shards must be one of 1, 2, 4 or 8 (Gaudi cards per replica)")
+        if self.precision == "fp8" and (self.quantization is None or self.quantization.config_map_ref is None):
+            raise ValueError("spec.quantization.configMapRef is required when spec.precision is fp8")
+        return self
+
+    # ---- derived values -------------------------------------------------
+
+    def warmup_shapes(self) -> int:
+        """Estimate of the number of shapes the runtime warms up (prefill + decode buckets)."""
+        s, b = self.serving, self.batching
+        seq_buckets = math.ceil(s.max_input_tokens / b.pad_sequence_to_multiple_of)
+        prefill_tokens = s.max_batch_prefill_tokens or (s.max_input_tokens + 50)
+        prefill_bs = max(1, prefill_tokens // s.max_input_tokens)
+        prefill_buckets = math.ceil(prefill_bs / b.prefill_batch_bucket_size)
+        if s.max_batch_size:
+            decode_bs = s.max_batch_size
+        elif s.max_batch_total_tokens:
+            decode_bs = max(1, s.max_batch_total_tokens // s.max_total_tokens)
+        else:
+            decode_bs = 256
+        decode_buckets = math.ceil(decode_bs / b.batch_bucket_size)
+        return prefill_buckets * seq_buckets + decode_buckets
+
+    def startup_budget_seconds(self) -> int:
+        """Seconds the startupProbe allows for load + warmup (spec.probes.startup.budgetSeconds wins)."""
+        if self.probes.startup.budget_seconds:
+            return self.probes.startup.budget_seconds
+        if not self.batching.warmup:
+            return LOAD_SECONDS
+        per_shape = SECONDS_PER_SHAPE_GRAPHS if self.batching.hpu_graphs else SECONDS_PER_SHAPE_EAGER
+        return LOAD_SECONDS + self.warmup_shapes() * per_shape
+
+
+def parse_spec(raw: dict[str, Any] | None) -> InferenceServiceSpec:
+    """Read `spec`; raise SpecError with a message naming the offending field."""
+    try:
+        return InferenceServiceSpec.model_validate(raw or {})
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(_camel(str(p)) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            parts.append(f"spec.{loc}: {msg}" if loc and not msg.startswith("spec.") else msg)
+        raise SpecError("; ".join(parts)) from None
+
+
+def _camel(s: str) -> str:
+    return s if not s or "_" not in s else to_camel(s)

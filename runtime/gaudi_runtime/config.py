@@ -1,0 +1,227 @@
+"""One typed configuration for the launcher, router and shards.
+
+Flags and environment variables carry TGI's names and defaults: every flag
+`--max-batch-size` also reads `MAX_BATCH_SIZE`, the flag winning. Settings
+that contradict each other fail at start with one line naming the setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A setting is wrong; the message names it."""
+
+
+def _bool(v: str | bool) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {v!r}")
+
+
+# (flag, env var, type, default, help). The env var is the flag's TGI name in
+# upper snake case unless given. None as default means "derived" (see resolve).
+FLAGS: list[tuple[str, str | None, type, object, str]] = [
+    ("--model-id", None, str, None, "Local directory or Hugging Face hub id of the model."),
+    ("--revision", None, str, None, "Hub revision (branch, tag or commit) of the model."),
+    ("--huggingface-hub-cache", "HUGGINGFACE_HUB_CACHE", str, None, "Where hub downloads are cached."),
+    ("--dtype", None, str, "bfloat16", "Weights and activations dtype: bfloat16, float16 or float32."),
+    ("--device", None, str, "auto", "auto, hpu, cuda or cpu."),
+    ("--max-input-tokens", None, int, None, "Longest prompt in tokens (default: max-total-tokens - 1)."),
+    ("--max-input-length", None, int, None, "Old name of --max-input-tokens."),
+    ("--max-total-tokens", None, int, 2048, "Longest prompt + generation in tokens."),
+    ("--max-batch-size", None, int, None, "Most requests in one batch (default: the bucket limits)."),
+    ("--max-batch-prefill-tokens", None, int, None, "Most prompt tokens in one prefill (default: max-input-tokens + 50)."),
+    ("--max-batch-total-tokens", None, int, None, "KV-cache budget in tokens (default: sized from the device)."),
+    ("--max-waiting-tokens", None, int, 20, "Decode steps before waiting requests are forced into the batch."),
+    ("--waiting-served-ratio", None, float, 0.3, "Waiting/running ratio that allows a prefill to interrupt decoding."),
+    ("--max-concurrent-requests", None, int, 128, "Requests in flight before new ones get 429."),
+    ("--max-stop-sequences", None, int, 4, "Most stop sequences in one request."),
+    ("--max-top-n-tokens", None, int, 5, "Largest top_n_tokens a request may ask for."),
+    ("--max-best-of", None, int, 2, "Largest best_of a request may ask for."),
+    ("--max-client-batch-size", None, int, 4, "Most prompts in one /generate or /v1/completions body."),
+    ("--hostname", None, str, "0.0.0.0", "Address the HTTP server listens on."),
+    ("--port", None, int, 80, "Port the HTTP server listens on."),
+    ("--shard-uds-path", None, str, "/tmp/gaudi-serve-server", "Prefix of the shards' unix sockets."),
+    ("--sharded", None, _bool, None, "Shard the model across cards (default: when more than one is visible)."),
+    ("--num-shard", None, int, None, "Number of shards (default: 1, or all visible cards when sharded)."),
+    ("--json-output", None, _bool, False, "Log JSON lines instead of text."),
+    ("--api-key", None, str, None, "Bearer token every route but /health, /ping and /metrics requires."),
+    ("--cors-allow-origin", None, str, None, "Comma-separated origins allowed by CORS."),
+    ("--block-size", None, int, None, "KV-cache block size in tokens (default: 128 on HPU, 16 elsewhere)."),
+    ("--memory-fraction", "MEMORY_FRACTION", float, 0.9, "Share of free device memory the KV cache may take."),
+    ("--model-name", None, str, None, "Name served at /v1/models (default: the model id)."),
+]
+
+# Environment-only settings (TGI and TGI-Gaudi names).
+ENV_ONLY: list[tuple[str, type, object, str]] = [
+    ("QUEUE_THRESHOLD_MS", int, 120, "A request waiting longer than this makes the scheduler prefer prefill."),
+    ("SKIP_TOKENIZER_IN_TGI", _bool, False, "Inputs are comma-separated token ids, outputs are ids."),
+    ("TEXT_GENERATION_SERVER_IGNORE_EOS_TOKEN", _bool, False, "Generate until max_new_tokens, ignoring EOS."),
+    ("LOG_LEVEL", str, "info", "Log level: debug, info, warning, error."),
+    ("BATCH_BUCKET_SIZE", int, 8, "Decode batch sizes are padded to a multiple of this."),
+    ("PREFILL_BATCH_BUCKET_SIZE", int, 4, "Prefill batch sizes are padded to a multiple of this."),
+    ("PAD_SEQUENCE_TO_MULTIPLE_OF", int, 128, "Prompt lengths are padded to a multiple of this."),
+    ("WARMUP_ENABLED", _bool, True, "Run every bucket once before serving."),
+]
+
+
+@dataclass
+class Config:
+    model_id: str = ""
+    revision: str | None = None
+    huggingface_hub_cache: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    max_input_tokens: int = 0
+    max_total_tokens: int = 2048
+    max_batch_size: int = 0
+    max_batch_prefill_tokens: int = 0
+    max_batch_total_tokens: int | None = None
+    max_waiting_tokens: int = 20
+    waiting_served_ratio: float = 0.3
+    max_concurrent_requests: int = 128
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_best_of: int = 2
+    max_client_batch_size: int = 4
+    hostname: str = "0.0.0.0"
+    port: int = 80
+    shard_uds_path: str = "/tmp/gaudi-serve-server"
+    sharded: bool = False
+    num_shard: int = 1
+    json_output: bool = False
+    api_key: str | None = None
+    cors_allow_origin: list[str] = field(default_factory=list)
+    block_size: int = 16
+    memory_fraction: float = 0.9
+    model_name: str = ""
+    queue_threshold_ms: int = 120
+    skip_tokenizer_in_tgi: bool = False
+    text_generation_server_ignore_eos_token: bool = False
+    log_level: str = "info"
+    batch_bucket_size: int = 8
+    prefill_batch_bucket_size: int = 4
+    pad_sequence_to_multiple_of: int = 128
+    warmup_enabled: bool = True
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, s: str) -> Config:
+        return cls(**json.loads(s))
+
+
+def _attr(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag, defaulting to None so that env and derived defaults apply later."""
+    for flag, env, _typ, default, help_ in FLAGS:
+        env = env or _attr(flag).upper()
+        shown = "derived" if default is None else default
+        parser.add_argument(flag, default=None, help=f"{help_} [env: {env}] [default: {shown}]")
+
+
+def resolve(args: argparse.Namespace | None = None, environ: dict[str, str] | None = None) -> Config:
+    """Flags over env over defaults; then derived values and cross-checks."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for flag, env, typ, default, _ in FLAGS:
+        name = _attr(flag)
+        env = env or name.upper()
+        raw = getattr(args, name, None) if args is not None else None
+        source = flag
+        if raw is None and env in environ:
+            raw, source = environ[env], env
+        if raw is None:
+            values[name] = default
+            continue
+        try:
+            values[name] = typ(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}: expected {typ.__name__.lstrip('_')}, got {raw!r}") from None
+    for env, typ, default, _ in ENV_ONLY:
+        raw = environ.get(env)
+        try:
+            values[env.lower()] = default if raw is None else typ(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{env}: expected {typ.__name__.lstrip('_')}, got {raw!r}") from None
+    return _derive(values)
+
+
+def _derive(v: dict[str, object]) -> Config:
+    if not v["model_id"]:
+        raise ConfigError("--model-id is required (a local directory or a hub id)")
+    if v["max_input_length"] is not None:
+        if v["max_input_tokens"] is not None and v["max_input_tokens"] != v["max_input_length"]:
+            raise ConfigError("--max-input-tokens and --max-input-length disagree; give one")
+        v["max_input_tokens"] = v["max_input_length"]
+    del v["max_input_length"]
+    total = v["max_total_tokens"]
+    if total < 2:
+        raise ConfigError(f"--max-total-tokens ({total}) must be at least 2")
+    if v["max_input_tokens"] is None:
+        v["max_input_tokens"] = total - 1
+    if v["max_input_tokens"] < 1:
+        raise ConfigError("--max-input-tokens must be positive")
+    if v["max_input_tokens"] >= total:
+        raise ConfigError(
+            f"--max-input-tokens ({v['max_input_tokens']}) must be < --max-total-tokens ({total})"
+        )
+    if v["max_batch_prefill_tokens"] is None:
+        v["max_batch_prefill_tokens"] = v["max_input_tokens"] + 50
+    if v["max_batch_prefill_tokens"] < v["max_input_tokens"]:
+        raise ConfigError(
+            f"--max-batch-prefill-tokens ({v['max_batch_prefill_tokens']}) must be >= "
+            f"--max-input-tokens ({v['max_input_tokens']})"
+        )
+    bt = v["max_batch_total_tokens"]
+    if bt is not None and bt < total:
+        raise ConfigError(f"--max-batch-total-tokens ({bt}) must be >= --max-total-tokens ({total})")
+    for name in ("max_concurrent_requests", "max_client_batch_size", "max_waiting_tokens"):
+        if v[name] < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    for name in ("batch_bucket_size", "prefill_batch_bucket_size", "pad_sequence_to_multiple_of"):
+        if v[name] < 1:
+            raise ConfigError(f"{name.upper()} must be positive")
+    if v["max_batch_size"] is None:
+        v["max_batch_size"] = max(v["batch_bucket_size"], min(256, v["max_concurrent_requests"]))
+    if v["max_batch_size"] < 1:
+        raise ConfigError("--max-batch-size must be positive")
+    if not 0 < v["memory_fraction"] <= 1:
+        raise ConfigError("--memory-fraction must be in (0, 1]")
+    if v["dtype"] not in ("bfloat16", "float16", "float32"):
+        raise ConfigError(f"--dtype {v['dtype']!r}: choose bfloat16, float16 or float32")
+    if v["device"] not in ("auto", "hpu", "cuda", "cpu"):
+        raise ConfigError(f"--device {v['device']!r}: choose auto, hpu, cuda or cpu")
+    if v["block_size"] is None:
+        v["block_size"] = 128 if v["device"] == "hpu" else 16
+    if v["block_size"] < 1:
+        raise ConfigError("--block-size must be positive")
+    sharded, num = v["sharded"], v["num_shard"]
+    if sharded is False and num not in (None, 1):
+        raise ConfigError(f"--sharded false contradicts --num-shard {num}")
+    if sharded and num == 1:
+        raise ConfigError("--sharded true needs --num-shard > 1")
+    v["num_shard"] = num or 1
+    v["sharded"] = v["num_shard"] > 1
+    if v["num_shard"] < 1:
+        raise ConfigError("--num-shard must be positive")
+    origins = v["cors_allow_origin"]
+    v["cors_allow_origin"] = [o.strip() for o in origins.split(",") if o.strip()] if origins else []
+    v["model_name"] = v["model_name"] or v["model_id"]
+    v["log_level"] = str(v["log_level"]).lower()
+    return Config(**v)

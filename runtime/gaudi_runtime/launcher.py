@@ -1,0 +1,140 @@
+"""`gaudi-serve launch`: spawn the shards and the router, supervise, exit non-zero if any dies."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gaudi_runtime.config import Config, ConfigError
+
+log = logging.getLogger("gaudi_runtime.launcher")
+
+CONFIG_ENV = "GAUDI_SERVE_CONFIG"
+MODEL_DIR_ENV = "GAUDI_SERVE_MODEL_DIR"
+STOP_GRACE_S = 10.0
+
+
+def resolve_model_dir(cfg: Config) -> str:
+    """A local directory as is; otherwise a hub snapshot (HF_TOKEN, HF_HUB_OFFLINE honoured by huggingface_hub)."""
+    if os.path.isdir(cfg.model_id):
+        return cfg.model_id
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(
+        cfg.model_id, revision=cfg.revision, cache_dir=cfg.huggingface_hub_cache,
+        allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"],
+    )
+
+
+def check_model(model_dir: str) -> None:
+    """Fail before spawning anything if the model cannot be served."""
+    from gaudi_runtime.models import SUPPORTED_ARCHITECTURES
+
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ConfigError(f"--model-id: {model_dir} has no config.json")
+    archs = json.loads(path.read_text()).get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ConfigError(
+            f"--model-id: architecture {', '.join(archs) or '(none)'} is not supported; "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
+    if not list(Path(model_dir).glob("*.safetensors")):
+        raise ConfigError(f"--model-id: {model_dir} has no .safetensors weights")
+
+
+def _die_with_parent() -> None:
+    # Children must not outlive the launcher, even when it is killed with SIGKILL.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(cfg: Config, model_dir: str) -> dict[str, str]:
+    env = dict(os.environ, **{CONFIG_ENV: cfg.to_json(), MODEL_DIR_ENV: model_dir})
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", str(_free_port()))
+    return env
+
+
+_EXE = [sys.executable, "-m", "gaudi_runtime.cli"]
+
+
+def spawn_shards(cfg: Config, model_dir: str) -> list[tuple[str, subprocess.Popen]]:
+    env = _child_env(cfg, model_dir)
+    return [
+        (f"shard-{rank}", subprocess.Popen(_EXE + ["shard", "--rank", str(rank), "--world-size", str(cfg.num_shard)],
+                                           env=env, preexec_fn=_die_with_parent))
+        for rank in range(cfg.num_shard)
+    ]
+
+
+def spawn(cfg: Config, model_dir: str) -> list[tuple[str, subprocess.Popen]]:
+    procs = spawn_shards(cfg, model_dir)
+    router = subprocess.Popen(_EXE + ["router"], env=_child_env(cfg, model_dir), preexec_fn=_die_with_parent)
+    return procs + [("router", router)]
+
+
+def stop_all(procs: list[tuple[str, subprocess.Popen]]) -> None:
+    for _, p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for _, p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(*_):
+    raise _Stop
+
+
+def supervise(procs: list[tuple[str, subprocess.Popen]]) -> int:
+    """Block until a child exits or we are told to stop; then stop every child."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_stop)
+    try:
+        while True:
+            # WNOWAIT leaves the child for Popen to reap, so its exit code stays readable.
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+            for name, p in procs:
+                code = p.poll()
+                if code is not None:
+                    log.error("%s exited with code %s; stopping every process", name, code)
+                    return code or 1
+    except _Stop:
+        log.info("stop requested; shutting down")
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stop_all(procs)
+
+
+def main(cfg: Config) -> int:
+    model_dir = resolve_model_dir(cfg)
+    check_model(model_dir)
+    log.info("launching %d shard(s) and the router for %s", cfg.num_shard, model_dir)
+    return supervise(spawn(cfg, model_dir))

@@ -1,0 +1,91 @@
+"""Paged attention on plain torch ops (SDPA), batched, without host syncs.
+
+Prefill: right-padded ``[B, S]`` batch; K/V of every token are written into
+its slot; attention is causal within each row (pads come after real tokens, so
+real tokens never see them).
+
+Decode (``S == 1``): the new K/V are written, then each sequence attends over
+its cache gathered through ``block_tables`` with positions ``>= context_lens``
+masked. Grouped-query attention is done by folding the query heads of one KV
+group into the query-length axis, so K/V are never repeated in decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    slots: torch.LongTensor  # [B, S] flat slot per input token; padding -> 0 (trash block 0)
+    block_tables: torch.LongTensor | None = None  # decode: [B, nb], padded with 0
+    context_lens: torch.LongTensor | None = None  # decode: [B], including the current token
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Scatter ``k, v`` ``[B, S, H, D]`` into the caches at flat ``slots`` ``[B, S]``."""
+    h, d = k_cache.shape[-2:]
+    flat = slots.reshape(-1)
+    k_cache.view(-1, h, d).index_copy_(0, flat, k.reshape(-1, h, d).to(k_cache.dtype))
+    v_cache.view(-1, h, d).index_copy_(0, flat, v.reshape(-1, h, d).to(v_cache.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5 if scale is None else scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:
+        """q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]`` -> ``[B, S, Hq * D]``."""
+        b, s = q.shape[:2]
+        if kv_cache is not None:
+            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slots)
+        if meta.is_prefill:
+            out = self._prefill(q, k, v)
+        else:
+            if kv_cache is None:
+                raise ValueError("decode needs a KV cache")
+            out = self._decode(q, kv_cache[0], kv_cache[1], meta)
+        return out.reshape(b, s, self.num_heads * self.head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, s = q.shape[:2]
+        if self.group > 1:
+            k = k.unsqueeze(3).expand(b, s, self.num_kv_heads, self.group, self.head_dim).reshape(
+                b, s, self.num_heads, self.head_dim)
+            v = v.unsqueeze(3).expand(b, s, self.num_kv_heads, self.group, self.head_dim).reshape(
+                b, s, self.num_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, scale=self.scale)
+        return out.transpose(1, 2)  # [B, S, Hq, D]
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        b = q.shape[0]
+        block_tables, context_lens = meta.block_tables, meta.context_lens
+        nb = block_tables.shape[1]
+        block_size = k_cache.shape[1]
+        length = nb * block_size
+        keys = k_cache[block_tables].reshape(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = v_cache[block_tables].reshape(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        pos = torch.arange(length, device=q.device)
+        # Position 0 is always allowed so a padded row with context_len 0 yields finite output, not NaN.
+        mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)) | (pos.unsqueeze(0) == 0)  # [B, L]
+        # q [B, 1, Hq, D] -> [B, Hkv, group, D]: the group's query heads act as the query axis.
+        qg = q.reshape(b, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :],
+                                             scale=self.scale)
+        return out.reshape(b, 1, self.num_heads, self.head_dim).to(q.dtype)

@@ -1,0 +1,114 @@
+"""Rotary position embedding (Llama "rotate half" convention) with a precomputed cos/sin cache.
+
+Supported ``rope_scaling`` types: default, ``llama3``, ``linear``, ``dynamic``.
+
+``dynamic`` (NTK) choice: transformers recomputes the frequencies only when a
+sequence grows past ``max_position_embeddings`` and uses the unscaled
+frequencies below it. We precompute the cache once for positions
+``[0, max_position_embeddings)`` with ``seq_len = max_position_embeddings``,
+which is exactly the unscaled base, so results equal transformers for every
+sequence the runtime accepts (it never serves more than
+``max_position_embeddings`` tokens); dynamic scaling does not extend the
+context here.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
+
+
+def rope_params_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Return ``(rope_theta, scaling)`` from a config.json dict.
+
+    Handles both the transformers<5 layout (``rope_theta`` + ``rope_scaling``
+    with key ``type`` or ``rope_type``) and the transformers 5 layout
+    (``rope_parameters`` holding ``rope_theta`` and ``rope_type``). ``scaling``
+    is None for plain RoPE, else a dict with a normalized ``rope_type`` key.
+    """
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    theta = cfg.get("rope_theta")
+    merged: dict[str, Any] = {}
+    if isinstance(scaling, dict):
+        merged.update(scaling)
+    if isinstance(params, dict):
+        if "full_attention" in params and isinstance(params["full_attention"], dict):  # per-layer-type form
+            params = params["full_attention"]
+        merged.update(params)
+    if theta is None:
+        theta = merged.get("rope_theta", 10000.0)
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    merged = dict(merged)
+    merged["rope_type"] = rope_type
+    return float(theta), merged
+
+
+def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                     max_position_embeddings: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, as transformers computes them."""
+    dim = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    factor = float(scaling.get("factor", 1.0))
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "dynamic":
+        seq_len = max_position_embeddings  # see module docstring
+        base = theta * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    if rope_type == "llama3":
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = scaling.get("original_max_position_embeddings") or max_position_embeddings
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, inv_freq_llama)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds cos/sin for positions ``[0, max_position)``; ``forward(positions, q, k)`` rotates q and k.
+
+    q: ``[..., num_heads, head_dim]``, k: ``[..., num_kv_heads, head_dim]``, positions: ``[...]``.
+    Positions outside the cache are not checked (no host sync); the caller keeps them in range.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float = 10000.0,
+                 scaling: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_position = max_position
+        inv_freq = compute_inv_freq(head_dim, theta, scaling, max_position)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [P, D/2], fp32 like transformers
+        # attention_scaling is 1.0 for all supported types; cast like transformers does (cos.to(x.dtype)).
+        self.register_buffer("cos", freqs.cos().to(dtype).to(device), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype).to(device), persistent=False)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(-2)  # [..., 1, D/2]
+        sin = self.sin[positions].unsqueeze(-2)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -1,0 +1,102 @@
+"""Architecture registry and the safetensors loader."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..layers.linear import LazyWeight, TPContext
+from .llama import LlamaConfig, LlamaForCausalLM
+
+# config.json "architectures" entry -> model class (Mistral and Qwen2 are Llama config variations).
+SUPPORTED_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+CausalLM = LlamaForCausalLM  # the interface every supported model class implements
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture is not one we implement."""
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir}")
+    return json.loads(path.read_text())
+
+
+def resolve_architecture(cfg: dict[str, Any]) -> str:
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise UnsupportedModelError(
+        f"unsupported model architecture {', '.join(archs) or '(none in config.json)'} "
+        f"(model_type {cfg.get('model_type')!r}); supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def eos_token_ids(model_dir: str | Path, cfg: dict[str, Any]) -> list[int]:
+    """EOS ids from config.json and generation_config.json (union, in order)."""
+    ids: list[int] = []
+
+    def add(value) -> None:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    add(cfg.get("eos_token_id"))
+    return ids
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    # Mistral repos also ship "consolidated.safetensors" (mistral-inference names): not ours.
+    files = sorted(f for f in model_dir.glob("*.safetensors") if not f.name.startswith("consolidated"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:
+    """``(name, LazyWeight)`` for every tensor; a layer's loader reads only its rank's slice."""
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                yield name, LazyWeight(sl, sl.get_shape())
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1,
+               process_group=None) -> LlamaForCausalLM:
+    """Build the model for ``model_dir`` and load this rank's weight shard from its safetensors files."""
+    cfg_dict = read_config(model_dir)
+    arch = resolve_architecture(cfg_dict)
+    cfg = LlamaConfig.from_dict(cfg_dict, arch)
+    cfg.eos_token_ids = eos_token_ids(model_dir, cfg_dict)
+    tp = TPContext(rank=tp_rank, size=tp_size, group=process_group)
+    model = SUPPORTED_ARCHITECTURES[arch](cfg, tp, dtype, torch.device(device))
+    with torch.no_grad():
+        model.load_weights(iter_safetensors(safetensors_files(model_dir)))
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,203 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("dtype", "device_type", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "max_position_embeddings", "world_size", "architecture", "details_json")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    device_type: str
+    block_size: int
+    num_blocks: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_position_embeddings: int
+    world_size: int
+    architecture: str
+    details_json: str
+    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., architecture: _Optional[str] = ..., details_json: _Optional[str] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServiceDiscoveryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServiceDiscoveryResponse(_message.Message):
+    __slots__ = ("urls",)
+    URLS_FIELD_NUMBER: _ClassVar[int]
+    urls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, urls: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClearCacheRequest(_message.Message):
+    __slots__ = ("batch_id",)
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    def __init__(self, batch_id: _Optional[int] = ...) -> None: ...
+
+class ClearCacheResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WarmupRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WarmupProgress(_message.Message):
+    __slots__ = ("done", "total", "phase")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    done: int
+    total: int
+    phase: str
+    def __init__(self, done: _Optional[int] = ..., total: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
+
+class NextTokenChooserParameters(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty", "frequency_penalty", "watermark")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_P_FIELD_NUMBER: _ClassVar[int]
+    DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    typical_p: float
+    do_sample: bool
+    seed: int
+    repetition_penalty: float
+    frequency_penalty: float
+    watermark: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., watermark: _Optional[bool] = ...) -> None: ...
+
+class Request(_message.Message):
+    __slots__ = ("id", "input_ids", "parameters", "top_n_tokens", "blocks", "prefill_logprobs")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    parameters: NextTokenChooserParameters
+    top_n_tokens: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    prefill_logprobs: bool
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., prefill_logprobs: _Optional[bool] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("id", "requests")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    requests: _containers.RepeatedCompositeFieldContainer[Request]
+    def __init__(self, id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ...) -> None: ...
+
+class CachedBatch(_message.Message):
+    __slots__ = ("id", "request_ids")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillLogprobs(_message.Message):
+    __slots__ = ("request_id", "logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class Generations(_message.Message):
+    __slots__ = ("request_ids", "token_ids", "logprobs", "top_n", "top_ids", "top_logprobs", "prefill")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_n: int
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prefill: _containers.RepeatedCompositeFieldContainer[PrefillLogprobs]
+    def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_n: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prefill: _Optional[_Iterable[_Union[PrefillLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: Batch
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("generations", "batch", "forward_ns")
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    generations: Generations
+    batch: CachedBatch
+    forward_ns: int
+    def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("batches",)
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("generations", "batch", "forward_ns")
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
+    generations: Generations
+    batch: CachedBatch
+    forward_ns: int
+    def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ...) -> None: ...
+
+class FilterBatchRequest(_message.Message):
+    __slots__ = ("batch_id", "request_ids")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FilterBatchResponse(_message.Message):
+    __slots__ = ("batch",)
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    batch: CachedBatch
+    def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...

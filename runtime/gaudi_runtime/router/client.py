@@ -1,0 +1,80 @@
+"""The router's side of the shard protocol: every call goes to all shards at once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import grpc
+
+from gaudi_runtime.proto import generate_pb2 as pb
+from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
+
+
+class ShardError(Exception):
+    """A shard failed or could not be reached."""
+
+
+class ShardClient:
+    def __init__(self, uds_paths: list[str], call_timeout_s: float = 600.0):
+        self.uds_paths = uds_paths
+        self.call_timeout_s = call_timeout_s
+        self.channels: list[grpc.aio.Channel] = []
+        self.stubs: list[pb_grpc.TextGenerationServiceStub] = []
+
+    async def connect(self, timeout_s: float, alive=lambda: True) -> None:
+        """Wait for every shard's socket and a successful Health call."""
+        deadline = time.monotonic() + timeout_s
+        for path in self.uds_paths:
+            while not os.path.exists(path):
+                if time.monotonic() > deadline or not alive():
+                    raise ShardError(f"shard socket {path} did not appear within {timeout_s:.0f}s")
+                await asyncio.sleep(0.05)
+        opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+        self.channels = [grpc.aio.insecure_channel(f"unix://{p}", options=opts) for p in self.uds_paths]
+        self.stubs = [pb_grpc.TextGenerationServiceStub(c) for c in self.channels]
+        await self._all("Health", pb.HealthRequest(), timeout=max(1.0, deadline - time.monotonic()),
+                        wait_for_ready=True)
+
+    async def close(self) -> None:
+        for c in self.channels:
+            await c.close()
+
+    async def _all(self, method: str, request, timeout: float | None = None, wait_for_ready: bool = False):
+        calls = [getattr(s, method)(request, timeout=timeout or self.call_timeout_s, wait_for_ready=wait_for_ready)
+                 for s in self.stubs]
+        try:
+            results = await asyncio.gather(*calls)
+        except grpc.aio.AioRpcError as e:
+            raise ShardError(f"{method} failed: {e.code().name}: {e.details()}") from e
+        return results[0]
+
+    async def info(self) -> pb.InfoResponse:
+        return await self._all("Info", pb.InfoRequest())
+
+    async def health(self, timeout: float = 5.0) -> None:
+        await self._all("Health", pb.HealthRequest(), timeout=timeout)
+
+    async def warmup(self, on_progress) -> None:
+        """Run warmup on every shard; rank 0's progress is reported."""
+
+        async def one(rank: int, stub) -> None:
+            async for p in stub.Warmup(pb.WarmupRequest(), timeout=None):
+                if rank == 0:
+                    on_progress(p.done, p.total, p.phase)
+
+        try:
+            await asyncio.gather(*(one(r, s) for r, s in enumerate(self.stubs)))
+        except grpc.aio.AioRpcError as e:
+            raise ShardError(f"Warmup failed: {e.code().name}: {e.details()}") from e
+
+    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
+        return await self._all("Prefill", pb.PrefillRequest(batch=batch))
+
+    async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
+        return await self._all("Decode", pb.DecodeRequest(batches=batches))
+
+    async def clear(self, batch_id: int | None = None) -> None:
+        req = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(batch_id=batch_id)
+        await self._all("ClearCache", req)

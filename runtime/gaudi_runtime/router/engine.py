@@ -1,0 +1,371 @@
+"""The continuous-batching engine: queue, batching loop, per-request streams.
+
+One asyncio task runs TGI's loop: prefill a batch from the queue, then decode
+it step by step; between steps, waiting requests join through a prefill of
+their own when the scheduler's rules allow, and finished or abandoned ones
+leave (their KV blocks go back to the allocator at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from gaudi_runtime.config import Config
+from gaudi_runtime.proto import generate_pb2 as pb
+from gaudi_runtime.router.blocks import BlockAllocator
+from gaudi_runtime.router.client import ShardClient, ShardError
+from gaudi_runtime.router.detokenizer import IncrementalDetokenizer, StopSequenceMatcher
+from gaudi_runtime.router.scheduler import Waiting, blocks_needed, join_min_size, select_prefill
+from gaudi_runtime.router.types import (
+    FinishReason,
+    GenerationEnd,
+    GenerationError,
+    OverloadedError,
+    StreamEvent,
+    Token,
+    ValidRequest,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Entry:
+    id: int
+    req: ValidRequest
+    detok: IncrementalDetokenizer
+    stop: StopSequenceMatcher
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    enqueued: float = field(default_factory=time.monotonic)
+    started: float = 0.0
+    blocks: list[int] = field(default_factory=list)
+    generated: int = 0
+    prefill: list[Token] = field(default_factory=list)
+    finished: bool = False
+    cancelled: bool = False
+
+
+class BatchingEngine:
+    """Implements `router.types.Engine` over the shards."""
+
+    def __init__(self, cfg: Config, client: ShardClient, tokenizer, metrics=None):
+        self.cfg = cfg
+        self.client = client
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.state = "loading"  # loading | warming_up | ready | failed
+        self.failure = ""
+        self.warmup_progress = {"done": 0, "total": 0, "phase": "prefill"}
+        self.waiting: deque[Entry] = deque()
+        self.entries: dict[int, Entry] = {}
+        self.in_flight = 0
+        self._ids = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.allocator: BlockAllocator | None = None
+        self.shard_info: pb.InfoResponse | None = None
+        self.eos_ids: set[int] = set()
+        self.special_ids = tokenizer.special_ids
+
+    # ---- life cycle ----------------------------------------------------
+
+    async def start(self, connect_timeout_s: float = 3600.0, alive=lambda: True) -> None:
+        """Connect, read the shards' info, warm up, then serve. Failures mark the engine failed."""
+        try:
+            await self.client.connect(connect_timeout_s, alive)
+            info = await self.client.info()
+            self.shard_info = info
+            self.allocator = BlockAllocator(info.num_blocks)
+            self.eos_ids = set(info.eos_token_ids)
+            self.state = "warming_up"
+            await self.client.warmup(self._on_warmup)
+            self.shard_info = await self.client.info()
+            self.state = "ready"
+            log.info("ready: %d KV blocks of %d tokens", info.num_blocks, info.block_size)
+        except (ShardError, OSError) as e:
+            self.fail(str(e))
+            raise
+        self._task = asyncio.create_task(self._loop(), name="batching-loop")
+
+    def _on_warmup(self, done: int, total: int, phase: str) -> None:
+        self.warmup_progress = {"done": done, "total": total, "phase": phase}
+
+    def fail(self, why: str) -> None:
+        log.error("engine failed: %s", why)
+        self.state, self.failure = "failed", why
+        for e in list(self.entries.values()):
+            self._finish_with_error(e, GenerationError(why))
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        await self.client.close()
+
+    # ---- Engine protocol -----------------------------------------------
+
+    def health(self) -> tuple[bool, dict]:
+        if self.state == "ready":
+            return True, {"status": "ok"}
+        if self.state == "warming_up":
+            return False, {"status": "warming_up", "warmup": dict(self.warmup_progress)}
+        if self.state == "failed":
+            return False, {"status": "failed", "error": self.failure}
+        return False, {"status": "loading"}
+
+    def queue_size(self) -> int:
+        return len(self.waiting)
+
+    def info(self) -> dict:
+        info = {"state": self.state}
+        if self.shard_info is not None:
+            import json
+
+            s = self.shard_info
+            info.update({
+                "model_dtype": s.dtype, "model_device_type": s.device_type, "num_shard": s.world_size,
+                "block_size": s.block_size, "kv_blocks": s.num_blocks,
+                "max_batch_total_tokens": s.num_blocks * s.block_size,
+                "max_batch_size": self.cfg.max_batch_size,
+                "max_batch_prefill_tokens": self.cfg.max_batch_prefill_tokens,
+                "max_waiting_tokens": self.cfg.max_waiting_tokens,
+                "waiting_served_ratio": self.cfg.waiting_served_ratio,
+            })
+            details = json.loads(s.details_json or "{}")
+            info["warmup"] = details.get("warmup")
+        if self.allocator is not None:
+            info["kv_blocks_free"] = self.allocator.free_count
+        return info
+
+    async def generate(self, request: ValidRequest):
+        if self.state == "failed":
+            raise GenerationError(f"the shards failed: {self.failure}")
+        if self.in_flight >= self.cfg.max_concurrent_requests:
+            raise OverloadedError("Model is overloaded")
+        entry = Entry(
+            id=next(self._ids), req=request,
+            detok=IncrementalDetokenizer(self.tokenizer, prompt_ids=request.input_ids),
+            stop=StopSequenceMatcher(list(request.stopping.stop_sequences)),
+        )
+        self.in_flight += 1
+        self.entries[entry.id] = entry
+        self.waiting.append(entry)
+        self._set_queue_metric()
+        self._wake.set()
+        try:
+            while True:
+                ev = await entry.events.get()
+                if isinstance(ev, Exception):
+                    raise ev
+                yield ev
+                if ev.end is not None:
+                    return
+        finally:
+            self.in_flight -= 1
+            if not entry.finished:
+                # The client went away: the loop drops the request at its next step.
+                entry.cancelled = True
+                self._wake.set()
+
+    # ---- the batching loop ---------------------------------------------
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                batch = await self._prefill_next(running=0, min_size=None)
+                waiting_steps = 0
+                while batch:
+                    batches = [batch]
+                    if self.waiting:
+                        oldest = (time.monotonic() - self.waiting[0].enqueued) * 1000
+                        n = len(batch.request_ids)
+                        joined = await self._prefill_next(n, join_min_size(n, waiting_steps, oldest, self.cfg))
+                        if joined is not None:
+                            batches.append(joined)
+                            waiting_steps = 0
+                    batch = await self._decode(batches)
+                    waiting_steps += 1
+                self._set_batch_metric(0)
+        except asyncio.CancelledError:
+            raise
+        except ShardError as e:
+            self.fail(str(e))
+        except Exception as e:  # noqa: BLE001 - a bug here must not leave requests hanging
+            log.exception("batching loop crashed")
+            self.fail(f"internal error: {e}")
+
+    def _drop_cancelled_waiting(self) -> None:
+        if any(e.cancelled for e in self.waiting):
+            for e in [e for e in self.waiting if e.cancelled]:
+                self.waiting.remove(e)
+                self._release(e)
+
+    async def _prefill_next(self, running: int, min_size: int | None) -> pb.CachedBatch | None:
+        self._drop_cancelled_waiting()
+        if not self.waiting:
+            return None
+        now = time.monotonic()
+        view = [Waiting(len(e.req.input_ids), e.req.stopping.max_new_tokens, (now - e.enqueued) * 1000)
+                for e in self.waiting]
+        n = select_prefill(view, running, self.allocator.free_count, self.cfg, min_size)
+        if n == 0:
+            return None
+        chosen = [self.waiting.popleft() for _ in range(n)]
+        self._set_queue_metric()
+        requests = []
+        for e in chosen:
+            e.blocks = self.allocator.allocate(blocks_needed(len(e.req.input_ids), e.req.stopping.max_new_tokens,
+                                                             self.cfg))
+            e.started = now
+            s = e.req.sampling
+            requests.append(pb.Request(
+                id=e.id, input_ids=e.req.input_ids, top_n_tokens=e.req.top_n_tokens, blocks=e.blocks,
+                prefill_logprobs=e.req.decoder_input_details,
+                parameters=pb.NextTokenChooserParameters(
+                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
+                    do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,
+                    frequency_penalty=s.frequency_penalty, watermark=s.watermark),
+            ))
+        batch_id = next(self._batch_ids)
+        t0 = time.monotonic()
+        try:
+            resp = await self.client.prefill(pb.Batch(id=batch_id, requests=requests))
+        except ShardError as e:
+            for entry in chosen:
+                self._finish_with_error(entry, GenerationError(str(e)))
+            raise
+        self._observe_batch("prefill", time.monotonic() - t0, resp.forward_ns, len(chosen))
+        for p in resp.generations.prefill:
+            self._set_prefill_tokens(self.entries[p.request_id], p.logprobs)
+        return await self._after_step(batch_id, resp.generations)
+
+    async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
+        wanted = []
+        for b in batches:
+            keep = [rid for rid in b.request_ids if self._keep(rid)]
+            if keep:
+                wanted.append(pb.CachedBatch(id=b.id, request_ids=keep))
+            else:
+                await self.client.clear(b.id)
+        if not wanted:
+            return None
+        self._set_batch_metric(sum(len(b.request_ids) for b in wanted))
+        t0 = time.monotonic()
+        try:
+            resp = await self.client.decode(wanted)
+        except ShardError as e:
+            for b in wanted:
+                for rid in b.request_ids:
+                    self._finish_with_error(self.entries[rid], GenerationError(str(e)))
+            raise
+        self._observe_batch("decode", time.monotonic() - t0, resp.forward_ns, len(resp.batch.request_ids))
+        return await self._after_step(resp.batch.id, resp.generations)
+
+    def _keep(self, rid: int) -> bool:
+        e = self.entries.get(rid)
+        if e is None:
+            return False
+        if e.cancelled and not e.finished:
+            e.finished = True
+            self._release(e)
+            return False
+        return not e.finished
+
+    async def _after_step(self, batch_id: int, gens: pb.Generations) -> pb.CachedBatch | None:
+        """Stream each request's new token; returns the batch of those still running."""
+        running = []
+        top_n = gens.top_n
+        for i, rid in enumerate(gens.request_ids):
+            e = self.entries.get(rid)
+            if e is None or e.finished:
+                continue
+            if e.cancelled:
+                e.finished = True
+                self._release(e)
+                continue
+            self._on_token(e, gens.token_ids[i], gens.logprobs[i],
+                           gens.top_ids[i * top_n:(i + 1) * top_n] if top_n else (),
+                           gens.top_logprobs[i * top_n:(i + 1) * top_n] if top_n else ())
+            if not e.finished:
+                running.append(rid)
+        if not running:
+            await self.client.clear(batch_id)
+            return None
+        return pb.CachedBatch(id=batch_id, request_ids=running)
+
+    def _on_token(self, e: Entry, token_id: int, logprob: float, top_ids, top_lps) -> None:
+        e.generated += 1
+        stopping = e.req.stopping
+        special = token_id in self.special_ids
+        if special:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        else:
+            text = e.detok.add(token_id)
+        finish = None
+        if token_id in self.eos_ids and not stopping.ignore_eos_token:
+            finish = FinishReason.EOS_TOKEN
+        elif e.generated >= stopping.max_new_tokens:
+            finish = FinishReason.LENGTH
+        elif stopping.stop_sequences and e.stop.check(e.detok.text):
+            finish = FinishReason.STOP_SEQUENCE
+        top = [Token(t, self.tokenizer.decode([t], skip_special_tokens=False), lp, t in self.special_ids)
+               for t, lp in zip(top_ids, top_lps)]
+        end = None
+        if finish is not None:
+            if not special:
+                text += e.detok.flush()
+            now = time.monotonic()
+            end = GenerationEnd(
+                finish_reason=finish, generated_text=e.detok.text, generated_tokens=e.generated,
+                seed=e.req.sampling.seed if e.req.sampling.do_sample else None, prefill=e.prefill,
+                queue_time=e.started - e.enqueued, inference_time=now - e.started,
+            )
+            e.finished = True
+            self._release(e)
+        e.events.put_nowait(StreamEvent(Token(token_id, text, logprob, special), top, end))
+
+    def _set_prefill_tokens(self, e: Entry, logprobs) -> None:
+        ids = e.req.input_ids
+        e.prefill = [Token(t, self.tokenizer.decode([t], skip_special_tokens=False), lp, t in self.special_ids)
+                     for t, lp in zip(ids, logprobs)]
+
+    def _finish_with_error(self, e: Entry, err: Exception) -> None:
+        if e.finished:
+            return
+        e.finished = True
+        self._release(e)
+        e.events.put_nowait(err)
+
+    def _release(self, e: Entry) -> None:
+        if e.blocks:
+            self.allocator.free(e.blocks)
+            e.blocks = []
+        self.entries.pop(e.id, None)
+
+    # ---- metrics -------------------------------------------------------
+
+    def _set_queue_metric(self) -> None:
+        if self.metrics is not None:
+            self.metrics.tgi_queue_size.set(len(self.waiting))
+
+    def _set_batch_metric(self, n: int) -> None:
+        if self.metrics is not None:
+            self.metrics.tgi_batch_current_size.set(n)
+
+    def _observe_batch(self, method: str, seconds: float, forward_ns: int, size: int) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.tgi_batch_inference_count.labels(method=method).inc()
+        m.tgi_batch_inference_success.labels(method=method).inc()
+        m.tgi_batch_inference_duration.labels(method=method).observe(seconds)
+        m.tgi_batch_forward_duration.labels(method=method).observe(forward_ns / 1e9)
+        if method == "prefill":
+            m.tgi_batch_next_size.observe(size)

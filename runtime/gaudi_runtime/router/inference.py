@@ -1,0 +1,180 @@
+"""Calling the engine from a handler: health gate, per-request metrics, closing.
+
+Every engine iterator is closed (`aclose`) when the handler stops early, whether
+the client went away (the write fails, or aiohttp cancels the handler) or an
+error ended the request: that is how the engine frees the request's slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from gaudi_runtime.router.errors import UnhealthyError, error_type
+from gaudi_runtime.router.metrics import Metrics
+from gaudi_runtime.router.state import AppState
+from gaudi_runtime.router.types import GenerationEnd, GenerationError, StreamEvent, Token, ValidRequest
+
+
+class RequestRecorder:
+    """Per-request metrics for one HTTP request (which may run several sequences)."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+        self.start = time.monotonic()
+        self.validated_at: float | None = None
+        self._last_token: float | None = None
+        self._done = False
+        self._ends: list[GenerationEnd] = []
+        metrics.tgi_request_count.inc()
+
+    def validated(self, requests: list[ValidRequest]) -> None:
+        self.validated_at = time.monotonic()
+        self.m.tgi_request_validation_duration.observe(self.validated_at - self.start)
+        for r in requests[:1]:
+            self.m.tgi_request_input_length.observe(len(r.input_ids))
+            self.m.tgi_request_max_new_tokens.observe(r.stopping.max_new_tokens)
+
+    def ended(self, end: GenerationEnd) -> None:
+        """A sequence of this request finished (recorded at success)."""
+        self._ends.append(end)
+
+    def success_pending(self) -> None:
+        """Success with the ends seen by `ended`."""
+        self.success(self._ends)
+
+    def token(self) -> None:
+        now = time.monotonic()
+        if self._last_token is None:
+            self.m.tgi_request_time_to_first_token_duration.observe(now - self.start)
+        else:
+            self.m.tgi_request_inter_token_latency_duration.observe(now - self._last_token)
+        self._last_token = now
+
+    def success(self, ends: list[GenerationEnd]) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.m.tgi_request_success.inc()
+        self.m.tgi_request_duration.observe(time.monotonic() - self.start)
+        for end in ends:
+            self.m.tgi_request_queue_duration.observe(end.queue_time)
+            self.m.tgi_request_inference_duration.observe(end.inference_time)
+            self.m.tgi_request_generated_tokens.observe(end.generated_tokens)
+            if end.generated_tokens:
+                self.m.tgi_request_mean_time_per_token_duration.observe(end.inference_time / end.generated_tokens)
+
+    def failure(self, exc: BaseException | str) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.m.tgi_request_failure.labels(err=exc if isinstance(exc, str) else error_type(exc)).inc()
+
+    def cancelled(self) -> None:
+        self.failure("cancelled")
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+
+def check_health(state: AppState) -> None:
+    ok, body = state.engine.health()
+    if not ok:
+        status = body.get("status", "unhealthy") if isinstance(body, dict) else "unhealthy"
+        raise UnhealthyError(f"the server cannot serve requests yet ({status})")
+
+
+async def events(state: AppState, request: ValidRequest, rec: RequestRecorder) -> AsyncIterator[StreamEvent]:
+    """The engine's events for one request; the engine's iterator is always closed."""
+    agen = state.engine.generate(request)
+    async with aclosing(agen):
+        async for ev in agen:
+            rec.token()
+            if ev.end is not None:
+                rec.ended(ev.end)
+            yield ev
+            if ev.end is not None:
+                return
+    raise GenerationError("the engine ended the request without a final token")
+
+
+@dataclass
+class Generation:
+    """Every event of one finished sequence."""
+
+    request: ValidRequest
+    tokens: list[Token] = field(default_factory=list)
+    top_tokens: list[list[Token]] = field(default_factory=list)
+    end: GenerationEnd | None = None
+
+    @property
+    def logprob_sum(self) -> float:
+        s = sum(t.logprob for t in self.tokens if t.logprob is not None and not math.isnan(t.logprob))
+        return s
+
+
+async def collect(state: AppState, request: ValidRequest, rec: RequestRecorder) -> Generation:
+    gen = Generation(request)
+    async with aclosing(events(state, request, rec)) as it:
+        async for ev in it:
+            gen.tokens.append(ev.token)
+            gen.top_tokens.append(list(ev.top_tokens))
+            if ev.end is not None:
+                gen.end = ev.end
+    return gen
+
+
+async def collect_all(state: AppState, requests: list[ValidRequest], rec: RequestRecorder) -> list[Generation]:
+    """Run requests concurrently; the first failure cancels (and closes) the others."""
+    if len(requests) == 1:
+        return [await collect(state, requests[0], rec)]
+    tasks = [asyncio.ensure_future(collect(state, r, rec)) for r in requests]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def merge(state: AppState, requests: list[ValidRequest], rec: RequestRecorder
+                ) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """Events of several requests as they come, tagged with the request's index."""
+    if len(requests) == 1:
+        async with aclosing(events(state, requests[0], rec)) as it:
+            async for ev in it:
+                yield 0, ev
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, r: ValidRequest) -> None:
+        try:
+            async with aclosing(events(state, r, rec)) as it:
+                async for ev in it:
+                    await queue.put((i, ev, None))
+        except Exception as e:  # handed to the consumer
+            await queue.put((i, None, e))
+            return
+        await queue.put((i, done, None))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, ev, err = await queue.get()
+            if err is not None:
+                raise err
+            if ev is done:
+                remaining -= 1
+                continue
+            yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

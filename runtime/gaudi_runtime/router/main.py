@@ -1,0 +1,53 @@
+"""Process entry of the router: HTTP first (so /health answers during warmup), then the shards."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from gaudi_runtime.config import Config
+from gaudi_runtime.router.client import ShardClient
+from gaudi_runtime.router.engine import BatchingEngine
+from gaudi_runtime.router.metrics import Metrics
+from gaudi_runtime.router.server import build_app
+from gaudi_runtime.router.tokenizer import RouterTokenizer
+from gaudi_runtime.shard.server import uds_path
+
+log = logging.getLogger(__name__)
+
+
+async def serve(cfg: Config, model_dir: str) -> int:
+    tokenizer = RouterTokenizer.load(model_dir, cfg)
+    client = ShardClient([uds_path(cfg, r) for r in range(cfg.num_shard)])
+    metrics = Metrics()
+    engine = BatchingEngine(cfg, client, tokenizer, metrics)
+    app = build_app(cfg, engine, tokenizer, metrics=metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, cfg.hostname, cfg.port).start()
+    log.info("router listening on http://%s:%d", cfg.hostname, cfg.port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    code = 0
+    try:
+        starting = asyncio.create_task(engine.start())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if starting.done() and starting.exception() is not None:
+            log.error("could not start: %s", starting.exception())
+            return 1
+        await stop.wait()
+    finally:
+        await engine.stop()
+        await runner.cleanup()
+    return code
+
+
+def main(cfg: Config, model_dir: str) -> int:
+    return asyncio.run(serve(cfg, model_dir))

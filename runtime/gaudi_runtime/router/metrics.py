@@ -1,0 +1,132 @@
+"""Prometheus metrics with TGI's names, in a registry owned by one app.
+
+Counters are exposed under their TGI names (`tgi_request_count`, not
+`tgi_request_count_total`) so that dashboards built for TGI work unchanged.
+The HTTP layer records the per-request metrics; the engine sets the queue and
+batch ones (`tgi_queue_size`, `tgi_batch_current_size`, ...).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_DURATION = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Counter:
+    """A monotonically increasing counter, optionally labelled, exposed without `_total`."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = (),
+                 registry: CollectorRegistry | None = None):
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self._lock = threading.Lock()
+        self._values: dict[tuple[str, ...], float] = {} if labelnames else {(): 0.0}
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: str, **kw: str) -> _Child:
+        if kw:
+            values = tuple(str(kw[n]) for n in self.labelnames)
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: expected labels {self.labelnames}")
+        return _Child(self, tuple(str(v) for v in values))
+
+    def inc(self, amount: float = 1.0) -> None:
+        if self.labelnames:
+            raise ValueError(f"{self.name} has labels {self.labelnames}; use .labels(...)")
+        self._inc((), amount)
+
+    def _inc(self, key: tuple[str, ...], amount: float) -> None:
+        if amount < 0:
+            raise ValueError("counters only go up")
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+    def value(self, *labels: str, **kw: str) -> float:
+        key = tuple(str(kw[n]) for n in self.labelnames) if kw else tuple(labels)
+        with self._lock:
+            return self._values.get(key, 0.0)
+
+    def describe(self) -> list[Metric]:
+        return [Metric(self.name, self.documentation, "counter")]
+
+    def collect(self) -> list[Metric]:
+        m = Metric(self.name, self.documentation, "counter")
+        with self._lock:
+            items = list(self._values.items())
+        for key, v in items:
+            m.add_sample(self.name, dict(zip(self.labelnames, key, strict=True)), v)
+        return [m]
+
+
+class _Child:
+    def __init__(self, parent: Counter, key: tuple[str, ...]):
+        self._parent, self._key = parent, key
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._parent._inc(self._key, amount)
+
+
+class Metrics:
+    """Every metric the router exposes, as attributes named like the metric."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        # Requests (recorded by the HTTP layer).
+        self.tgi_request_count = Counter("tgi_request_count", "Requests received", registry=r)
+        self.tgi_request_success = Counter("tgi_request_success", "Requests that succeeded", registry=r)
+        self.tgi_request_failure = Counter("tgi_request_failure", "Requests that failed, by error type",
+                                           ("err",), registry=r)
+        self.tgi_request_duration = Histogram("tgi_request_duration", "End-to-end request time (s)",
+                                              buckets=_DURATION, registry=r)
+        self.tgi_request_validation_duration = Histogram(
+            "tgi_request_validation_duration", "Validation and tokenization time (s)", buckets=_FAST, registry=r)
+        self.tgi_request_queue_duration = Histogram("tgi_request_queue_duration", "Time in the queue (s)",
+                                                    buckets=_DURATION, registry=r)
+        self.tgi_request_inference_duration = Histogram(
+            "tgi_request_inference_duration", "Time from first prefill to the end (s)", buckets=_DURATION,
+            registry=r)
+        self.tgi_request_mean_time_per_token_duration = Histogram(
+            "tgi_request_mean_time_per_token_duration", "Inference time / generated tokens (s)",
+            buckets=_FAST, registry=r)
+        self.tgi_request_input_length = Histogram("tgi_request_input_length", "Prompt tokens",
+                                                  buckets=_TOKENS, registry=r)
+        self.tgi_request_generated_tokens = Histogram("tgi_request_generated_tokens", "Generated tokens",
+                                                      buckets=_TOKENS, registry=r)
+        self.tgi_request_max_new_tokens = Histogram("tgi_request_max_new_tokens", "Requested max_new_tokens",
+                                                    buckets=_TOKENS, registry=r)
+        self.tgi_request_time_to_first_token_duration = Histogram(
+            "tgi_request_time_to_first_token_duration", "Time from arrival to the first token (s)",
+            buckets=_DURATION, registry=r)
+        self.tgi_request_inter_token_latency_duration = Histogram(
+            "tgi_request_inter_token_latency_duration", "Time between consecutive tokens of a request (s)",
+            buckets=_FAST, registry=r)
+        # Queue and batches (set by the engine).
+        self.tgi_queue_size = Gauge("tgi_queue_size", "Requests waiting in the queue", registry=r)
+        self.tgi_batch_current_size = Gauge("tgi_batch_current_size", "Requests in the running batch",
+                                            registry=r)
+        self.tgi_batch_current_max_tokens = Gauge(
+            "tgi_batch_current_max_tokens", "Most tokens the running batch may hold", registry=r)
+        self.tgi_batch_next_size = Histogram("tgi_batch_next_size", "Size of each new (prefill) batch",
+                                             buckets=_BATCH, registry=r)
+        self.tgi_batch_inference_count = Counter("tgi_batch_inference_count", "Batch calls, by method",
+                                                 ("method",), registry=r)
+        self.tgi_batch_inference_success = Counter("tgi_batch_inference_success",
+                                                   "Successful batch calls, by method", ("method",), registry=r)
+        self.tgi_batch_inference_duration = Histogram(
+            "tgi_batch_inference_duration", "Batch call time (s), by method (prefill, decode)",
+            ("method",), buckets=_FAST + (5.0, 10.0, 30.0), registry=r)
+        self.tgi_batch_forward_duration = Histogram(
+            "tgi_batch_forward_duration", "Forward pass time (s), by method", ("method",),
+            buckets=_FAST + (5.0, 10.0, 30.0), registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

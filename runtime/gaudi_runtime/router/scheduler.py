@@ -1,0 +1,58 @@
+"""Which waiting requests join the next prefill: TGI's batching rules as pure functions."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gaudi_runtime import buckets
+from gaudi_runtime.config import Config
+
+
+@dataclass(frozen=True)
+class Waiting:
+    input_len: int
+    max_new_tokens: int
+    waited_ms: float
+
+
+def blocks_needed(input_len: int, max_new_tokens: int, cfg: Config) -> int:
+    """Blocks reserved for a request: its prompt and every token it may generate."""
+    return buckets.ceil_div(input_len + max_new_tokens, cfg.block_size)
+
+
+def join_min_size(running: int, waiting_steps: int, oldest_wait_ms: float, cfg: Config) -> int | None:
+    """Smallest prefill worth pausing `running` decodes for (None: any size).
+
+    After --max-waiting-tokens decode steps, or once the oldest request has
+    waited QUEUE_THRESHOLD_MS, waiting requests go in regardless of size.
+    """
+    if waiting_steps >= cfg.max_waiting_tokens or oldest_wait_ms >= cfg.queue_threshold_ms:
+        return None
+    return math.floor(running * cfg.waiting_served_ratio)
+
+
+def select_prefill(waiting: list[Waiting], running: int, free_blocks: int, cfg: Config,
+                   min_size: int | None = None) -> int:
+    """How many requests from the head of the queue (FIFO) the next prefill takes.
+
+    Limits: --max-batch-size over running + new, the padded prefill shape within
+    --max-batch-prefill-tokens, and the free KV blocks. Stops at the first
+    request that does not fit, so that no request is overtaken forever.
+    """
+    room = cfg.max_batch_size - running
+    taken, longest, blocks = 0, 0, 0
+    for w in waiting:
+        if taken >= room:
+            break
+        longest_next = max(longest, w.input_len)
+        seq = buckets.prefill_seq_bucket(longest_next, cfg)
+        if taken + 1 > buckets.max_prefill_batch(seq, cfg):
+            break
+        need = blocks_needed(w.input_len, w.max_new_tokens, cfg)
+        if blocks + need > free_blocks:
+            break
+        taken, longest, blocks = taken + 1, longest_next, blocks + need
+    if min_size is not None and taken < min_size:
+        return 0
+    return taken

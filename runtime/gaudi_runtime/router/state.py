@@ -1,0 +1,29 @@
+"""What every handler needs, stored on the aiohttp app."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from gaudi_runtime.config import Config
+from gaudi_runtime.router.metrics import Metrics
+from gaudi_runtime.router.tokenizer import RouterTokenizer
+from gaudi_runtime.router.types import Engine
+
+
+@dataclass
+class AppState:
+    config: Config
+    engine: Engine
+    tokenizer: RouterTokenizer
+    metrics: Metrics
+    started: float = field(default_factory=time.time)
+
+
+STATE = web.AppKey("gaudi_serve_state", AppState)
+
+
+def get_state(request: web.Request) -> AppState:
+    return request.app[STATE]

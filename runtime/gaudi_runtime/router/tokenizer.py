@@ -1,0 +1,108 @@
+"""The router's tokenizer: a fast Hugging Face tokenizer loaded from the model directory.
+
+With SKIP_TOKENIZER_IN_TGI the router does not tokenize: `inputs` are comma-separated
+token ids and decoded text is the comma-separated ids (TGI-Gaudi's benchmarking mode).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gaudi_runtime.config import Config
+
+
+class TokenizerError(ValueError):
+    """The text (or id list) cannot be tokenized."""
+
+
+def _ids_from_config(path: Path, key: str) -> list[int]:
+    """eos/bos ids from generation_config.json, then config.json (int or list)."""
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if not f.is_file():
+            continue
+        try:
+            v = json.loads(f.read_text()).get(key)
+        except (OSError, ValueError):
+            continue
+        if isinstance(v, int):
+            return [v]
+        if isinstance(v, list) and all(isinstance(i, int) for i in v):
+            return list(v)
+    return []
+
+
+class RouterTokenizer:
+    def __init__(self, hf_tokenizer: Any | None, *, skip_tokenizer: bool = False,
+                 eos_token_ids: list[int] | None = None, bos_token_id: int | None = None):
+        if hf_tokenizer is None and not skip_tokenizer:
+            raise ValueError("a tokenizer is required unless SKIP_TOKENIZER_IN_TGI is set")
+        self.hf = hf_tokenizer
+        self.skip_tokenizer = skip_tokenizer
+        eos = list(eos_token_ids or [])
+        if hf_tokenizer is not None and hf_tokenizer.eos_token_id is not None and hf_tokenizer.eos_token_id not in eos:
+            eos.insert(0, hf_tokenizer.eos_token_id)
+        self.eos_token_ids: list[int] = eos
+        if bos_token_id is None and hf_tokenizer is not None:
+            bos_token_id = hf_tokenizer.bos_token_id
+        self.bos_token_id = bos_token_id
+        self.special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids if hf_tokenizer else ())
+
+    @classmethod
+    def load(cls, path: str, config: Config) -> RouterTokenizer:
+        from transformers import AutoTokenizer
+
+        p = Path(path)
+        hf = None
+        try:
+            hf = AutoTokenizer.from_pretrained(path, use_fast=True, revision=config.revision)
+        except Exception:
+            if not config.skip_tokenizer_in_tgi:
+                raise
+        if hf is not None and not hf.is_fast:
+            raise ValueError(f"{path}: the router needs a fast tokenizer (tokenizer.json)")
+        bos = _ids_from_config(p, "bos_token_id")
+        return cls(hf, skip_tokenizer=config.skip_tokenizer_in_tgi,
+                   eos_token_ids=_ids_from_config(p, "eos_token_id"), bos_token_id=bos[0] if bos else None)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.skip_tokenizer:
+            try:
+                return [int(t) for t in text.split(",") if t.strip()]
+            except ValueError:
+                raise TokenizerError(
+                    "SKIP_TOKENIZER_IN_TGI is set: `inputs` must be comma-separated token ids"
+                ) from None
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, int, int]]:
+        """[(id, start, stop)] with character offsets into `text` (for /tokenize)."""
+        if self.skip_tokenizer:
+            return [(i, 0, 0) for i in self.encode(text)]
+        enc = self.hf(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        return [(i, s, e) for i, (s, e) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if self.skip_tokenizer:
+            return ",".join(str(i) for i in ids)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        if self.hf is None or not getattr(self.hf, "chat_template", None):
+            raise TokenizerError("this model's tokenizer has no chat template")
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            return self.hf.apply_chat_template(messages, **kwargs)
+        except Exception as e:  # jinja errors raised by the template itself
+            raise TokenizerError(f"chat template error: {e}") from e

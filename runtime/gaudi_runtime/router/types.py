@@ -1,0 +1,101 @@
+"""Plain data passed between the HTTP layer and the batching engine in the router.
+
+The HTTP layer turns a request body into a `ValidRequest`; the engine streams
+`StreamEvent`s back. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from gaudi_runtime.params import SamplingParameters
+
+
+class FinishReason(str, Enum):
+    LENGTH = "length"
+    EOS_TOKEN = "eos_token"
+    STOP_SEQUENCE = "stop_sequence"
+
+
+@dataclass(frozen=True)
+class StoppingParameters:
+    max_new_tokens: int
+    stop_sequences: tuple[str, ...] = ()
+    ignore_eos_token: bool = False
+
+
+@dataclass
+class ValidRequest:
+    """A request that passed validation: tokenized, truncated, within every limit."""
+
+    input_ids: list[int]
+    inputs: str  # the prompt text (after truncation this is still the user's text)
+    sampling: SamplingParameters
+    stopping: StoppingParameters
+    top_n_tokens: int = 0
+    decoder_input_details: bool = False  # the shard returns prompt logprobs
+    details: bool = False
+    return_full_text: bool = False
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass
+class StreamEvent:
+    """One generated token; the last event of a request also carries `end`."""
+
+    token: Token
+    top_tokens: list[Token] = field(default_factory=list)
+    end: GenerationEnd | None = None
+
+
+@dataclass
+class GenerationEnd:
+    finish_reason: FinishReason
+    generated_text: str  # all generated text (stop sequence included, as TGI)
+    generated_tokens: int
+    seed: int | None  # the seed used when sampling, else None
+    prefill: list[Token] = field(default_factory=list)  # with decoder_input_details
+    queue_time: float = 0.0  # seconds spent waiting in the queue
+    inference_time: float = 0.0  # seconds from first prefill to the end
+
+
+class GenerationError(Exception):
+    """The shards failed while generating (HTTP 424, error_type "generation")."""
+
+
+class OverloadedError(Exception):
+    """More requests in flight than --max-concurrent-requests (HTTP 429, "overloaded")."""
+
+
+
+class Engine(Protocol):
+    """What the HTTP layer calls. The batching engine implements it; tests may fake it."""
+
+    def generate(self, request: ValidRequest) -> AsyncIterator[StreamEvent]:
+        """Yield one StreamEvent per generated token, the last one with `end` set.
+
+        Raises OverloadedError before yielding when the server is full, and
+        GenerationError if the shards fail. Closing the iterator early (client
+        gone) cancels the request and frees its batch slot and KV blocks.
+        """
+        ...
+
+    def health(self) -> tuple[bool, dict]:
+        """(can serve now, JSON body for /health)."""
+        ...
+
+    def info(self) -> dict:
+        """Engine fields for /info (KV blocks, buckets, ...)."""
+        ...
+
+    def queue_size(self) -> int: ...

@@ -1,0 +1,63 @@
+"""A batch as a shard keeps it between calls: block tables, lengths, sampler state.
+
+Host-side mirrors are numpy arrays so that per-step bookkeeping is vectorized,
+never a Python loop over the requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gaudi_runtime.shard.sampling import BatchSampler
+
+
+@dataclass
+class ShardBatch:
+    id: int
+    request_ids: list[int]
+    block_tables: torch.Tensor  # [B, W] every reserved block of each request, 0-padded
+    seq_lens: torch.Tensor  # [B] tokens in the KV cache (device)
+    seq_lens_host: np.ndarray  # [B] the same, on the host, to pick buckets without a sync
+    last_ids: torch.Tensor  # [B] the token the next decode step feeds
+    sampler: BatchSampler
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def filter(self, request_ids: list[int]) -> ShardBatch:
+        if request_ids == self.request_ids:
+            return self
+        pos = {rid: i for i, rid in enumerate(self.request_ids)}
+        try:
+            keep = [pos[r] for r in request_ids]
+        except KeyError as e:
+            raise ValueError(f"batch {self.id} has no request {e.args[0]}") from None
+        idx = torch.tensor(keep, dtype=torch.long, device=self.seq_lens.device)
+        return ShardBatch(
+            id=self.id,
+            request_ids=list(request_ids),
+            block_tables=self.block_tables[idx],
+            seq_lens=self.seq_lens[idx],
+            seq_lens_host=self.seq_lens_host[keep],
+            last_ids=self.last_ids[idx],
+            sampler=self.sampler.filter(keep),
+        )
+
+    @staticmethod
+    def concat(batches: list[ShardBatch]) -> ShardBatch:
+        if len(batches) == 1:
+            return batches[0]
+        width = max(b.block_tables.shape[1] for b in batches)
+        tables = [torch.nn.functional.pad(b.block_tables, (0, width - b.block_tables.shape[1])) for b in batches]
+        return ShardBatch(
+            id=batches[0].id,
+            request_ids=[r for b in batches for r in b.request_ids],
+            block_tables=torch.cat(tables),
+            seq_lens=torch.cat([b.seq_lens for b in batches]),
+            seq_lens_host=np.concatenate([b.seq_lens_host for b in batches]),
+            last_ids=torch.cat([b.last_ids for b in batches]),
+            sampler=BatchSampler.concat([b.sampler for b in batches]),
+        )

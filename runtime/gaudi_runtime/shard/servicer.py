@@ -1,0 +1,109 @@
+"""gRPC servicer of one shard: turns protocol messages into ModelRunner calls."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import grpc
+
+from gaudi_runtime.params import SamplingParameters
+from gaudi_runtime.proto import generate_pb2 as pb
+from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
+from gaudi_runtime.shard.runner import ModelRunner, PrefillInput, StepResult
+
+log = logging.getLogger(__name__)
+
+
+def to_params(p: pb.NextTokenChooserParameters) -> SamplingParameters:
+    return SamplingParameters(
+        do_sample=p.do_sample, temperature=p.temperature or 1.0, top_k=p.top_k, top_p=p.top_p or 1.0,
+        typical_p=p.typical_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty, seed=p.seed, watermark=p.watermark,
+    )
+
+
+def to_generations(step: StepResult, rank: int) -> pb.Generations:
+    """Rank 0 answers with the tokens; the other ranks send an empty message."""
+    if rank != 0:
+        return pb.Generations()
+    n = len(step.request_ids)
+    s = step.sample
+    g = pb.Generations(
+        request_ids=step.request_ids,
+        token_ids=s.next_ids[:n].tolist(),
+        logprobs=s.logprobs[:n].tolist(),
+    )
+    if s.top_ids is not None:
+        g.top_n = s.top_ids.shape[1]
+        g.top_ids.extend(s.top_ids[:n].flatten().tolist())
+        g.top_logprobs.extend(s.top_logprobs[:n].flatten().tolist())
+    for rid, lps in step.prefill_logprobs.items():
+        g.prefill.append(pb.PrefillLogprobs(request_id=rid, logprobs=lps))
+    return g
+
+
+class ShardServicer(pb_grpc.TextGenerationServiceServicer):
+    def __init__(self, runner: ModelRunner, rank: int, world_size: int, uds_urls: list[str]):
+        self.runner = runner
+        self.rank = rank
+        self.world_size = world_size
+        self.uds_urls = uds_urls
+
+    async def Info(self, request, context):
+        r = self.runner
+        m = r.model
+        return pb.InfoResponse(
+            dtype=r.cfg.dtype, device_type=r.device.type, block_size=r.cfg.block_size,
+            num_blocks=r.num_blocks - 1, vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids,
+            max_position_embeddings=m.max_position_embeddings, world_size=self.world_size,
+            architecture=type(m).__name__, details_json=json.dumps(r.info()),
+        )
+
+    async def Health(self, request, context):
+        return pb.HealthResponse()
+
+    async def ServiceDiscovery(self, request, context):
+        return pb.ServiceDiscoveryResponse(urls=self.uds_urls)
+
+    async def ClearCache(self, request, context):
+        self.runner.clear(request.batch_id if request.HasField("batch_id") else None)
+        return pb.ClearCacheResponse()
+
+    async def Warmup(self, request, context):
+        for done, total, phase in self.runner.warmup():
+            yield pb.WarmupProgress(done=done, total=total, phase=phase)
+
+    async def Prefill(self, request, context):
+        reqs = [
+            PrefillInput(id=r.id, input_ids=list(r.input_ids), params=to_params(r.parameters),
+                         top_n_tokens=r.top_n_tokens, blocks=list(r.blocks), prefill_logprobs=r.prefill_logprobs)
+            for r in request.batch.requests
+        ]
+        try:
+            step = self.runner.prefill(request.batch.id, reqs)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.PrefillResponse(
+            generations=to_generations(step, self.rank),
+            batch=pb.CachedBatch(id=request.batch.id, request_ids=step.request_ids),
+            forward_ns=step.forward_ns,
+        )
+
+    async def Decode(self, request, context):
+        try:
+            batch_id, step = self.runner.decode([(b.id, list(b.request_ids)) for b in request.batches])
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.DecodeResponse(
+            generations=to_generations(step, self.rank),
+            batch=pb.CachedBatch(id=batch_id, request_ids=step.request_ids),
+            forward_ns=step.forward_ns,
+        )
+
+    async def FilterBatch(self, request, context):
+        try:
+            self.runner.filter(request.batch_id, list(request.request_ids))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.FilterBatchResponse(batch=pb.CachedBatch(id=request.batch_id, request_ids=request.request_ids))

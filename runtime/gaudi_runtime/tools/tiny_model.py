@@ -1,0 +1,111 @@
+"""Write a tiny random-weight model and a trained tokenizer, for demos and tests.
+
+No hub access: the tokenizer is trained on text generated here, the weights
+are random (seeded). `gaudi-serve tiny-model OUT --family llama`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+_WORDS = (
+    "the a deep learning model is what how why when gaudi card shard router token batch cache "
+    "serve request stream answer question data train weight layer attention head vector "
+    "kubernetes pod operator cluster node graph warmup bucket prefill decode hello world "
+    "café naïve über 東京 数据 模型 😀 🚀 ñandú"
+).split()
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4),
+}
+
+
+def _corpus(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 30))) for _ in range(n)]
+
+
+def train_tokenizer(vocab_size: int = 512, seed: int = 0):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(2000, seed), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_config(family: str, vocab_size: int, size: str = "tiny", **overrides):
+    import transformers
+
+    shape = dict(SHAPES[size])
+    common = dict(vocab_size=vocab_size, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
+                  initializer_range=0.1)
+    if family in ("llama", "codellama"):
+        cfg = transformers.LlamaConfig(**common, **shape, tie_word_embeddings=False)
+    elif family == "llama31":
+        cfg = transformers.LlamaConfig(
+            **common, **shape, tie_word_embeddings=True, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+        )
+    elif family == "mistral":
+        cfg = transformers.MistralConfig(**common, **shape, sliding_window=None, tie_word_embeddings=False)
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(**common, **shape, tie_word_embeddings=True, use_sliding_window=False)
+    else:
+        raise ValueError(f"unknown family {family!r}; choose llama, llama31, codellama, mistral or qwen2")
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def make_tiny_model(out: str | Path, family: str = "llama", size: str = "tiny", dtype: str = "float32",
+                    seed: int = 0, vocab_size: int = 512) -> Path:
+    """Write config, safetensors weights and tokenizer to `out`; return it."""
+    import torch
+    import transformers
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab_size, seed)
+    tok.save_pretrained(out)
+    cfg = make_config(family, len(tok), size)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="gaudi-serve tiny-model", description=__doc__)
+    p.add_argument("out")
+    p.add_argument("--family", default="llama")
+    p.add_argument("--size", default="tiny", choices=sorted(SHAPES))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    print(make_tiny_model(a.out, a.family, a.size, a.dtype, a.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Fixtures for runtime tests: the tiny model, and HTTP servers over a fake engine.
+
+`server_url` is what the client tests use. It serves the fake engine by default;
+to run the same tests against another server, override the fixture (or
+parametrize it), e.g. in a conftest closer to the tests or with indirect params.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from gaudi_runtime.config import resolve
+from gaudi_runtime.router.server import build_app, get_metrics
+from gaudi_runtime.router.tokenizer import RouterTokenizer
+from tests.runtime.fake_engine import FakeEngine, ServerThread
+
+SERVER_ENV = {
+    "MAX_INPUT_TOKENS": "64",
+    "MAX_TOTAL_TOKENS": "128",
+    "MAX_BEST_OF": "2",
+    "MAX_STOP_SEQUENCES": "4",
+    "MAX_TOP_N_TOKENS": "5",
+    "MAX_CLIENT_BATCH_SIZE": "4",
+    "MODEL_NAME": "tiny-llama",
+    "DEVICE": "cpu",
+    "DTYPE": "float32",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from gaudi_runtime.tools.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("http_tiny") / "llama", "llama"))
+
+
+@pytest.fixture(scope="session")
+def router_tokenizer(tiny_model_dir) -> RouterTokenizer:
+    return RouterTokenizer.load(tiny_model_dir, resolve(None, {"MODEL_ID": tiny_model_dir}))
+
+
+@dataclass
+class Served:
+    url: str
+    engine: FakeEngine
+    config: object
+    app: object
+    thread: ServerThread
+
+    @property
+    def metrics(self):
+        return get_metrics(self.app)
+
+
+def _serve(model_dir: str, tokenizer: RouterTokenizer | None = None, **env: str) -> Served:
+    config = resolve(None, {"MODEL_ID": model_dir, **SERVER_ENV, **env})
+    tok = tokenizer if tokenizer is not None and not config.skip_tokenizer_in_tgi else \
+        RouterTokenizer.load(model_dir, config)
+    engine = FakeEngine(tok)
+    app = build_app(config, engine, tok)
+    thread = ServerThread(app).start()
+    return Served(thread.url, engine, config, app, thread)
+
+
+@pytest.fixture
+def make_server(tiny_model_dir, router_tokenizer):
+    """Factory: make_server(API_KEY="k", ...) -> Served (env-style settings override SERVER_ENV)."""
+    made: list[Served] = []
+
+    def make(**env: str) -> Served:
+        s = _serve(tiny_model_dir, router_tokenizer, **env)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.thread.stop()
+
+
+@pytest.fixture(scope="session")
+def fake_server(tiny_model_dir, router_tokenizer):
+    s = _serve(tiny_model_dir, router_tokenizer)
+    yield s
+    s.thread.stop()
+
+
+@pytest.fixture(scope="session")
+def server_url(fake_server) -> str:
+    """Base URL of the server the client tests talk to."""
+    return fake_server.url
+
+
+@pytest.fixture(scope="session")
+def server_api_key() -> str | None:
+    """Bearer token for `server_url` (None: the server needs none)."""
+    return None

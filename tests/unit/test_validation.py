@@ -1,0 +1,191 @@
+"""Request validation: TGI's limits and messages, as pure functions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gaudi_runtime.config import resolve
+from gaudi_runtime.router.errors import ValidationError
+from gaudi_runtime.router.validation import (
+    best_of_requests,
+    parse_json_body,
+    validate_generate,
+)
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word: lengths are easy to reason about."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [len(w) for w in text.split()]
+
+
+TOK = WordTokenizer()
+
+
+def cfg(**env):
+    base = {"MODEL_ID": "m", "MAX_INPUT_TOKENS": "10", "MAX_TOTAL_TOKENS": "20", "MAX_BEST_OF": "2",
+            "MAX_STOP_SEQUENCES": "2", "MAX_TOP_N_TOKENS": "3"}
+    return resolve(None, {**base, **env})
+
+
+def ok(parameters=None, inputs="a b c", stream=False, config=None, seed=0):
+    body = {"inputs": inputs, "parameters": parameters or {}}
+    return validate_generate(body, config or cfg(), TOK, stream=stream, rng=random.Random(seed))
+
+
+def bad(parameters=None, inputs="a b c", stream=False, config=None) -> str:
+    with pytest.raises(ValidationError) as e:
+        ok(parameters, inputs, stream, config)
+    return str(e.value)
+
+
+def test_defaults_follow_tgi():
+    job = ok()
+    r = job.request
+    assert job.best_of == 1
+    assert r.input_ids == [1, 1, 1]
+    assert r.stopping.max_new_tokens == 20 - 3  # max_total_tokens - input length
+    assert r.stopping.stop_sequences == ()
+    assert r.stopping.ignore_eos_token is False
+    assert r.sampling.do_sample is False
+    assert r.sampling.temperature == 1.0 and r.sampling.top_p == 1.0 and r.sampling.top_k == 0
+    assert r.details is False and r.decoder_input_details is False and r.top_n_tokens == 0
+
+
+def test_all_parameters_pass_through():
+    r = ok({"do_sample": True, "temperature": 0.5, "top_k": 10, "top_p": 0.9, "typical_p": 0.5,
+            "repetition_penalty": 1.2, "frequency_penalty": 0.5, "max_new_tokens": 5, "seed": 42,
+            "stop": ["x", "y"], "details": True, "decoder_input_details": True, "top_n_tokens": 3,
+            "return_full_text": True}).request
+    s = r.sampling
+    assert (s.do_sample, s.temperature, s.top_k, s.top_p, s.typical_p, s.repetition_penalty,
+            s.frequency_penalty, s.seed) == (True, 0.5, 10, 0.9, 0.5, 1.2, 0.5, 42)
+    assert r.stopping.max_new_tokens == 5 and r.stopping.stop_sequences == ("x", "y")
+    assert r.details and r.decoder_input_details and r.top_n_tokens == 3 and r.return_full_text
+
+
+def test_sampling_knobs_imply_sampling_and_random_seed():
+    for p in ({"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.5}, {"typical_p": 0.5}, {"do_sample": True}):
+        r = ok(p).request
+        assert r.sampling.do_sample, p
+    # A neutral value is not a warper: greedy stays greedy.
+    assert ok({"temperature": 1.0}).request.sampling.do_sample is False
+    # No seed given: a random one, different between requests.
+    seeds = {ok({"do_sample": True}, seed=i).request.sampling.seed for i in range(5)}
+    assert len(seeds) == 5
+    assert ok({"do_sample": True, "seed": 7}).request.sampling.seed == 7
+
+
+def test_null_parameters_are_absent():
+    # The text-generation client sends every field, most of them null.
+    r = ok({"best_of": None, "temperature": None, "top_k": None, "top_p": None, "typical_p": None,
+            "truncate": None, "seed": None, "top_n_tokens": None, "grammar": None, "max_new_tokens": None,
+            "watermark": False, "stop": [], "adapter_id": None}).request
+    assert r.sampling.do_sample is False
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+    ({"max_new_tokens": -3}, "`max_new_tokens` must be strictly positive"),
+    ({"max_new_tokens": 18}, "`inputs` tokens + `max_new_tokens` must be <= 20. Given: 3 `inputs` tokens and 18 `max_new_tokens`"),
+    ({"temperature": 0}, "`temperature` must be strictly positive"),
+    ({"temperature": -1.0}, "`temperature` must be strictly positive"),
+    ({"top_p": 0.0}, "`top_p` must be > 0.0 and <= 1.0"),
+    ({"top_p": 1.5}, "`top_p` must be > 0.0 and <= 1.0"),
+    ({"top_k": 0}, "`top_k` must be strictly positive"),
+    ({"top_k": -1}, "`top_k` must be strictly positive"),
+    ({"typical_p": 0.0}, "`typical_p` must be > 0.0 and < 1.0"),
+    ({"typical_p": 1.0}, "`typical_p` must be > 0.0 and < 1.0"),
+    ({"repetition_penalty": 0}, "`repetition_penalty` must be strictly positive"),
+    ({"frequency_penalty": 3}, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+    ({"stop": ["a", "b", "c"]}, "`stop` supports up to 2 stop sequences. Given: 3"),
+    ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
+    ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
+    ({"best_of": 0, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 0"),
+    ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
+    ({"top_n_tokens": 4}, "`top_n_tokens` must be >= 0 and <= 3. Given: 4"),
+    ({"watermark": True}, "`watermark` is not supported"),
+    ({"grammar": {"type": "json", "value": {}}}, "grammar is not supported"),
+    ({"truncate": 0}, "`truncate` must be strictly positive and less than 10. Given: 0"),
+    ({"truncate": 11}, "`truncate` must be strictly positive and less than 10. Given: 11"),
+    ({"seed": -1}, "`seed`"),
+    ({"max_new_tokens": "ten"}, "`max_new_tokens`: expected an integer"),
+    ({"max_new_tokens": 1.5}, "`max_new_tokens`: expected an integer"),
+    ({"do_sample": "yes"}, "`do_sample`: expected a boolean"),
+    ({"temperature": "hot"}, "`temperature`: expected a number"),
+    ({"stop": "x"}, None),  # a single string is accepted as one stop sequence
+])
+def test_parameter_errors(params, message):
+    if message is None:
+        assert ok(params).request.stopping.stop_sequences == ("x",)
+        return
+    assert message in bad(params)
+
+
+def test_top_p_one_means_off():
+    assert ok({"top_p": 1.0}).request.sampling.top_p == 1.0
+
+
+def test_inputs_errors():
+    with pytest.raises(ValidationError, match="missing field `inputs`"):
+        validate_generate({"parameters": {}}, cfg(), TOK)
+    assert bad(inputs="") == "`inputs` cannot be empty"
+    assert "expected a string" in bad(inputs=["a"])
+    with pytest.raises(ValidationError, match="`parameters`: expected an object"):
+        validate_generate({"inputs": "a", "parameters": [1]}, cfg(), TOK)
+
+
+def test_input_length_and_truncate():
+    long = " ".join(["w"] * 12)
+    assert bad(inputs=long) == "`inputs` must have less than 10 tokens. Given: 12"
+    r = ok({"truncate": 4}, inputs="a bb ccc dddd eeeee ffffff").request
+    assert r.input_ids == [3, 4, 5, 6]  # the last `truncate` tokens
+    assert r.inputs == "a bb ccc dddd eeeee ffffff"
+    assert r.stopping.max_new_tokens == 16
+    r = ok({"truncate": 9}, inputs=long).request  # truncation makes a long prompt fit
+    assert len(r.input_ids) == 9
+
+
+def test_stream_restrictions():
+    assert bad({"best_of": 2, "do_sample": True}, stream=True) == "`best_of` != 1 is not supported when streaming tokens"
+    assert bad({"decoder_input_details": True}, stream=True) == (
+        "`decoder_input_details` == true is not supported when streaming tokens")
+
+
+def test_disabled_limits():
+    assert bad({"best_of": 2, "do_sample": True}, config=cfg(MAX_BEST_OF="1")) == (
+        "`best_of` != 1 is not allowed for this endpoint")
+    assert "`--max-top-n-tokens` is set to 0" in bad({"top_n_tokens": 1}, config=cfg(MAX_TOP_N_TOKENS="0"))
+
+
+def test_ignore_eos_from_environment():
+    r = ok(config=cfg(TEXT_GENERATION_SERVER_IGNORE_EOS_TOKEN="true")).request
+    assert r.stopping.ignore_eos_token is True
+
+
+def test_best_of_requests_get_distinct_seeds():
+    job = ok({"best_of": 2, "do_sample": True})
+    assert job.best_of == 2
+    reqs = best_of_requests(job, random.Random(1))
+    assert len(reqs) == 2 and reqs[0].sampling.seed != reqs[1].sampling.seed
+    assert all(r.sampling.do_sample for r in reqs)
+    assert best_of_requests(ok()) == [ok().request]
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"", "the body is empty"),
+    (b"{not json", "Failed to parse the request body as JSON"),
+    (b"\xff\xfe{}", "invalid UTF-8"),
+    (b"[1, 2]", "expected a JSON object"),
+    (b'"inputs"', "expected a JSON object"),
+])
+def test_parse_json_body_errors(raw, message):
+    with pytest.raises(ValidationError, match=message):
+        parse_json_body(raw)
+
+
+def test_parse_json_body_ok():
+    assert parse_json_body('{"inputs": "東京"}'.encode()) == {"inputs": "東京"}
