@@ -2,6 +2,10 @@
 
 Every forward pass runs on a shape from a finite set computed from the
 configuration alone, so that warmup can compile each one before serving.
+Buckets grow linearly in steps (TGI-Gaudi's BATCH_BUCKET_SIZE,
+PREFILL_BATCH_BUCKET_SIZE, PAD_SEQUENCE_TO_MULTIPLE_OF) or, with
+EXPONENTIAL_BUCKETING, as step * 2^k (as vLLM on Gaudi), which keeps the count
+logarithmic for long contexts at the cost of more padding.
 """
 
 from __future__ import annotations
@@ -17,10 +21,38 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def bucket(x: int, step: int, cap: int, exponential: bool) -> int:
+    """Smallest bucket >= x: a multiple of `step` (or step * 2^k), never above `cap`."""
+    if not exponential:
+        return min(round_up(x, step), cap)
+    b = step
+    while b < x:
+        b *= 2
+    return min(b, cap)
+
+
+def bucket_values(step: int, cap: int, exponential: bool) -> list[int]:
+    """Every value `bucket` can return for 1 <= x <= cap."""
+    return sorted({bucket(x, step, cap, exponential) for x in _probe_points(step, cap, exponential)})
+
+
+def _probe_points(step: int, cap: int, exponential: bool) -> list[int]:
+    if not exponential:
+        return list(range(1, cap + 1, step)) + [cap]
+    points, b = [1], step
+    while b < cap:
+        points.append(b + 1)
+        b *= 2
+    return points + [cap]
+
+
+def prefill_seq_cap(cfg: Config) -> int:
+    return round_up(cfg.max_input_tokens, cfg.pad_sequence_to_multiple_of)
+
+
 def prefill_seq_bucket(max_len: int, cfg: Config) -> int:
     """Padded prompt length for a prefill whose longest prompt has max_len tokens."""
-    cap = round_up(cfg.max_input_tokens, cfg.pad_sequence_to_multiple_of)
-    return min(round_up(max_len, cfg.pad_sequence_to_multiple_of), cap)
+    return bucket(max_len, cfg.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), cfg.exponential_bucketing)
 
 
 def max_prefill_batch(seq: int, cfg: Config) -> int:
@@ -29,11 +61,15 @@ def max_prefill_batch(seq: int, cfg: Config) -> int:
 
 
 def prefill_batch_bucket(n: int, seq: int, cfg: Config) -> int:
-    return min(round_up(n, cfg.prefill_batch_bucket_size), max_prefill_batch(seq, cfg))
+    return bucket(n, cfg.prefill_batch_bucket_size, max_prefill_batch(seq, cfg), cfg.exponential_bucketing)
+
+
+def decode_batch_cap(cfg: Config) -> int:
+    return round_up(cfg.max_batch_size, cfg.batch_bucket_size)
 
 
 def decode_batch_bucket(n: int, cfg: Config) -> int:
-    return min(round_up(n, cfg.batch_bucket_size), round_up(cfg.max_batch_size, cfg.batch_bucket_size))
+    return bucket(n, cfg.batch_bucket_size, decode_batch_cap(cfg), cfg.exponential_bucketing)
 
 
 def blocks_per_sequence(cfg: Config) -> int:
@@ -45,26 +81,30 @@ def block_step(cfg: Config) -> int:
     return max(1, cfg.pad_sequence_to_multiple_of // cfg.block_size)
 
 
+def decode_block_cap(cfg: Config) -> int:
+    return round_up(blocks_per_sequence(cfg), block_step(cfg))
+
+
 def decode_block_bucket(max_context: int, cfg: Config) -> int:
     """Block-table width for a decode step whose longest sequence holds max_context tokens."""
     need = ceil_div(max_context, cfg.block_size)
-    return min(round_up(need, block_step(cfg)), round_up(blocks_per_sequence(cfg), block_step(cfg)))
+    return bucket(need, block_step(cfg), decode_block_cap(cfg), cfg.exponential_bucketing)
 
 
 def prefill_buckets(cfg: Config) -> list[tuple[int, int]]:
     """Every (batch, seq) shape a prefill may run on."""
     shapes = set()
-    for seq in range(cfg.pad_sequence_to_multiple_of, prefill_seq_bucket(cfg.max_input_tokens, cfg) + 1,
-                     cfg.pad_sequence_to_multiple_of):
-        top = max_prefill_batch(seq, cfg)
-        for n in range(1, top + 1):
-            shapes.add((prefill_batch_bucket(n, seq, cfg), seq))
+    seqs = bucket_values(cfg.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), cfg.exponential_bucketing)
+    for seq in seqs:
+        for rows in bucket_values(cfg.prefill_batch_bucket_size, max_prefill_batch(seq, cfg),
+                                  cfg.exponential_bucketing):
+            shapes.add((rows, seq))
     return sorted(shapes)
 
 
 def decode_buckets(cfg: Config) -> list[tuple[int, int]]:
     """Every (batch, blocks) shape a decode step may run on."""
-    batches = sorted({decode_batch_bucket(n, cfg) for n in range(1, cfg.max_batch_size + 1)})
-    step = block_step(cfg)
-    top = decode_block_bucket(cfg.max_total_tokens, cfg)
-    return [(b, nb) for b in batches for nb in range(step, top + 1, step)]
+    exp = cfg.exponential_bucketing
+    batches = bucket_values(cfg.batch_bucket_size, decode_batch_cap(cfg), exp)
+    widths = bucket_values(block_step(cfg), decode_block_cap(cfg), exp)
+    return [(b, w) for b in batches for w in widths]

@@ -73,6 +73,9 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
     ("PREFILL_BATCH_BUCKET_SIZE", int, 4, "Prefill batch sizes are padded to a multiple of this."),
     ("PAD_SEQUENCE_TO_MULTIPLE_OF", int, 128, "Prompt lengths are padded to a multiple of this."),
     ("WARMUP_ENABLED", _bool, True, "Run every bucket once before serving."),
+    ("EXPONENTIAL_BUCKETING", _bool, False, "Buckets grow as step * 2^k instead of linearly."),
+    ("ENABLE_HPU_GRAPH", _bool, True, "Capture a device graph per bucket (HPU graphs; CUDA graphs on NVIDIA)."),
+    ("LIMIT_HPU_GRAPH", _bool, False, "Keep prefill out of graphs (decode only), to save device memory."),
 ]
 
 
@@ -114,6 +117,9 @@ class Config:
     prefill_batch_bucket_size: int = 4
     pad_sequence_to_multiple_of: int = 128
     warmup_enabled: bool = True
+    exponential_bucketing: bool = False
+    enable_hpu_graph: bool = True
+    limit_hpu_graph: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -2,11 +2,13 @@
 
 `server_url` is what the client tests use. It serves the fake engine by default;
 to run the same tests against another server, override the fixture (or
-parametrize it), e.g. in a conftest closer to the tests or with indirect params.
+parametrize it), or set GAUDI_SERVE_TEST_URL (and GAUDI_SERVE_TEST_API_KEY) to
+the base URL of a running server.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -87,12 +89,15 @@ def fake_server(tiny_model_dir, router_tokenizer):
 
 
 @pytest.fixture(scope="session")
-def server_url(fake_server) -> str:
+def server_url(request) -> str:
     """Base URL of the server the client tests talk to."""
-    return fake_server.url
+    url = os.environ.get("GAUDI_SERVE_TEST_URL")
+    if url:
+        return url.rstrip("/")
+    return request.getfixturevalue("fake_server").url
 
 
 @pytest.fixture(scope="session")
 def server_api_key() -> str | None:
     """Bearer token for `server_url` (None: the server needs none)."""
-    return None
+    return os.environ.get("GAUDI_SERVE_TEST_API_KEY") or None

@@ -9,6 +9,7 @@ ignore_eos_token. Markers in the prompt text steer it, so tests need no shared s
     FAIL:after=N        raise GenerationError after N tokens
     ENDLESS             ignore EOS (generate until max_new_tokens)
     SLOW                pace tokens 10 ms apart (a request that lasts)
+    HANG:N              after N tokens, wait until closed (a request that never ends)
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class FakeEngine:
             raise GenerationError("Request failed during generation: fake shard failure")
         m = re.search(r"FAIL:after=(\d+)", text)
         fail_after = int(m.group(1)) if m else None
+        m = re.search(r"HANG:(\d+)", text)
+        hang_after = int(m.group(1)) if m else None
         endless = "ENDLESS" in text or request.stopping.ignore_eos_token
         slow = "SLOW" in text
         tok = self.tokenizer
@@ -85,6 +88,8 @@ class FakeEngine:
         self.active += 1
         try:
             for i in range(request.stopping.max_new_tokens):
+                if hang_after is not None and i >= hang_after:
+                    await asyncio.Event().wait()  # until the caller closes us (cancelled)
                 if fail_after is not None and i >= fail_after:
                     raise GenerationError("Request failed during generation: fake failure mid-stream")
                 if i < len(source) or endless or eos is None:
@@ -175,4 +180,14 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
         if predicate():
             return
         time.sleep(0.005)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+async def async_wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    """`wait_for` for asyncio tests: poll without blocking the event loop."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        await asyncio.sleep(0.005)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -1,30 +1,29 @@
-"""Device backends behind one small interface: chosen automatically or by --device."""
+"""Device backends behind one small interface, chosen automatically or by --device.
+
+HPU when `habana_frameworks` imports and a card is visible, else CUDA, else
+CPU. Every `habana_frameworks` import lives in `hpu.py` (and `quant/`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
+from gaudi_runtime.device.base import Backend
 
 
-@dataclass(frozen=True)
-class Device:
-    name: str  # "hpu" | "cuda" | "cpu"
-    torch_device: torch.device
-    distributed_backend: str  # hccl | nccl | gloo
+def select_device(name: str = "auto", rank: int = 0, world_size: int = 1, graphs: bool = True) -> Backend:
+    if name in ("auto", "hpu"):
+        from gaudi_runtime.device import hpu
 
+        if name == "hpu" or hpu.available():
+            return hpu.HpuBackend(world_size=world_size, graphs=graphs)
+    import torch
 
-def _hpu_available() -> bool:
-    try:
-        import habana_frameworks.torch.hpu as hthpu  # noqa: F401 - optional, Gaudi only
-    except ImportError:
-        return False
-    return bool(hthpu.is_available())
-
-
-def select_device(name: str = "auto", rank: int = 0) -> Device:
-    if name == "hpu" or (name == "auto" and _hpu_available()):
-        return Device("hpu", torch.device("hpu"), "hccl")
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        return Device("cuda", torch.device("cuda", rank % max(1, torch.cuda.device_count())), "nccl")
-    return Device("cpu", torch.device("cpu"), "gloo")
+        from gaudi_runtime.device.cuda import CudaBackend
+
+        return CudaBackend(rank=rank, graphs=graphs)
+    from gaudi_runtime.device.cpu import CpuBackend
+
+    return CpuBackend()
+
+
+__all__ = ["Backend", "select_device"]

@@ -64,6 +64,7 @@ class BatchingEngine:
         self.waiting: deque[Entry] = deque()
         self.entries: dict[int, Entry] = {}
         self.in_flight = 0
+        self.unwarmed_shapes = 0
         self._ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self._wake = asyncio.Event()
@@ -122,7 +123,7 @@ class BatchingEngine:
         return len(self.waiting)
 
     def info(self) -> dict:
-        info = {"state": self.state}
+        info = {"state": self.state, "unwarmed_shapes": self.unwarmed_shapes}
         if self.shard_info is not None:
             import json
 
@@ -242,6 +243,7 @@ class BatchingEngine:
                 self._finish_with_error(entry, GenerationError(str(e)))
             raise
         self._observe_batch("prefill", time.monotonic() - t0, resp.forward_ns, len(chosen))
+        self._set_unwarmed(resp.unwarmed_shapes)
         for p in resp.generations.prefill:
             self._set_prefill_tokens(self.entries[p.request_id], p.logprobs)
         return await self._after_step(batch_id, resp.generations)
@@ -266,6 +268,7 @@ class BatchingEngine:
                     self._finish_with_error(self.entries[rid], GenerationError(str(e)))
             raise
         self._observe_batch("decode", time.monotonic() - t0, resp.forward_ns, len(resp.batch.request_ids))
+        self._set_unwarmed(resp.unwarmed_shapes)
         return await self._after_step(resp.batch.id, resp.generations)
 
     def _keep(self, rid: int) -> bool:
@@ -354,6 +357,9 @@ class BatchingEngine:
     def _set_queue_metric(self) -> None:
         if self.metrics is not None:
             self.metrics.tgi_queue_size.set(len(self.waiting))
+
+    def _set_unwarmed(self, count: int) -> None:
+        self.unwarmed_shapes = count
 
     def _set_batch_metric(self, n: int) -> None:
         if self.metrics is not None:

@@ -35,7 +35,7 @@ class RequestRecorder:
     def validated(self, requests: list[ValidRequest]) -> None:
         self.validated_at = time.monotonic()
         self.m.tgi_request_validation_duration.observe(self.validated_at - self.start)
-        for r in requests[:1]:
+        for r in requests:
             self.m.tgi_request_input_length.observe(len(r.input_ids))
             self.m.tgi_request_max_new_tokens.observe(r.stopping.max_new_tokens)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
-from prometheus_client.core import Metric
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,12 +25,12 @@ class Counter:
     """A monotonically increasing counter, optionally labelled, exposed without `_total`."""
 
     def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = (),
-                 registry: CollectorRegistry | None = None):
+                 registry: list[Counter] | None = None):
         self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
         self._lock = threading.Lock()
         self._values: dict[tuple[str, ...], float] = {} if labelnames else {(): 0.0}
         if registry is not None:
-            registry.register(self)
+            registry.append(self)
 
     def labels(self, *values: str, **kw: str) -> _Child:
         if kw:
@@ -55,16 +55,24 @@ class Counter:
         with self._lock:
             return self._values.get(key, 0.0)
 
-    def describe(self) -> list[Metric]:
-        return [Metric(self.name, self.documentation, "counter")]
-
-    def collect(self) -> list[Metric]:
-        m = Metric(self.name, self.documentation, "counter")
+    def render(self) -> str:
+        """Prometheus text format (0.0.4), under the counter's own name."""
         with self._lock:
-            items = list(self._values.items())
+            items = sorted(self._values.items())
+        lines = [f"# HELP {self.name} {_escape_help(self.documentation)}", f"# TYPE {self.name} counter"]
         for key, v in items:
-            m.add_sample(self.name, dict(zip(self.labelnames, key, strict=True)), v)
-        return [m]
+            labels = ",".join(f'{n}="{_escape_label(val)}"' for n, val in zip(self.labelnames, key, strict=True))
+            lines.append(f"{self.name}{{{labels}}} {floatToGoString(v)}" if labels
+                         else f"{self.name} {floatToGoString(v)}")
+        return "\n".join(lines) + "\n"
+
+
+def _escape_help(s: str) -> str:
+    return s.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _escape_label(s: str) -> str:
+    return s.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 class _Child:
@@ -80,11 +88,13 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        c: list[Counter] = []
+        self.counters = c
         # Requests (recorded by the HTTP layer).
-        self.tgi_request_count = Counter("tgi_request_count", "Requests received", registry=r)
-        self.tgi_request_success = Counter("tgi_request_success", "Requests that succeeded", registry=r)
+        self.tgi_request_count = Counter("tgi_request_count", "Requests received", registry=c)
+        self.tgi_request_success = Counter("tgi_request_success", "Requests that succeeded", registry=c)
         self.tgi_request_failure = Counter("tgi_request_failure", "Requests that failed, by error type",
-                                           ("err",), registry=r)
+                                           ("err",), registry=c)
         self.tgi_request_duration = Histogram("tgi_request_duration", "End-to-end request time (s)",
                                               buckets=_DURATION, registry=r)
         self.tgi_request_validation_duration = Histogram(
@@ -118,9 +128,9 @@ class Metrics:
         self.tgi_batch_next_size = Histogram("tgi_batch_next_size", "Size of each new (prefill) batch",
                                              buckets=_BATCH, registry=r)
         self.tgi_batch_inference_count = Counter("tgi_batch_inference_count", "Batch calls, by method",
-                                                 ("method",), registry=r)
+                                                 ("method",), registry=c)
         self.tgi_batch_inference_success = Counter("tgi_batch_inference_success",
-                                                   "Successful batch calls, by method", ("method",), registry=r)
+                                                   "Successful batch calls, by method", ("method",), registry=c)
         self.tgi_batch_inference_duration = Histogram(
             "tgi_batch_inference_duration", "Batch call time (s), by method (prefill, decode)",
             ("method",), buckets=_FAST + (5.0, 10.0, 30.0), registry=r)
@@ -129,4 +139,4 @@ class Metrics:
             buckets=_FAST + (5.0, 10.0, 30.0), registry=r)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return "".join(c.render() for c in self.counters).encode() + generate_latest(self.registry)

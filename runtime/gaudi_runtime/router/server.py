@@ -17,7 +17,7 @@ from aiohttp import web
 
 from gaudi_runtime.config import Config
 from gaudi_runtime.router import openai_api, tgi_api
-from gaudi_runtime.router.errors import ValidationError, error_response, json_error
+from gaudi_runtime.router.errors import UnhealthyError, ValidationError, error_response, json_error
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.state import STATE, AppState
 from gaudi_runtime.router.tokenizer import RouterTokenizer
@@ -74,17 +74,13 @@ def _middlewares(config: Config) -> list:
     async def errors(request: web.Request, handler):
         try:
             return await handler(request)
-        except (ValidationError, OverloadedError, GenerationError) as e:
+        except (ValidationError, OverloadedError, GenerationError, UnhealthyError) as e:
             return error_response(e)
         except web.HTTPRequestEntityTooLarge as e:
             return json_error(413, str(e), "validation")
         except web.HTTPException:
             raise
         except Exception as e:
-            from gaudi_runtime.router.errors import UnhealthyError
-
-            if isinstance(e, UnhealthyError):
-                return error_response(e)
             log.exception("unhandled error on %s %s", request.method, request.path)
             return json_error(500, f"internal error: {type(e).__name__}: {e}", "internal")
 

@@ -115,7 +115,7 @@ async def run_generate(request: web.Request, body: dict, rec: RequestRecorder, *
     try:
         job = validate_generate(body, state.config, state.tokenizer, stream=False)
         reqs = best_of_requests(job)
-        rec.validated(reqs)
+        rec.validated([job.request])
         check_health(state)
         gens = await collect_all(state, reqs, rec)
     except Exception as e:

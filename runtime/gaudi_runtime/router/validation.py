@@ -111,6 +111,8 @@ def tokenize_input(inputs: Any, tokenizer: _Encoder, add_special_tokens: bool = 
         return list(tokenizer.encode(inputs, add_special_tokens=add_special_tokens))
     except TokenizerError as e:
         raise ValidationError(f"tokenizer error {e}") from None
+    except Exception as e:  # e.g. lone surrogates from a JSON "\ud800" escape
+        raise ValidationError(f"tokenizer error {type(e).__name__}: {e}") from None
 
 
 def validate_generate(body: dict, config: Config, tokenizer: _Encoder, *, stream: bool = False,

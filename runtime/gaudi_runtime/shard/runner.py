@@ -17,6 +17,7 @@ import torch
 
 from gaudi_runtime import buckets
 from gaudi_runtime.config import Config
+from gaudi_runtime.device.base import Backend
 from gaudi_runtime.layers.attention import AttentionMetadata
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from gaudi_runtime.models import load_model
@@ -62,30 +63,23 @@ def size_kv_cache(cfg: Config, bytes_per_block: int, free_bytes: int | None) -> 
     return min(wanted, fit)
 
 
-def free_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu":
-        try:
-            import os
-
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
-            return None
-    return None
+class WarmupError(RuntimeError):
+    """A bucket could not run; the message names the setting to lower."""
 
 
 class ModelRunner:
-    def __init__(self, cfg: Config, model_dir: str, device: torch.device, rank: int = 0, world_size: int = 1,
+    def __init__(self, cfg: Config, model_dir: str, backend: Backend, rank: int = 0, world_size: int = 1,
                  process_group=None):
         self.cfg = cfg
-        self.device = device
+        self.backend = backend
+        self.device = device = backend.torch_device
         self.dtype = getattr(torch, cfg.dtype)
         t0 = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, device, rank, world_size, process_group)
         m = self.model
         per_block = kv_bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim, self.dtype)
-        self.num_blocks = size_kv_cache(cfg, per_block, free_memory(device))
+        free = backend.memory_info()
+        self.num_blocks = size_kv_cache(cfg, per_block, free[0] if free else None)
         self.kv_cache = allocate_kv_cache(m.num_layers, self.num_blocks, cfg.block_size, m.num_kv_heads,
                                           m.head_dim, self.dtype, device)
         log.info("model loaded in %.1fs; KV cache: %d blocks of %d tokens (%.1f MiB)",
@@ -93,6 +87,31 @@ class ModelRunner:
                  self.num_blocks * per_block / 2**20)
         self.batches: dict[int, ShardBatch] = {}
         self.warmup_summary: dict | None = None
+        self.warmed: set[tuple[str, int, int]] | None = None  # None until warmup ran
+        self.unwarmed_shapes = 0
+        self._decode_fn = backend.graphed(self._decode_step, "decode")
+        self._prefill_fn = self._prefill_step if cfg.limit_hpu_graph else backend.graphed(self._prefill_step,
+                                                                                          "prefill")
+
+    # ---- the two step functions (what device graphs capture) -----------
+
+    def _prefill_step(self, input_ids, positions, slots, last_idx):
+        hidden = self.model(input_ids, positions, self.kv_cache, AttentionMetadata(is_prefill=True, slots=slots))
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return hidden, self.model.compute_logits(hidden[rows, last_idx])
+
+    def _decode_step(self, input_ids, positions, slots, tables, context_lens):
+        meta = AttentionMetadata(is_prefill=False, slots=slots[:, None], block_tables=tables,
+                                 context_lens=context_lens)
+        hidden = self.model(input_ids[:, None], positions[:, None], self.kv_cache, meta)
+        return self.model.compute_logits(hidden[:, -1])
+
+    def _note_shape(self, kind: str, rows: int, dim: int) -> None:
+        if self.warmed is not None and (kind, rows, dim) not in self.warmed:
+            self.unwarmed_shapes += 1
+            self.warmed.add((kind, rows, dim))  # counted once per shape
+            log.warning("%s shape (%d, %d) was not warmed up (%d so far): expect a slow first pass",
+                        kind, rows, dim, self.unwarmed_shapes)
 
     # ---- prefill -------------------------------------------------------
 
@@ -117,15 +136,14 @@ class ModelRunner:
                                                       1) * bs + pos % bs, 0)
 
         dev = self.device
-        input_ids = torch.from_numpy(ids).to(dev)
-        positions = torch.from_numpy(np.broadcast_to(pos, (rows, seq)).copy()).to(dev)
-        meta = AttentionMetadata(is_prefill=True, slots=torch.from_numpy(slots).to(dev))
+        last_idx = np.zeros(rows, dtype=np.int64)
+        last_idx[:n] = lens - 1
+        self._note_shape("prefill", rows, seq)
         t0 = time.perf_counter_ns()
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        last_idx = torch.zeros(rows, dtype=torch.long, device=dev)
-        last_idx[:n] = torch.from_numpy(lens - 1).to(dev)
-        last = hidden[torch.arange(rows, device=dev), last_idx]
-        logits = self.model.compute_logits(last)
+        hidden, logits = self._prefill_fn(
+            torch.from_numpy(ids).to(dev), torch.from_numpy(np.broadcast_to(pos, (rows, seq)).copy()).to(dev),
+            torch.from_numpy(slots).to(dev), torch.from_numpy(last_idx).to(dev))
+        self.backend.mark_step()
 
         prefill_lp: dict[int, list[float]] = {}
         wanted = [i for i, r in enumerate(reqs) if r.prefill_logprobs]
@@ -135,6 +153,7 @@ class ModelRunner:
         sampler = BatchSampler([r.params for r in reqs], [r.top_n_tokens for r in reqs],
                                [r.input_ids for r in reqs], self.model.vocab_size, dev)
         out = sampler(logits)
+        self.backend.mark_step()
         self.batches[batch_id] = ShardBatch(
             id=batch_id,
             request_ids=[r.id for r in reqs],
@@ -188,12 +207,12 @@ class ModelRunner:
             tables = torch.cat([tables, torch.zeros(pad, width, dtype=torch.long, device=dev)])
         else:
             input_ids = batch.last_ids
-        meta = AttentionMetadata(is_prefill=False, slots=slots[:, None], block_tables=tables,
-                                 context_lens=positions + 1)
+        self._note_shape("decode", rows, width)
         t0 = time.perf_counter_ns()
-        hidden = self.model(input_ids[:, None], positions[:, None], self.kv_cache, meta)
-        logits = self.model.compute_logits(hidden[:, -1])
+        logits = self._decode_fn(input_ids, positions, slots, tables, positions + 1)
+        self.backend.mark_step()
         out = batch.sampler(logits)
+        self.backend.mark_step()
         batch.last_ids = out.next_ids[:n]
         batch.seq_lens = batch.seq_lens + 1
         batch.seq_lens_host = batch.seq_lens_host + 1
@@ -204,33 +223,53 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self):
-        """Run every bucket once; yields (done, total, phase) after each."""
+        """Run every bucket once (capturing its graph where enabled); yields (done, total, phase)."""
         cfg, dev = self.cfg, self.device
-        prefill = buckets.prefill_buckets(cfg) if cfg.warmup_enabled else []
-        decode = buckets.decode_buckets(cfg) if cfg.warmup_enabled else []
+        if not cfg.warmup_enabled:
+            log.warning("WARMUP_ENABLED=false: no shape is compiled ahead; the first requests will be slow")
+            self.warmup_summary = {"enabled": False}
+            yield 0, 0, "done"
+            return
+        prefill = buckets.prefill_buckets(cfg)
+        decode = buckets.decode_buckets(cfg)
         total = len(prefill) + len(decode)
+        warmed: set[tuple[str, int, int]] = set()
         t0 = time.perf_counter()
-        done = 0
+        log.info("warmup: %d prefill and %d decode shapes", len(prefill), len(decode))
         for rows, seq in prefill:
             zeros = torch.zeros(rows, seq, dtype=torch.long, device=dev)
-            hidden = self.model(zeros, zeros, self.kv_cache, AttentionMetadata(is_prefill=True, slots=zeros))
-            self.model.compute_logits(hidden[:, -1])
-            done += 1
-            yield done, total, "prefill"
+            self._warm(f"prefill bucket (batch {rows}, sequence {seq})", "--max-batch-prefill-tokens",
+                       self._prefill_fn, zeros, zeros, zeros, torch.zeros(rows, dtype=torch.long, device=dev))
+            warmed.add(("prefill", rows, seq))
+            yield len(warmed), total, "prefill"
+        t1 = time.perf_counter()
+        log.info("warmup: prefill done in %.1fs", t1 - t0)
         for rows, width in decode:
-            zeros = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-            meta = AttentionMetadata(is_prefill=False, slots=zeros,
-                                     block_tables=torch.zeros(rows, width, dtype=torch.long, device=dev),
-                                     context_lens=torch.ones(rows, dtype=torch.long, device=dev))
-            hidden = self.model(zeros, zeros, self.kv_cache, meta)
-            self.model.compute_logits(hidden[:, -1])
-            done += 1
-            yield done, total, "decode"
-        self.warmup_summary = {"prefill_shapes": len(prefill), "decode_shapes": len(decode),
-                               "seconds": round(time.perf_counter() - t0, 3)}
-        log.info("warmup: %d prefill and %d decode shapes in %.1fs", len(prefill), len(decode),
-                 self.warmup_summary["seconds"])
-        yield done, total, "done"
+            zeros = torch.zeros(rows, dtype=torch.long, device=dev)
+            self._warm(f"decode bucket (batch {rows}, {width} blocks)", "--max-batch-size or --max-total-tokens",
+                       self._decode_fn, zeros, zeros, zeros,
+                       torch.zeros(rows, width, dtype=torch.long, device=dev), torch.ones_like(zeros))
+            warmed.add(("decode", rows, width))
+            yield len(warmed), total, "decode"
+        self.backend.synchronize()
+        self.warmed = warmed
+        t2 = time.perf_counter()
+        log.info("warmup: decode done in %.1fs; %d shapes in %.1fs", t2 - t1, total, t2 - t0)
+        self.warmup_summary = {"enabled": True, "prefill_shapes": len(prefill), "decode_shapes": len(decode),
+                               "seconds": round(t2 - t0, 3), "graphs": self.backend.graph_stats()}
+        yield total, total, "done"
+
+    def _warm(self, what: str, setting: str, fn, *args) -> None:
+        try:
+            fn(*args)
+            self.backend.mark_step()
+        except (torch.OutOfMemoryError, MemoryError) as e:
+            raise WarmupError(f"out of memory warming up the {what}: lower {setting} "
+                              f"(or --max-batch-total-tokens / --memory-fraction): {e}") from e
+        except RuntimeError as e:
+            if "out of memory" in str(e).lower():
+                raise WarmupError(f"out of memory warming up the {what}: lower {setting}: {e}") from e
+            raise
 
     def info(self) -> dict:
         return {
@@ -238,6 +277,10 @@ class ModelRunner:
             "block_size": self.cfg.block_size,
             "max_batch_total_tokens": (self.num_blocks - 1) * self.cfg.block_size,
             "warmup": self.warmup_summary,
+            "unwarmed_shapes": self.unwarmed_shapes,
+            "buckets": {"prefill": len(buckets.prefill_buckets(self.cfg)),
+                        "decode": len(buckets.decode_buckets(self.cfg)),
+                        "exponential": self.cfg.exponential_bucketing},
         }
 
     def filter(self, batch_id: int, request_ids: list[int]) -> None:

@@ -44,9 +44,9 @@ def join_process_group(backend: str, rank: int, world_size: int):
 
 
 async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None:
-    device = select_device(cfg.device, rank)
-    group = join_process_group(device.distributed_backend, rank, world_size)
-    runner = ModelRunner(cfg, model_dir, device.torch_device, rank, world_size, group)
+    backend = select_device(cfg.device, rank, world_size, graphs=cfg.enable_hpu_graph)
+    group = join_process_group(backend.distributed_backend, rank, world_size)
+    runner = ModelRunner(cfg, model_dir, backend, rank, world_size, group)
     urls = [f"unix://{uds_path(cfg, r)}" for r in range(world_size)]
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])

@@ -10,7 +10,7 @@ import grpc
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
-from gaudi_runtime.shard.runner import ModelRunner, PrefillInput, StepResult
+from gaudi_runtime.shard.runner import ModelRunner, PrefillInput, StepResult, WarmupError
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,12 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         return pb.ClearCacheResponse()
 
     async def Warmup(self, request, context):
-        for done, total, phase in self.runner.warmup():
-            yield pb.WarmupProgress(done=done, total=total, phase=phase)
+        try:
+            for done, total, phase in self.runner.warmup():
+                yield pb.WarmupProgress(done=done, total=total, phase=phase)
+        except WarmupError as e:
+            log.error("%s", e)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     async def Prefill(self, request, context):
         reqs = [
@@ -88,6 +92,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             generations=to_generations(step, self.rank),
             batch=pb.CachedBatch(id=request.batch.id, request_ids=step.request_ids),
             forward_ns=step.forward_ns,
+            unwarmed_shapes=self.runner.unwarmed_shapes,
         )
 
     async def Decode(self, request, context):
@@ -99,6 +104,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             generations=to_generations(step, self.rank),
             batch=pb.CachedBatch(id=batch_id, request_ids=step.request_ids),
             forward_ns=step.forward_ns,
+            unwarmed_shapes=self.runner.unwarmed_shapes,
         )
 
     async def FilterBatch(self, request, context):

@@ -1,0 +1,1 @@
+"""gaudi-serve's Kubernetes operator: InferenceService -> Gaudi pods with an honest status."""

@@ -1,0 +1,35 @@
+"""The interface every device backend implements."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class Backend:
+    """Eager execution; backends override what their device does differently."""
+
+    name = "cpu"
+    distributed_backend = "gloo"
+
+    def __init__(self, torch_device: torch.device):
+        self.torch_device = torch_device
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op where execution is synchronous)."""
+
+    def mark_step(self) -> None:
+        """End of a lazy-mode graph (HPU); no-op elsewhere."""
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) bytes of device memory, or None when unknown."""
+        return None
+
+    def graphed(self, fn: Callable[..., torch.Tensor], name: str) -> Callable[..., torch.Tensor]:
+        """`fn` over tensors, run through a device graph captured once per input shape where the
+        device has graphs; the first call with a new shape captures, later calls replay."""
+        return fn
+
+    def graph_stats(self) -> dict:
+        return {}

@@ -1,0 +1,24 @@
+"""CPU: eager execution, gloo for collectives."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gaudi_runtime.device.base import Backend
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    distributed_backend = "gloo"
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+
+    def memory_info(self) -> tuple[int, int] | None:
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        except (ValueError, OSError):
+            return None

@@ -1,0 +1,73 @@
+"""Intel Gaudi: lazy mode with mark_step, HPU graphs per bucket, hccl for collectives.
+
+The only module (with quant/) that imports `habana_frameworks`, always lazily:
+the package exists only on Gaudi machines. Tests replace it with a recording fake.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gaudi_runtime.device.base import Backend
+
+
+def available() -> bool:
+    try:
+        import habana_frameworks.torch.hpu as hthpu
+    except ImportError:
+        return False
+    return bool(hthpu.is_available())
+
+
+class _Step(torch.nn.Module):
+    """A step function as a module, the unit `wrap_in_hpu_graph` caches graphs for."""
+
+    def __init__(self, fn, name: str):
+        super().__init__()
+        self.fn = fn
+        self.name = name
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+class HpuBackend(Backend):
+    name = "hpu"
+    distributed_backend = "hccl"
+
+    def __init__(self, world_size: int = 1, graphs: bool = True, torch_device: torch.device | None = None):
+        if world_size > 1:
+            # Collectives inside HPU graphs need lazy collectives (set before the bridge loads).
+            os.environ.setdefault("PT_HPU_ENABLE_LAZY_COLLECTIVES", "true")
+        import habana_frameworks.torch.core as htcore  # loads the HPU bridge: the "hpu" device exists after
+
+        self._htcore = htcore
+        super().__init__(torch_device or torch.device("hpu"))
+        self.graphs_enabled = graphs
+
+    def synchronize(self) -> None:
+        import habana_frameworks.torch.hpu as hthpu
+
+        hthpu.synchronize()
+
+    def mark_step(self) -> None:
+        self._htcore.mark_step()
+
+    def memory_info(self) -> tuple[int, int] | None:
+        import habana_frameworks.torch.hpu as hthpu
+
+        stats = hthpu.memory_stats()
+        limit = stats.get("Limit")
+        if not limit:
+            return None
+        return limit - stats.get("InUse", 0), limit
+
+    def graphed(self, fn, name):
+        if not self.graphs_enabled:
+            return fn
+        import habana_frameworks.torch.hpu as hthpu
+
+        # HPU graphs are cached per input shape inside the wrapper: warmup captures each bucket once.
+        return hthpu.wrap_in_hpu_graph(_Step(fn, name), disable_tensor_cache=True)

@@ -1,0 +1,1 @@
+"""Fake of Intel Gaudi`s habana_frameworks package (tests only)."""
