@@ -30,6 +30,8 @@ WARMUP_CONCURRENCY = int(os.environ.get("GAUDI_OPERATOR_WARMUP_CONCURRENCY", "8"
 WARMUP_TIMEOUT = float(os.environ.get("GAUDI_OPERATOR_WARMUP_TIMEOUT", "2"))
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, ISVC_LABEL: kopf.PRESENT}
 WARNING_PHASES = ("Degraded", "Failed")
+CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"),
+                   ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "pods")]
 
 
 def _now() -> str:
@@ -79,6 +81,7 @@ class Reconciler:
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._pending: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.known: set[tuple[str, str]] = set()
 
     async def run(self, namespace: str, name: str) -> dict[str, Any] | None:
         key = (namespace, name)
@@ -106,6 +109,7 @@ class Reconciler:
 
 
 reconciler = Reconciler()
+_resync_task: asyncio.Task[None] | None = None
 
 
 @kopf.on.startup()
@@ -116,9 +120,26 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=GROUP, key="last-handled-configuration")
     settings.posting.enabled = False  # our own Events, on phase changes only
     settings.execution.max_workers = max(settings.execution.max_workers or 0, 4)
+    # Server-side filtering: watch only our children and their pods, not every pod in the cluster.
+    for key in CHILD_RESOURCES:
+        settings.watching.label_selectors[key] = f"app.kubernetes.io/managed-by={MANAGED_BY}"
     settings.watching.server_timeout = int(os.environ.get("GAUDI_OPERATOR_WATCH_TIMEOUT", "300"))
     kube.configure()
+    global _resync_task
+    _resync_task = asyncio.get_running_loop().create_task(_resync_loop())
     log.info("gaudi-serve operator started (field manager %s, resync %ss)", FIELD_MANAGER, RESYNC_SECONDS)
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    if _resync_task is not None:
+        _resync_task.cancel()
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster service account first, else $KUBECONFIG / ~/.kube/config (read at login time)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -133,9 +154,21 @@ async def on_change(namespace: str, name: str, **_: Any) -> None:
         raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=5) from exc
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-async def resync(namespace: str, name: str, **_: Any) -> None:
-    reconciler.trigger(namespace, name)
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def track(type: str | None, namespace: str, name: str, **_: Any) -> None:
+    """Keep the set of objects to resync (no finalizer: Kopf timers would need one)."""
+    if type == "DELETED":
+        reconciler.known.discard((namespace, name))
+    else:
+        reconciler.known.add((namespace, name))
+
+
+async def _resync_loop() -> None:
+    """Periodic reconcile of every known object: repairs drift, polls warmup progress."""
+    while True:
+        await asyncio.sleep(RESYNC_SECONDS)
+        for namespace, name in sorted(reconciler.known):
+            reconciler.trigger(namespace, name)
 
 
 def _owner_event(body: kopf.Body, namespace: str | None, **_: Any) -> None:

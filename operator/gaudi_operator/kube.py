@@ -13,6 +13,7 @@ import asyncio
 import datetime
 import json
 import logging
+import os
 import uuid
 from typing import Any
 
@@ -48,7 +49,7 @@ def configure(client: kubernetes.client.ApiClient | None = None) -> None:
         try:
             kubernetes.config.load_incluster_config()
         except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
+            kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         client = kubernetes.client.ApiClient()
     _client = client
 
@@ -72,17 +73,17 @@ def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = 
 
 def _call(method: str, path: str, *, query: list[tuple[str, str]] | None = None, body: Any = None,
           content_type: str = "application/json") -> Any:
-    try:
-        return _api().call_api(
-            path, method, query_params=query or [], body=body,
-            header_params={"Content-Type": content_type, "Accept": "application/json"},
-            response_type="object", auth_settings=["BearerToken"], _return_http_data_only=True,
-            _preload_content=True, _request_timeout=30,
-        )
-    except ApiException as exc:
-        if exc.status == 404:
-            raise NotFound(path) from None
-        raise
+    api = _api()
+    method_, url, headers, body_, post = api.param_serialize(
+        method, path, query_params=query or [], body=body, auth_settings=["BearerToken"],
+        header_params={"Content-Type": content_type, "Accept": "application/json"})
+    rsp = api.call_api(method_, url, headers, body_, post, _request_timeout=30)
+    data = rsp.read()
+    if rsp.status == 404:
+        raise NotFound(path)
+    if not 200 <= rsp.status <= 299:
+        raise ApiException(status=rsp.status, reason=f"{method} {path}: {rsp.reason}: {data[:500]!r}")
+    return json.loads(data) if data else {}
 
 
 async def _run(method: str, path: str, **kw: Any) -> Any:

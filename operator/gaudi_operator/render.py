@@ -192,8 +192,8 @@ def probes(spec: InferenceServiceSpec) -> dict[str, dict[str, Any]]:
 def _resources(spec: InferenceServiceSpec) -> dict[str, Any]:
     limits = {k: v for k, v in (spec.resources.get("limits") or {}).items() if k != GAUDI_RESOURCE}
     requests = {k: v for k, v in (spec.resources.get("requests") or {}).items() if k != GAUDI_RESOURCE}
-    limits[GAUDI_RESOURCE] = spec.shards
-    requests[GAUDI_RESOURCE] = spec.shards  # extended resources: requests must equal limits
+    limits[GAUDI_RESOURCE] = str(spec.shards)  # quantities are strings
+    requests[GAUDI_RESOURCE] = str(spec.shards)  # extended resources: requests must equal limits
     return {"limits": limits, "requests": requests}
 
 

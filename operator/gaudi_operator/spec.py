@@ -41,7 +41,8 @@ class SpecError(ValueError):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True,
+                              strict=True)
 
 
 class SecretKeyRef(_Model):
@@ -114,7 +115,7 @@ class Batching(_Model):
     prefill_batch_bucket_size: int = Field(4, ge=1)
     pad_sequence_to_multiple_of: int = Field(128, ge=1)
     hpu_graphs: bool = True
-    limit_hpu_graphs: bool = True
+    limit_hpu_graphs: bool = False
     warmup: bool = True
 
 

@@ -124,7 +124,7 @@ def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int 
 
 def _deployment_rolling(dep: dict[str, Any] | None) -> bool:
     if not dep:
-        return True
+        return False
     gen = (dep.get("metadata") or {}).get("generation")
     observed = (dep.get("status") or {}).get("observedGeneration")
     return gen is not None and observed is not None and observed < gen
@@ -194,7 +194,7 @@ def compute_status(
         if least.warmup.get("phase"):
             warm["phase"] = str(least.warmup["phase"])
 
-    rolling = desired > 0 and (_deployment_rolling(deployment) or updated < desired or old > 0)
+    rolling = desired > 0 and (_deployment_rolling(deployment) or old > 0)
     scaling = len(active) != desired
     serving = desired > 0 and ready >= desired
 
@@ -243,8 +243,12 @@ def compute_status(
         prog = (True, "Scaling", f"{len(active)} replicas, want {desired}")
     elif warming:
         prog = (True, "WarmingUp", summary)
-    elif loading or ready < desired:
+    elif loading:
         prog = (True, "Loading", summary)
+    elif ready < desired and problem:
+        prog = (False, problem.reason, f"stalled: {problem.message}")  # nothing moves until it is fixed
+    elif ready < desired:
+        prog = (True, "Pending", summary)
     else:
         prog = (False, "RolloutComplete", f"{ready}/{desired} replicas ready and up to date")
 

@@ -159,7 +159,7 @@ class Emulator:
     bookmark_seconds: float = 5.0
     objects: dict[tuple[Res, str, str], dict[str, Any]] = field(default_factory=dict)
     log: list[Event] = field(default_factory=list)
-    requests: list[tuple[str, str, str]] = field(default_factory=list)
+    requests: list[tuple[str, str, str, str]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -345,9 +345,12 @@ class Emulator:
         raise ApiError(404, "NotFound", f"no such path {path}")
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        self.requests.append((request.method, request.path, request.query_string))
+        self.requests.append((request.method, request.path, request.query_string,
+                              request.headers.get("Content-Type", "")))
         try:
             return await self._dispatch(request)
+        except ConnectionResetError:  # a watcher went away
+            return web.Response(status=499)
         except ApiError as e:
             return web.json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                                       "message": e.message, "reason": e.reason, "code": e.code}, status=e.code)

@@ -73,8 +73,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Threaded
 
         thread = threading.Thread(target=run, name="operator", daemon=True)
         thread.start()
-        assert ready.wait(30), "operator did not start"
         try:
+            assert ready.wait(30), "operator did not start"
             yield emu, errors
         finally:
             stop.set()
@@ -131,7 +131,7 @@ def test_create_renders_children(cluster: tuple[ThreadedEmulator, _Errors]) -> N
     wait_for(lambda: _get(emu, PDB, "llama"), what="pdb")
     c = _container(dep)
     assert dep["spec"]["replicas"] == 2
-    assert c["resources"]["limits"]["habana.ai/gaudi"] == 2
+    assert c["resources"]["limits"]["habana.ai/gaudi"] == "2"
     assert dep["spec"]["template"]["spec"]["hostIPC"] is True
     assert ["--num-shard", "2"] == c["args"][c["args"].index("--num-shard"):][:2]
     owner = dep["metadata"]["ownerReferences"][0]
@@ -141,8 +141,19 @@ def test_create_renders_children(cluster: tuple[ThreadedEmulator, _Errors]) -> N
     assert st["observedGeneration"] == 1
     assert st["url"] == "http://llama.default.svc.cluster.local"
     assert st["phase"] == "Pending" and st["readySummary"] == "0/2"
-    # Kopf's bookkeeping stays out of our status.
+    # Kopf's bookkeeping stays out of our status, and no finalizer is needed.
     assert "kopf" not in st
+    assert not _get(emu, ISVC, "llama")["metadata"].get("finalizers")
+    # Children and pods are watched with a server-side label selector, not cluster-wide unfiltered.
+    watches = [(p, q) for m, p, q, _ in emu.emu.requests if m == "GET" and "watch=true" in q]
+    for plural in ("pods", "deployments", "services", "poddisruptionbudgets"):
+        qs = [q for p, q in watches if p.endswith("/" + plural)]
+        assert qs and all("managed-by%3Dgaudi-serve-operator" in q for q in qs), (plural, qs)
+    # Children are written with server-side apply under our field manager.
+    applies = [(p, q) for m, p, q, ct in emu.emu.requests
+               if m == "PATCH" and ct.startswith("application/apply-patch+yaml")]
+    assert {p.rsplit("/", 2)[-2] for p, _ in applies} >= {"deployments", "services", "poddisruptionbudgets"}
+    assert all("fieldManager=gaudi-serve-operator" in q and "force=true" in q for _, q in applies)
 
 
 def test_spec_change_updates_deployment(cluster: tuple[ThreadedEmulator, _Errors]) -> None:
@@ -222,7 +233,7 @@ def test_delete_is_clean(cluster: tuple[ThreadedEmulator, _Errors]) -> None:
     # DELETED events, finds its object gone, and neither restores them nor fails.
     assert _get(emu, DEPLOY, "big") is None and _get(emu, SVC, "big") is None
     wait_for(lambda: any(m == "GET" and p.endswith("/inferenceservices/big")
-                         for m, p, _ in emu.emu.requests[seen:]), what="operator noticed the deletion")
+                         for m, p, *_ in emu.emu.requests[seen:]), what="operator noticed the deletion")
     # One more full round for the remaining object proves the operator is still alive and idle on "big".
     emu.patch(*ISVC, NS, "llama", {"metadata": {"labels": {"touched": "yes"}}})
     emu.patch(*ISVC, NS, "llama", {"spec": {"serving": {"maxWaitingTokens": 21}}})

@@ -89,11 +89,29 @@ def fake_server(tiny_model_dir, router_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def real_server(tiny_model_dir, tmp_path_factory):
+    """The real runtime (launcher, shard, router) on the tiny model."""
+    from tests.runtime.launched import launch
+
+    srv = launch(tiny_model_dir, tmp_path_factory.mktemp("real"), "--dtype", "float32",
+                 "--max-input-tokens", "64", "--max-total-tokens", "128", "--max-batch-size", "8",
+                 "--model-name", "tiny-llama", env={"PAD_SEQUENCE_TO_MULTIPLE_OF": "16"})
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session", params=["fake-engine", "real-engine"])
 def server_url(request) -> str:
-    """Base URL of the server the client tests talk to."""
+    """Base URL of the server the client tests talk to: the HTTP layer over a fake engine,
+    then the whole real runtime (or, for both, GAUDI_SERVE_TEST_URL)."""
     url = os.environ.get("GAUDI_SERVE_TEST_URL")
     if url:
         return url.rstrip("/")
+    if request.param == "real-engine":
+        return request.getfixturevalue("real_server").url
     return request.getfixturevalue("fake_server").url
 
 

@@ -130,3 +130,39 @@ def test_same_seed_same_text_and_seed_reported(server):
     assert a["generated_text"] == b["generated_text"]
     assert a["details"]["seed"] == 11
     assert [t["id"] for t in a["details"]["tokens"]] != [t["id"] for t in c["details"]["tokens"]]
+
+
+BAD_INPUTS = [
+    (b"{not json", 422),
+    (json.dumps({"parameters": {"max_new_tokens": 4}}).encode(), 422),  # no inputs
+    (json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 0}}).encode(), 422),
+    (json.dumps({"inputs": "hi", "parameters": {"max_new_tokens": 1000}}).encode(), 422),
+    (json.dumps({"inputs": "hello " * 200, "parameters": {"max_new_tokens": 4}}).encode(), 422),
+    (json.dumps({"inputs": "hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}).encode(), 422),
+    (json.dumps({"inputs": "hi", "parameters": {"temperature": 0}}).encode(), 422),
+    (json.dumps({"inputs": "hi", "parameters": {"temperature": -1}}).encode(), 422),
+    (json.dumps({"inputs": "hi", "parameters": {"top_p": 1.5}}).encode(), 422),
+    (json.dumps({"inputs": "hi", "parameters": {"best_of": 2}}).encode(), 422),
+    (json.dumps({"inputs": "", "parameters": {"max_new_tokens": 4}}).encode(), 422),
+    (b"{\"inputs\": \"\xff\xfe\"}", 422),  # invalid UTF-8
+]
+
+
+def test_bad_input_gets_tgi_errors_while_other_requests_are_served(server):
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            ok = asyncio.create_task(s.post(server.url + "/generate", json={
+                "inputs": "hello world", "parameters": {"max_new_tokens": 60}}))
+            results = []
+            for body, _ in BAD_INPUTS:
+                async with s.post(server.url + "/generate", data=body,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    results.append((r.status, await r.json()))
+            good = await ok
+            return results, good.status, await good.json()
+
+    results, status, good = asyncio.run(run())
+    for (body, expected), (code, err) in zip(BAD_INPUTS, results):
+        assert code == expected, (body, code, err)
+        assert err["error_type"] == "validation" and err["error"], (body, err)
+    assert status == 200 and good["generated_text"]

@@ -19,6 +19,7 @@ import socket
 
 import pytest
 import torch
+
 from gaudi_runtime.layers import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
 from gaudi_runtime.layers.rotary import compute_inv_freq, rope_params_from_config
 from gaudi_runtime.models import SUPPORTED_ARCHITECTURES, UnsupportedModelError, load_model

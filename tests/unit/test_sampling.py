@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.shard.sampling import BatchSampler, gumbel_noise, splitmix64
 

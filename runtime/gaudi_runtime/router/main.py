@@ -25,7 +25,7 @@ async def serve(cfg: Config, model_dir: str) -> int:
     metrics = Metrics()
     engine = BatchingEngine(cfg, client, tokenizer, metrics)
     app = build_app(cfg, engine, tokenizer, metrics=metrics)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, cfg.hostname, cfg.port).start()
     log.info("router listening on http://%s:%d", cfg.hostname, cfg.port)

@@ -1,0 +1,277 @@
+"""The CRD's openAPIV3Schema and CEL rules accept good manifests and reject bad ones,
+with messages naming the field; spec.py's defaults equal the schema's.
+
+Validation here mirrors the API server: structural defaulting, then the
+schema (jsonschema, with unknown fields rejected as `kubectl --validate=strict`
+does), then every `x-kubernetes-validations` rule evaluated with a CEL
+library (cel-python) on the value at its place in the object.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import pytest
+import yaml
+
+from gaudi_operator.spec import SpecError, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = yaml.safe_load((ROOT / "crds" / "inferenceservices.gaudiserve.io.yaml").read_text())
+VERSION = CRD["spec"]["versions"][0]
+SCHEMA = VERSION["schema"]["openAPIV3Schema"]
+
+
+def _strict(schema: dict[str, Any]) -> dict[str, Any]:
+    """Copy of a structural schema where unknown fields are errors (and no k8s-only keywords)."""
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k == "properties":
+            out[k] = {name: _strict(sub) for name, sub in v.items()}
+        elif k in ("items", "additionalProperties") and isinstance(v, dict):
+            out[k] = _strict(v)
+        elif k == "anyOf":
+            out[k] = [_strict(s) for s in v]
+        elif not k.startswith("x-kubernetes-"):
+            out[k] = v
+    if schema.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+    if (schema.get("type") == "object" and "properties" in schema and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")):
+        out["additionalProperties"] = False
+    return out
+
+
+def _default(schema: dict[str, Any], value: Any) -> Any:
+    """Structural defaulting, as the API server does before validation."""
+    if isinstance(value, dict) and schema.get("type") == "object":
+        for name, sub in (schema.get("properties") or {}).items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                value[name] = _default(sub, value[name])
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_default(schema["items"], v) for v in value]
+    return value
+
+
+_CEL = celpy.Environment()
+
+
+def _cel(schema: dict[str, Any], value: Any, path: str) -> list[str]:
+    errors = []
+    for rule in schema.get("x-kubernetes-validations") or []:
+        prog = _CEL.program(_CEL.compile(rule["rule"]))
+        result = prog.evaluate({"self": celpy.json_to_cel(value)})
+        if not isinstance(result, celpy.celtypes.BoolType) or not bool(result):
+            errors.append(f"{path}: Invalid value: {rule.get('message') or rule['rule']}")
+    if isinstance(value, dict):
+        for name, sub in (schema.get("properties") or {}).items():
+            if name in value:
+                errors += _cel(sub, value[name], f"{path}.{name}")
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(value):
+            errors += _cel(schema["items"], v, f"{path}[{i}]")
+    return errors
+
+
+def admit(obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(defaulted object, errors) as the API server would answer a create."""
+    obj = _default(SCHEMA, copy.deepcopy(obj))
+    validator = jsonschema.Draft202012Validator(_strict(SCHEMA))
+    errors = []
+    for err in validator.iter_errors(obj):
+        field = ".".join(str(p) for p in err.absolute_path) or "<root>"
+        errors.append(f"{field}: {err.message}")
+    if not errors:  # the API server runs CEL only on a schema-valid object
+        errors = _cel(SCHEMA, obj, "")
+        errors = [e.lstrip(".") for e in errors]
+    return obj, errors
+
+
+def manifest(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "gaudiserve.io/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "llama", "namespace": "default"},
+            "spec": {"model": {"id": "meta-llama/Llama-3.1-8B-Instruct"}, **spec}}
+
+
+GOOD = [
+    manifest(),
+    manifest(replicas=0),
+    manifest(replicas=4, shards=8, serving={"maxInputTokens": 4096, "maxTotalTokens": 8192,
+                                             "maxBatchPrefillTokens": 8192, "waitingServedRatio": 1.2}),
+    manifest(precision="fp8", quantization={"configMapRef": {"name": "q"},
+                                            "measurements": {"persistentVolumeClaim": {"claimName": "m"}}}),
+    manifest(model={"id": "m", "cache": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+                    "hubTokenSecretRef": {"name": "hf"}}),
+    manifest(resources={"limits": {"cpu": 8, "memory": "100Gi"}},
+             env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+             tolerations=[{"key": "habana.ai/gaudi", "operator": "Exists"}], affinity={"nodeAffinity": {}},
+             podTemplate={"spec": {"priorityClassName": "high"}}, probes={"startup": {"budgetSeconds": 3600}}),
+]
+
+
+@pytest.mark.parametrize("obj", GOOD, ids=range(len(GOOD)))
+def test_good_manifests_are_admitted(obj: dict[str, Any]) -> None:
+    defaulted, errors = admit(obj)
+    assert errors == []
+    # ...and the operator reads them the same way.
+    parse_spec(defaulted["spec"])
+
+
+BAD = [
+    ("wrong type replicas", manifest(replicas="two"), "spec.replicas", "is not of type 'integer'"),
+    ("wrong type model", manifest(model="llama"), "spec.model", "is not of type 'object'"),
+    ("wrong type hpuGraphs", manifest(batching={"hpuGraphs": "yes"}), "spec.batching.hpuGraphs", "not of type"),
+    ("unknown field", manifest(replica=2), "spec", "'replica' was unexpected"),
+    ("missing model id", manifest(model={}), "spec.model", "'id' is a required property"),
+    ("input >= total", manifest(serving={"maxInputTokens": 2048, "maxTotalTokens": 2048}),
+     "spec.serving", "spec.serving.maxInputTokens must be less than spec.serving.maxTotalTokens"),
+    ("input > default total", manifest(serving={"maxInputTokens": 4096}),
+     "spec.serving", "spec.serving.maxInputTokens must be less than spec.serving.maxTotalTokens"),
+    ("fp8 without config", manifest(precision="fp8"),
+     "spec", "spec.quantization.configMapRef is required when spec.precision is fp8"),
+    ("fp8 with empty quantization", manifest(precision="fp8", quantization={}),
+     "spec", "spec.quantization.configMapRef is required when spec.precision is fp8"),
+    ("shards 3", manifest(shards=3), "spec", "spec.shards must be one of 1, 2, 4 or 8"),
+    ("shards 16", manifest(shards=16), "spec.shards", "16 is greater than the maximum of 8"),
+    ("bucket 0", manifest(batching={"batchBucketSize": 0}), "spec.batching.batchBucketSize", "less than the minimum"),
+    ("prefill bucket -1", manifest(batching={"prefillBatchBucketSize": -1}),
+     "spec.batching.prefillBatchBucketSize", "less than the minimum"),
+    ("replicas -1", manifest(replicas=-1), "spec.replicas", "-1 is less than the minimum of 0"),
+    ("precision int8", manifest(precision="int8"), "spec.precision", "is not one of"),
+    ("two caches", manifest(model={"id": "m", "cache": {"persistentVolumeClaim": {"claimName": "a"},
+                                                        "ephemeral": {}}}),
+     "spec.model.cache", "set persistentVolumeClaim or ephemeral, not both"),
+]
+
+
+@pytest.mark.parametrize("name,obj,field,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_manifests_are_rejected_naming_the_field(name: str, obj: dict[str, Any], field: str, message: str) -> None:
+    _, errors = admit(obj)
+    assert errors, f"{name} was admitted"
+    assert any(e.startswith(f"{field}:") and message in e for e in errors), errors
+
+
+@pytest.mark.parametrize("rule_path,schema_path", [
+    ("spec.batching.batchBucketSize", ["spec", "batching", "batchBucketSize"]),
+    ("spec.batching.prefillBatchBucketSize", ["spec", "batching", "prefillBatchBucketSize"]),
+    ("spec.batching.padSequenceToMultipleOf", ["spec", "batching", "padSequenceToMultipleOf"]),
+    ("spec.replicas", ["spec", "replicas"]),
+])
+def test_cel_rules_on_their_own_catch_what_the_schema_also_catches(rule_path: str, schema_path: list[str]) -> None:
+    """The minimum/CEL pairs agree: the CEL rule's message names the field on a bad value."""
+    schema = SCHEMA
+    for p in schema_path:
+        schema = schema["properties"][p]
+    bad = -1 if rule_path == "spec.replicas" else 0
+    errors = _cel(schema, bad, rule_path)
+    assert errors and rule_path in errors[0]
+    assert _cel(schema, 1, rule_path) == []
+
+
+def test_operator_rejects_what_the_crd_rejects() -> None:
+    """For objects that skipped admission (or an older CRD), spec.py says the same thing."""
+    for name, obj, _field, message in BAD:
+        if "unexpected" in message:
+            continue  # unknown fields are pruned by the API server, ignored by the operator
+        with pytest.raises(SpecError) as exc:
+            parse_spec(obj["spec"])
+        assert "spec." in str(exc.value), name
+
+
+def test_spec_defaults_equal_crd_defaults() -> None:
+    defaulted, errors = admit(manifest())
+    assert not errors
+    from_crd = parse_spec(defaulted["spec"]).model_dump(by_alias=True)
+    from_code = parse_spec(manifest()["spec"]).model_dump(by_alias=True)
+    assert from_crd == from_code
+
+    def leaves(schema: dict[str, Any], path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+        out = []
+        for name, sub in (schema.get("properties") or {}).items():
+            if "default" in sub and sub["default"] != {}:
+                out.append(((*path, name), sub["default"]))
+            out += leaves(sub, (*path, name))
+        return out
+    for path, default in leaves(SCHEMA["properties"]["spec"], ()):
+        obj: Any = from_code
+        try:
+            for p in path:
+                obj = obj[p]
+        except (KeyError, TypeError):
+            continue  # a default inside an optional object that is absent here
+        assert obj == default, path
+
+
+def test_crd_shape() -> None:
+    assert CRD["apiVersion"] == "apiextensions.k8s.io/v1"
+    assert CRD["metadata"]["name"] == "inferenceservices.gaudiserve.io"
+    names = CRD["spec"]["names"]
+    assert (CRD["spec"]["group"], names["kind"], names["shortNames"], names["categories"]) == \
+        ("gaudiserve.io", "InferenceService", ["gisvc"], ["gaudi"])
+    assert VERSION["name"] == "v1alpha1" and VERSION["served"] and VERSION["storage"]
+    assert VERSION["subresources"]["status"] == {}
+    assert VERSION["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
+    assert [c["name"] for c in VERSION["additionalPrinterColumns"]] == \
+        ["Phase", "Ready", "Warmup", "Shards", "URL", "Age"]
+
+
+def test_every_field_has_a_description() -> None:
+    missing = []
+
+    def walk(schema: dict[str, Any], path: str) -> None:
+        if not schema.get("description") and path:
+            missing.append(path)
+        for name, sub in (schema.get("properties") or {}).items():
+            walk(sub, f"{path}.{name}" if path else name)
+        if isinstance(schema.get("items"), dict) and schema["items"].get("properties"):
+            for name, sub in schema["items"]["properties"].items():
+                walk(sub, f"{path}[].{name}")
+    walk(SCHEMA, "")
+    assert missing == []
+
+
+def test_printer_columns_point_at_status_fields() -> None:
+    status = SCHEMA["properties"]["status"]["properties"]
+    for col in VERSION["additionalPrinterColumns"]:
+        path = col["jsonPath"].lstrip(".").split(".")
+        if path[0] == "status":
+            assert path[1] in status, col
+
+
+def test_examples_validate() -> None:
+    """Every InferenceService in examples/ (when the directory exists) is admitted."""
+    for path in sorted((ROOT / "examples").glob("*.y*ml")) if (ROOT / "examples").is_dir() else []:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "InferenceService":
+                _, errors = admit(doc)
+                assert errors == [], (path.name, errors)
+
+
+def test_cel_rules_are_well_formed() -> None:
+    """Every rule compiles; reason is one the API server accepts; fieldPath points into the schema."""
+    allowed = {"FieldValueInvalid", "FieldValueForbidden", "FieldValueRequired", "FieldValueDuplicate"}
+    count = 0
+
+    def walk(schema: dict[str, Any], path: str) -> None:
+        nonlocal count
+        for rule in schema.get("x-kubernetes-validations") or []:
+            count += 1
+            _CEL.compile(rule["rule"])
+            assert rule.get("message"), (path, rule)
+            assert rule.get("reason", "FieldValueInvalid") in allowed, (path, rule)
+            if "fieldPath" in rule:
+                sub = schema
+                for part in rule["fieldPath"].lstrip(".").split("."):
+                    sub = sub["properties"][part]
+        for name, sub in (schema.get("properties") or {}).items():
+            walk(sub, f"{path}.{name}")
+    walk(SCHEMA, "")
+    assert count >= 8

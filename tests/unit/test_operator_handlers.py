@@ -1,0 +1,267 @@
+"""handlers.reconcile with a fake kube (patch only on change, events only on phase change),
+kube.fetch_warmup against real HTTP servers on 127.0.0.1, and the CLI's options."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import socket
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from gaudi_operator import cli, handlers, kube
+from gaudi_operator.render import TEMPLATE_HASH_LABEL
+
+ISVC = {"apiVersion": "gaudiserve.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "llama", "namespace": "ml", "uid": "u", "generation": 1},
+        "spec": {"model": {"id": "m"}, "replicas": 1}}
+
+
+class FakeKube:
+    """In-memory stand-in for gaudi_operator.kube (the only I/O module)."""
+
+    def __init__(self, body: dict[str, Any] | None) -> None:
+        self.body = copy.deepcopy(body)
+        self.applied: list[dict[str, Any]] = []
+        self.deleted: list[tuple[str, str, str]] = []
+        self.status_patches: list[dict[str, Any]] = []
+        self.events: list[tuple[str, str, str]] = []
+        self.pods: list[dict[str, Any]] = []
+        self.warmup: dict[str, dict[str, Any]] = {}
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return copy.deepcopy(self.body)
+
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.applied.append(obj)
+        return {**obj, "metadata": {**obj["metadata"], "generation": 1}, "status": {"observedGeneration": 1}}
+
+    async def delete(self, kind: str, namespace: str, name: str) -> bool:
+        self.deleted.append((kind, namespace, name))
+        return False
+
+    async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return copy.deepcopy(self.pods)
+
+    async def fetch_warmup(self, pods: list[dict[str, Any]], port: int, **_: Any) -> dict[str, dict[str, Any]]:
+        return dict(self.warmup)
+
+    async def patch_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        assert self.body is not None
+        self.status_patches.append(patch)
+        status = self.body.setdefault("status", {})
+        for k, v in patch.items():
+            if v is None:
+                status.pop(k, None)
+            else:
+                status[k] = v
+        return self.body
+
+    async def post_event(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        self.events.append((type_, reason, message))
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeKube:
+    f = FakeKube(ISVC)
+    for name in ("get", "apply", "delete", "list_pods", "fetch_warmup", "patch_status", "post_event"):
+        monkeypatch.setattr(kube, name, getattr(f, name))
+    return f
+
+
+def _pod(f: FakeKube, ready: bool) -> dict[str, Any]:
+    tmpl = next(c for c in f.applied if c["kind"] == "Deployment")["spec"]["template"]
+    return {"metadata": {"name": "llama-0", "labels": {TEMPLATE_HASH_LABEL: tmpl["metadata"]["labels"][TEMPLATE_HASH_LABEL]}},
+            "status": {"phase": "Running", "podIP": "10.1.1.1",
+                       "conditions": [{"type": "Ready", "status": str(ready)}],
+                       "containerStatuses": [{"name": "runtime", "state": {"running": {}}, "restartCount": 0}]}}
+
+
+async def test_status_patched_only_on_change_and_events_only_on_phase_change(fake: FakeKube) -> None:
+    await handlers.reconcile("ml", "llama")
+    assert [c["kind"] for c in fake.applied] == ["Deployment", "Service"]
+    assert fake.deleted == [("PodDisruptionBudget", "ml", "llama")]  # none wanted at 1 replica
+    assert len(fake.status_patches) == 1 and fake.body["status"]["phase"] == "Pending"
+    assert [e[1] for e in fake.events] == ["Pending"]
+
+    await handlers.reconcile("ml", "llama")  # nothing changed
+    assert len(fake.status_patches) == 1 and len(fake.events) == 1
+
+    fake.pods = [_pod(fake, ready=False)]
+    fake.warmup = {"llama-0": {"done": 1, "total": 4}}
+    await handlers.reconcile("ml", "llama")
+    assert fake.body["status"]["phase"] == "WarmingUp" and [e[1] for e in fake.events][-1] == "WarmingUp"
+
+    fake.warmup = {"llama-0": {"done": 3, "total": 4}}  # progress: a patch, but no event
+    await handlers.reconcile("ml", "llama")
+    assert len(fake.status_patches) == 3 and len(fake.events) == 2
+    assert fake.body["status"]["warmupSummary"] == "3/4"
+
+    fake.pods = [_pod(fake, ready=True)]
+    fake.warmup = {}
+    await handlers.reconcile("ml", "llama")
+    assert fake.body["status"]["phase"] == "Ready" and "warmup" not in fake.body["status"]
+    assert fake.events[-1][:2] == ("Normal", "Ready")
+
+
+async def test_gone_or_deleting_object_is_left_alone(fake: FakeKube) -> None:
+    fake.body = None
+    assert await handlers.reconcile("ml", "llama") is None
+    fake.body = copy.deepcopy(ISVC)
+    fake.body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert await handlers.reconcile("ml", "llama") is None
+    assert fake.applied == [] and fake.status_patches == []
+
+
+async def test_invalid_spec_is_reported_not_applied(fake: FakeKube) -> None:
+    assert fake.body is not None
+    fake.body["spec"]["shards"] = 3
+    await handlers.reconcile("ml", "llama")
+    assert fake.applied == []
+    assert fake.body["status"]["phase"] == "Failed"
+    assert fake.events == [("Warning", "Failed", "spec.shards must be one of 1, 2, 4 or 8 (Gaudi cards per replica)")]
+
+
+async def test_reconciler_coalesces_triggers(fake: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = 0
+    gate = asyncio.Event()
+
+    async def slow(namespace: str, name: str) -> None:
+        nonlocal calls
+        calls += 1
+        await gate.wait()
+
+    monkeypatch.setattr(handlers, "reconcile", slow)
+    r = handlers.Reconciler()
+    for _ in range(5):
+        r.trigger("ml", "llama")
+    await asyncio.sleep(0)  # let the first run start
+    for _ in range(5):
+        r.trigger("ml", "llama")  # while running: one more run queued, not five
+    gate.set()
+    while r._tasks:
+        await asyncio.gather(*list(r._tasks))
+    assert calls == 2
+
+
+# ---- kube.fetch_warmup against servers on 127.0.0.1 ---------------------------------------
+
+
+async def _serve(handler: Any) -> tuple[web.AppRunner, int]:
+    app = web.Application()
+    app.router.add_get("/health", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+def _running(name: str, ready: bool = False, ip: str = "127.0.0.1") -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": {"phase": "Running", "podIP": ip,
+                                                  "conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+
+async def test_fetch_warmup_reads_health_json() -> None:
+    seen = []
+
+    async def health(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        return web.json_response({"status": "warming_up", "warmup": {"done": 3, "total": 8, "phase": "decode"}},
+                                 status=503)
+    runner, port = await _serve(health)
+    try:
+        out = await kube.fetch_warmup([_running("a"), _running("b", ready=True),
+                                       {"metadata": {"name": "c"}, "status": {"phase": "Pending"}}], port)
+    finally:
+        await runner.cleanup()
+    assert out == {"a": {"done": 3, "total": 8, "phase": "decode"}}
+    assert seen == ["/health"]  # ready and pending pods are not asked
+
+
+@pytest.mark.parametrize("answer", ["not json", json.dumps({"status": "ok"}), json.dumps({"warmup": {"done": "x"}})])
+async def test_fetch_warmup_ignores_answers_without_progress(answer: str) -> None:
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text=answer, status=503)
+    runner, port = await _serve(health)
+    try:
+        assert await kube.fetch_warmup([_running("a")], port) == {}
+    finally:
+        await runner.cleanup()
+
+
+async def test_fetch_warmup_tolerates_unreachable_and_slow_pods() -> None:
+    release = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({})
+    runner, port = await _serve(hang)
+    try:
+        assert await kube.fetch_warmup([_running("slow")], port, timeout=0.2) == {}
+    finally:
+        release.set()
+        await runner.cleanup()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert await kube.fetch_warmup([_running("gone")], closed, timeout=0.5) == {}
+
+
+async def test_fetch_warmup_bounds_concurrency() -> None:
+    active = peak = 0
+
+    async def health(request: web.Request) -> web.Response:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        await asyncio.sleep(0.02)
+        active -= 1
+        return web.json_response({"warmup": {"done": 1, "total": 2}}, status=503)
+    runner, port = await _serve(health)
+    try:
+        out = await kube.fetch_warmup([_running(f"p{i}") for i in range(10)], port, concurrency=3)
+    finally:
+        await runner.cleanup()
+    assert len(out) == 10 and peak <= 3
+
+
+# ---- CLI ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv,want", [
+    ([], {"standalone": True, "clusterwide": True, "namespaces": (), "peering_name": None,
+          "liveness_endpoint": None}),
+    (["-n", "ml", "-n", "prod-*", "--liveness", "http://0.0.0.0:8080/healthz"],
+     {"clusterwide": False, "namespaces": ["ml", "prod-*"], "liveness_endpoint": "http://0.0.0.0:8080/healthz"}),
+    (["--peering", "gaudi", "--priority", "10"], {"standalone": False, "peering_name": "gaudi", "priority": 10}),
+])
+def test_cli_options(monkeypatch: pytest.MonkeyPatch, argv: list[str], want: dict[str, Any]) -> None:
+    import logging
+
+    import kopf
+    monkeypatch.setattr(logging.root, "level", logging.root.level)  # main() sets it
+    got: dict[str, Any] = {}
+    configured: dict[str, Any] = {}
+    monkeypatch.setattr(kopf, "run", lambda **kw: got.update(kw))
+    monkeypatch.setattr(kopf, "configure", lambda **kw: configured.update(kw))
+    monkeypatch.delenv("WATCH_NAMESPACES", raising=False)
+    assert cli.main(argv + ["--log-format", "json", "--log-level", "warning"]) == 0
+    assert want.items() <= got.items()
+    assert configured["log_format"] == kopf.LogFormat.JSON
+
+
+def test_cli_namespaces_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    import kopf
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    got: dict[str, Any] = {}
+    monkeypatch.setattr(kopf, "run", lambda **kw: got.update(kw))
+    monkeypatch.setattr(kopf, "configure", lambda **kw: None)
+    monkeypatch.setenv("WATCH_NAMESPACES", "a, b")
+    cli.main([])
+    assert got["namespaces"] == ["a", "b"] and got["clusterwide"] is False

@@ -1,0 +1,286 @@
+"""render.py: InferenceService -> Deployment, Service, PodDisruptionBudget (pure)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from gaudi_operator.render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, render
+from gaudi_operator.spec import parse_spec
+
+K8S_VERSION = "1.37.0"
+CRD = Path(__file__).resolve().parents[2] / "crds" / "inferenceservices.gaudiserve.io.yaml"
+
+
+def body(**spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "gaudiserve.io/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "llama", "namespace": "ml", "uid": "1234", "generation": 1},
+            "spec": {"model": {"id": "meta-llama/Llama-3.1-8B-Instruct"}, **spec}}
+
+
+def children(**spec: Any) -> dict[str, dict[str, Any]]:
+    return {c["kind"]: c for c in render(body(**spec))}
+
+
+def pod_spec(**spec: Any) -> dict[str, Any]:
+    return children(**spec)["Deployment"]["spec"]["template"]["spec"]
+
+
+def container(**spec: Any) -> dict[str, Any]:
+    return pod_spec(**spec)["containers"][0]
+
+
+def env(**spec: Any) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container(**spec)["env"]}
+
+
+def arg(c: dict[str, Any], flag: str) -> str | None:
+    return c["args"][c["args"].index(flag) + 1] if flag in c["args"] else None
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+def test_gaudi_pod_basics(shards: int) -> None:
+    ps = pod_spec(shards=shards)
+    c = ps["containers"][0]
+    assert c["resources"]["limits"][GAUDI_RESOURCE] == str(shards)
+    assert c["resources"]["requests"][GAUDI_RESOURCE] == str(shards)
+    assert ps["hostIPC"] is True
+    assert "SYS_NICE" in c["securityContext"]["capabilities"]["add"]
+    shm = next(v for v in ps["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/ping"
+    assert "initialDelaySeconds" not in c["startupProbe"]
+    assert c["command"] == ["gaudi-serve"] and c["args"][0] == "launch"
+    assert arg(c, "--port") == "8080" and arg(c, "--num-shard") == str(shards)
+    assert arg(c, "--sharded") == ("true" if shards > 1 else "false")
+    assert "HABANA_VISIBLE_DEVICES" not in {e["name"] for e in c["env"]}  # the device plugin's job
+    assert ps["securityContext"]["runAsNonRoot"] is True
+
+
+def test_labels_annotations_owner() -> None:
+    ch = children(replicas=2)
+    assert set(ch) == {"Deployment", "Service", "PodDisruptionBudget"}
+    want = {"app.kubernetes.io/name": "gaudi-serve", "app.kubernetes.io/instance": "llama",
+            "app.kubernetes.io/managed-by": "gaudi-serve-operator", "gaudiserve.io/inference-service": "llama"}
+    for child in ch.values():
+        assert child["metadata"]["labels"] == want
+        assert child["metadata"]["namespace"] == "ml"
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "gaudiserve.io/v1alpha1", "kind": "InferenceService", "name": "llama", "uid": "1234",
+            "controller": True, "blockOwnerDeletion": True}]
+    tmpl = ch["Deployment"]["spec"]["template"]["metadata"]
+    assert want.items() <= tmpl["labels"].items()
+    assert tmpl["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8080",
+                                   "prometheus.io/path": "/metrics"}
+    sel = ch["Deployment"]["spec"]["selector"]["matchLabels"]
+    assert ch["Service"]["spec"]["selector"] == sel == ch["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"]
+    assert sel.items() <= tmpl["labels"].items()
+
+
+@pytest.mark.parametrize("replicas,has_pdb", [(0, False), (1, False), (2, True), (5, True)])
+def test_pdb_only_with_more_than_one_replica(replicas: int, has_pdb: bool) -> None:
+    ch = children(replicas=replicas)
+    assert ("PodDisruptionBudget" in ch) is has_pdb
+    assert ch["Deployment"]["spec"]["replicas"] == replicas
+
+
+@pytest.mark.parametrize("spec,flag,value", [
+    ({}, "--max-input-tokens", "1024"),
+    ({}, "--max-total-tokens", "2048"),
+    ({"serving": {"maxInputTokens": 4096, "maxTotalTokens": 8192}}, "--max-input-tokens", "4096"),
+    ({"serving": {"maxInputTokens": 4096, "maxTotalTokens": 8192}}, "--max-total-tokens", "8192"),
+    ({"serving": {"maxBatchSize": 64}}, "--max-batch-size", "64"),
+    ({}, "--max-batch-size", None),
+    ({"serving": {"maxBatchPrefillTokens": 8192}}, "--max-batch-prefill-tokens", "8192"),
+    ({"serving": {"maxBatchTotalTokens": 65536}}, "--max-batch-total-tokens", "65536"),
+    ({"serving": {"maxConcurrentRequests": 512}}, "--max-concurrent-requests", "512"),
+    ({"serving": {"maxWaitingTokens": 10}}, "--max-waiting-tokens", "10"),
+    ({"serving": {"waitingServedRatio": 1.2}}, "--waiting-served-ratio", "1.2"),
+    ({"model": {"id": "org/m", "revision": "abc123"}}, "--revision", "abc123"),
+    ({"model": {"id": "org/m"}}, "--model-id", "org/m"),
+])
+def test_runtime_flags(spec: dict[str, Any], flag: str, value: str | None) -> None:
+    assert arg(container(**spec), flag) == value
+
+
+@pytest.mark.parametrize("spec,name,value", [
+    ({}, "BATCH_BUCKET_SIZE", "8"),
+    ({}, "PREFILL_BATCH_BUCKET_SIZE", "4"),
+    ({}, "PAD_SEQUENCE_TO_MULTIPLE_OF", "128"),
+    ({}, "ENABLE_HPU_GRAPH", "true"),
+    ({}, "LIMIT_HPU_GRAPH", "false"),
+    ({}, "WARMUP_ENABLED", "true"),
+    ({"batching": {"batchBucketSize": 16}}, "BATCH_BUCKET_SIZE", "16"),
+    ({"batching": {"prefillBatchBucketSize": 2}}, "PREFILL_BATCH_BUCKET_SIZE", "2"),
+    ({"batching": {"padSequenceToMultipleOf": 256}}, "PAD_SEQUENCE_TO_MULTIPLE_OF", "256"),
+    ({"batching": {"hpuGraphs": False}}, "ENABLE_HPU_GRAPH", "false"),
+    ({"batching": {"limitHpuGraphs": True}}, "LIMIT_HPU_GRAPH", "true"),
+    ({"batching": {"warmup": False}}, "WARMUP_ENABLED", "false"),
+    ({}, "HF_HOME", "/data"),
+    ({}, "QUANT_CONFIG", None),
+    ({"shards": 4}, "PT_HPU_ENABLE_LAZY_COLLECTIVES", "true"),
+    ({"model": {"id": "m", "hubTokenSecretRef": {"name": "hf"}}}, "HF_TOKEN",
+     {"secretKeyRef": {"name": "hf", "key": "HF_TOKEN"}}),
+    ({"env": [{"name": "WARMUP_ENABLED", "value": "false"}, {"name": "LOG_LEVEL", "value": "debug"}]},
+     "WARMUP_ENABLED", "false"),
+    ({"env": [{"name": "LOG_LEVEL", "value": "debug"}]}, "LOG_LEVEL", "debug"),
+])
+def test_runtime_env(spec: dict[str, Any], name: str, value: Any) -> None:
+    assert env(**spec).get(name) == value
+
+
+def test_user_env_overrides_without_duplicates() -> None:
+    names = [e["name"] for e in container(env=[{"name": "WARMUP_ENABLED", "value": "false"}])["env"]]
+    assert names.count("WARMUP_ENABLED") == 1
+
+
+def test_fp8_mounts_quant_config_and_measurements() -> None:
+    spec = {"precision": "fp8", "quantization": {
+        "configMapRef": {"name": "llama-fp8", "key": "maxabs_quant.json"},
+        "measurements": {"persistentVolumeClaim": {"claimName": "hqt"}, "mountPath": "/hqt"}}}
+    ps = pod_spec(**spec)
+    c = ps["containers"][0]
+    assert env(**spec)["QUANT_CONFIG"] == "/etc/gaudi-serve/quant/maxabs_quant.json"
+    vols = {v["name"]: v for v in ps["volumes"]}
+    assert vols["quant-config"]["configMap"]["name"] == "llama-fp8"
+    assert vols["quant-measurements"]["persistentVolumeClaim"]["claimName"] == "hqt"
+    assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/etc/gaudi-serve/quant", "/hqt"}
+
+
+@pytest.mark.parametrize("cache,key", [
+    (None, "emptyDir"),
+    ({"persistentVolumeClaim": {"claimName": "models"}}, "persistentVolumeClaim"),
+    ({"ephemeral": {"size": "200Gi", "storageClassName": "fast"}}, "ephemeral"),
+])
+def test_model_cache_volume(cache: dict[str, Any] | None, key: str) -> None:
+    model = {"id": "m", **({"cache": cache} if cache else {})}
+    ps = pod_spec(model=model)
+    vol = next(v for v in ps["volumes"] if v["name"] == "model-cache")
+    assert key in vol
+    if key == "ephemeral":
+        claim = vol["ephemeral"]["volumeClaimTemplate"]["spec"]
+        assert claim["resources"]["requests"]["storage"] == "200Gi" and claim["storageClassName"] == "fast"
+    if key == "persistentVolumeClaim":
+        assert vol["persistentVolumeClaim"]["claimName"] == "models"
+    assert {"name": "model-cache", "mountPath": "/data"}.items() <= \
+        next(m for m in ps["containers"][0]["volumeMounts"] if m["name"] == "model-cache").items()
+
+
+def test_startup_probe_budget_from_warmup() -> None:
+    def failures(**spec: Any) -> int:
+        p = container(**spec)["startupProbe"]
+        return p["failureThreshold"] * p["periodSeconds"]
+    default = failures()
+    assert default == parse_spec(body()["spec"]).startup_budget_seconds()
+    assert failures(batching={"warmup": False}) < default
+    # More shapes to warm up -> more time.
+    assert failures(serving={"maxInputTokens": 4096, "maxTotalTokens": 8192}) > default
+    assert failures(probes={"startup": {"budgetSeconds": 300}}) == 300
+    p = container(probes={"startup": {"failureThreshold": 7, "periodSeconds": 20}})["startupProbe"]
+    assert (p["failureThreshold"], p["periodSeconds"]) == (7, 20)
+    r = container(probes={"readiness": {"periodSeconds": 3, "failureThreshold": 2}})["readinessProbe"]
+    assert (r["periodSeconds"], r["failureThreshold"]) == (3, 2)
+
+
+def test_resources_merge_but_cards_come_from_shards() -> None:
+    c = container(shards=2, resources={"limits": {"cpu": "16", "memory": "200Gi", GAUDI_RESOURCE: 8},
+                                       "requests": {"cpu": "8"}})
+    assert c["resources"]["limits"] == {"cpu": "16", "memory": "200Gi", GAUDI_RESOURCE: "2"}
+    assert c["resources"]["requests"] == {"cpu": "8", GAUDI_RESOURCE: "2"}
+
+
+def test_scheduling_fields_and_pod_template_overrides() -> None:
+    ps = pod_spec(
+        nodeSelector={"habana.ai/gaudi.model": "gaudi3"},
+        tolerations=[{"key": "habana.ai/gaudi", "operator": "Exists", "effect": "NoSchedule"}],
+        affinity={"nodeAffinity": {}}, serviceAccountName="llm",
+        imagePullSecrets=[{"name": "regcred"}],
+        podTemplate={"metadata": {"labels": {"team": "ml"}},
+                     "spec": {"priorityClassName": "high", "securityContext": {"runAsUser": 0, "runAsNonRoot": False},
+                              "containers": [{"name": "runtime", "workingDir": "/work"}]}})
+    assert ps["nodeSelector"] == {"habana.ai/gaudi.model": "gaudi3"}
+    assert ps["tolerations"][0]["key"] == "habana.ai/gaudi"
+    assert ps["serviceAccountName"] == "llm" and ps["priorityClassName"] == "high"
+    assert ps["securityContext"]["runAsUser"] == 0 and ps["securityContext"]["fsGroup"] == 1000
+    assert len(ps["containers"]) == 1 and ps["containers"][0]["workingDir"] == "/work"
+    assert ps["containers"][0]["args"][0] == "launch"
+    tmpl = children(podTemplate={"metadata": {"labels": {"team": "ml"}}})["Deployment"]["spec"]["template"]
+    assert tmpl["metadata"]["labels"]["team"] == "ml"
+
+
+def test_template_hash_tracks_the_pod_template_only() -> None:
+    def h(b: dict[str, Any]) -> str:
+        return render(b)[0]["spec"]["template"]["metadata"]["labels"][TEMPLATE_HASH_LABEL]
+    base = body()
+    same = copy.deepcopy(base)
+    same["status"] = {"phase": "Ready"}
+    same["metadata"]["generation"] = 7
+    assert h(base) == h(same)
+    assert h(base) != h(body(serving={"maxWaitingTokens": 5}))
+    assert h(base) == h(body(replicas=3))  # scaling does not roll the pods
+
+
+def test_service_port_and_type() -> None:
+    svc = children(service={"type": "LoadBalancer", "port": 8000})["Service"]
+    assert svc["spec"]["type"] == "LoadBalancer"
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
+                                     "appProtocol": "http"}]
+
+
+FULL = dict(
+    replicas=3, shards=8, precision="fp8",
+    quantization={"configMapRef": {"name": "q"}, "measurements": {"persistentVolumeClaim": {"claimName": "m"}}},
+    model={"id": "m", "revision": "main", "hubTokenSecretRef": {"name": "hf", "key": "token"},
+           "cache": {"ephemeral": {"size": "300Gi", "storageClassName": "nvme"}}},
+    serving={"maxBatchSize": 32, "maxBatchTotalTokens": 100000}, image="registry/gaudi-serve:1",
+    imagePullPolicy="IfNotPresent", imagePullSecrets=[{"name": "regcred"}],
+    resources={"limits": {"cpu": "32", "memory": "400Gi", "hugepages-2Mi": "1Gi"}},
+    env=[{"name": "LOG_LEVEL", "value": "debug"}, {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+    nodeSelector={"node.kubernetes.io/instance-type": "gaudi3"},
+    tolerations=[{"key": "habana.ai/gaudi", "operator": "Exists", "effect": "NoSchedule"}],
+    affinity={"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+        "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                           "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "llama"}}}}]}},
+    serviceAccountName="llm", service={"type": "NodePort"},
+)
+
+
+@pytest.mark.parametrize("spec", [{}, FULL], ids=["minimal", "full"])
+def test_children_validate_against_kubernetes_openapi(spec: dict[str, Any]) -> None:
+    for child in render(body(**spec)):
+        # strict: unknown fields are errors too.
+        kubernetes_validate.validate(copy.deepcopy(child), K8S_VERSION, strict=True)
+
+
+def test_children_round_trip_through_kubernetes_client_models() -> None:
+    import kubernetes
+
+    api = kubernetes.client.ApiClient()
+
+    class _Rsp:
+        def __init__(self, data: Any) -> None:
+            import json
+            self.data = json.dumps(data)
+
+    models = {"Deployment": "V1Deployment", "Service": "V1Service", "PodDisruptionBudget": "V1PodDisruptionBudget"}
+    for child in render(body(**FULL)):
+        model = api.deserialize(_Rsp(child).data, models[child["kind"]], "application/json")
+        assert api.sanitize_for_serialization(model) == child
+
+
+def test_crd_is_a_valid_customresourcedefinition() -> None:
+    kubernetes_validate.validate(yaml.safe_load(CRD.read_text()), K8S_VERSION, strict=True)
+
+
+def test_bad_manifests_never_reach_render() -> None:
+    from gaudi_operator.spec import SpecError
+    with pytest.raises(SpecError, match="spec.shards"):
+        render(body(shards=3))
