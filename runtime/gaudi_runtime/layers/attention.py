@@ -79,8 +79,10 @@ class Attention(nn.Module):
         nb = block_tables.shape[1]
         block_size = k_cache.shape[1]
         length = nb * block_size
-        keys = k_cache[block_tables].reshape(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        values = v_cache[block_tables].reshape(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # index_select copies whole blocks and is markedly faster on CPU than advanced indexing.
+        flat = block_tables.reshape(-1)
+        keys = k_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         pos = torch.arange(length, device=q.device)
         # Position 0 is always allowed so a padded row with context_len 0 yields finite output, not NaN.
         mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)) | (pos.unsqueeze(0) == 0)  # [B, L]

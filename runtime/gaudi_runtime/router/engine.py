@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from collections import deque
@@ -125,8 +126,6 @@ class BatchingEngine:
     def info(self) -> dict:
         info = {"state": self.state, "unwarmed_shapes": self.unwarmed_shapes}
         if self.shard_info is not None:
-            import json
-
             s = self.shard_info
             info.update({
                 "model_dtype": s.dtype, "model_device_type": s.device_type, "num_shard": s.world_size,
