@@ -1,4 +1,4 @@
-"""`gaudi-serve` command line: launch, router, shard, tiny-model."""
+"""`gaudi-serve` command line: launch, router, shard, tiny-model, benchmark, loadtest."""
 
 from __future__ import annotations
 
@@ -28,12 +28,24 @@ def main(argv: list[str] | None = None) -> int:
     shard.add_argument("--rank", type=int, required=True)
     shard.add_argument("--world-size", type=int, required=True)
     sub.add_parser("tiny-model", help="write a tiny random model for demos and tests", add_help=False)
+    sub.add_parser("benchmark", help="static-batching latency/throughput of the shards per batch size",
+                   add_help=False)
+    sub.add_parser("loadtest", help="load generator for a TGI or OpenAI endpoint (TTFT, ITL, throughput)",
+                   add_help=False)
 
     if argv[:1] == ["tiny-model"]:
         from gaudi_runtime.tools.tiny_model import main as tiny
 
         tiny(argv[1:])
         return 0
+    if argv[:1] == ["benchmark"]:
+        from gaudi_runtime.bench.benchmark import main as benchmark
+
+        return benchmark(argv[1:])
+    if argv[:1] == ["loadtest"]:
+        from gaudi_runtime.bench.loadtest import main as loadtest
+
+        return loadtest(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "launch":
         try:

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -54,7 +55,7 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--port", None, int, 80, "Port the HTTP server listens on."),
     ("--shard-uds-path", None, str, "/tmp/gaudi-serve-server", "Prefix of the shards' unix sockets."),
     ("--sharded", None, _bool, None, "Shard the model across cards (default: when more than one is visible)."),
-    ("--num-shard", None, int, None, "Number of shards (default: 1, or all visible cards when sharded)."),
+    ("--num-shard", None, int, None, "Number of shards (default: every visible card; 1 on CPU or with --sharded false)."),
     ("--json-output", None, _bool, False, "Log JSON lines instead of text."),
     ("--api-key", None, str, None, "Bearer token every route but /health, /ping and /metrics requires."),
     ("--cors-allow-origin", None, str, None, "Comma-separated origins allowed by CORS."),
@@ -141,8 +142,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, default=None, help=f"{help_} [env: {env}] [default: {shown}]")
 
 
-def resolve(args: argparse.Namespace | None = None, environ: dict[str, str] | None = None) -> Config:
-    """Flags over env over defaults; then derived values and cross-checks."""
+def _visible_device_count(device: str) -> int:
+    from gaudi_runtime.device import visible_device_count
+
+    return visible_device_count(device)
+
+
+def resolve(args: argparse.Namespace | None = None, environ: dict[str, str] | None = None,
+            device_count: Callable[[str], int] | None = None) -> Config:
+    """Flags over env over defaults; then derived values and cross-checks.
+
+    `device_count(device)` counts the visible cards (the default of --num-shard); tests pass their own."""
     environ = os.environ if environ is None else environ
     values: dict[str, object] = {}
     for flag, env, typ, default, _ in FLAGS:
@@ -165,10 +175,10 @@ def resolve(args: argparse.Namespace | None = None, environ: dict[str, str] | No
             values[env.lower()] = default if raw is None else typ(raw)
         except (TypeError, ValueError):
             raise ConfigError(f"{env}: expected {typ.__name__.lstrip('_')}, got {raw!r}") from None
-    return _derive(values)
+    return _derive(values, device_count or _visible_device_count)
 
 
-def _derive(v: dict[str, object]) -> Config:
+def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     if not v["model_id"]:
         raise ConfigError("--model-id is required (a local directory or a hub id)")
     if v["max_input_length"] is not None:
@@ -222,6 +232,12 @@ def _derive(v: dict[str, object]) -> Config:
         raise ConfigError(f"--sharded false contradicts --num-shard {num}")
     if sharded and num == 1:
         raise ConfigError("--sharded true needs --num-shard > 1")
+    if num is None and sharded is not False:
+        # TGI: without --num-shard, shard over every visible card (--sharded false forces one).
+        num = device_count(v["device"])
+        if sharded and num < 2:
+            raise ConfigError(f"--sharded true but only {num} visible {v['device']} device(s); "
+                              "give --num-shard or --sharded false")
     v["num_shard"] = num or 1
     v["sharded"] = v["num_shard"] > 1
     if v["num_shard"] < 1:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -71,8 +72,11 @@ def test_health_reports_warmup_progress_then_ready(model_dir, tmp_path):
     seen = []
     try:
         srv.wait_ready(on_poll=lambda code, body: seen.append((code, body)))
+        metrics = urllib.request.urlopen(srv.url + "/metrics").read().decode()
     finally:
         srv.stop()
+    gauges = dict(line.split() for line in metrics.splitlines() if line.startswith("gaudi_serve_warmup_"))
+    assert float(gauges["gaudi_serve_warmup_done"]) == float(gauges["gaudi_serve_warmup_total"]) > 0
     warming = [b for c, b in seen if c == 503 and b.get("status") == "warming_up"]
     assert warming, seen[:5]
     w = warming[-1]["warmup"]

@@ -7,6 +7,7 @@ import asyncio
 import importlib
 import random
 import sys
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -95,12 +96,12 @@ def test_hpu_graphs_capture_each_bucket_once_and_only_replay_while_serving(fake_
     assert runner.unwarmed_shapes == 0
 
 
-def test_a_shape_warmup_missed_is_counted_once(model_dir):
+def test_every_pass_on_a_shape_warmup_missed_is_counted(model_dir):
     runner = ModelRunner(config(model_dir), str(model_dir), Backend(torch.device("cpu")))
     list(runner.warmup())
     runner.warmed = {k for k in runner.warmed if k[0] != "decode"}
     serve_some(runner, 3)
-    assert runner.unwarmed_shapes == 1  # the one decode shape used, counted the first time only
+    assert runner.unwarmed_shapes == 4  # every decode pass (1 merged + 3) ran on an unwarmed shape
 
 
 def test_limit_hpu_graph_keeps_prefill_out_of_graphs(fake_hpu, model_dir):
@@ -178,8 +179,10 @@ def test_random_traffic_never_runs_an_unwarmed_shape(model_dir, tmp_path, expone
         srv.wait_ready()
         asyncio.run(run())
         _, info = get_json(srv.url + "/info")
+        metrics = urllib.request.urlopen(srv.url + "/metrics").read().decode()
     finally:
         srv.stop()
     assert info["unwarmed_shapes"] == 0
+    assert "gaudi_serve_unwarmed_shapes_total 0.0" in metrics
     assert info["warmup"]["prefill_shapes"] > 0 and info["warmup"]["decode_shapes"] > 0
     assert info["kv_blocks_free"] == info["kv_blocks"]

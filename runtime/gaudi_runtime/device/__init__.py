@@ -26,4 +26,23 @@ def select_device(name: str = "auto", rank: int = 0, world_size: int = 1, graphs
     return CpuBackend()
 
 
-__all__ = ["Backend", "select_device"]
+def visible_device_count(name: str = "auto") -> int:
+    """Cards `--device name` would shard over: what `--num-shard` defaults to (TGI: all visible cards).
+
+    HPU cards when there are any (auto) or asked for (hpu), else CUDA GPUs, else 1 (the CPU)."""
+    if name == "cpu":
+        return 1
+    if name in ("auto", "hpu"):
+        from gaudi_runtime.device import hpu
+
+        n = hpu.device_count()
+        if n or name == "hpu":
+            return max(1, n)
+    import torch
+
+    if torch.cuda.is_available():
+        return max(1, torch.cuda.device_count())
+    return 1
+
+
+__all__ = ["Backend", "select_device", "visible_device_count"]

@@ -21,6 +21,19 @@ def available() -> bool:
     return bool(hthpu.is_available())
 
 
+def device_count() -> int:
+    """Gaudi cards visible to this process: the device plugin's HABANA_VISIBLE_DEVICES list when it
+    names cards, else what the bridge reports (0 when `habana_frameworks` is absent)."""
+    visible = os.environ.get("HABANA_VISIBLE_DEVICES", "").strip()
+    if visible and visible.lower() != "all":
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        import habana_frameworks.torch.hpu as hthpu
+    except ImportError:
+        return 0
+    return int(hthpu.device_count()) if hthpu.is_available() else 0
+
+
 class _Step(torch.nn.Module):
     """A step function as a module, the unit `wrap_in_hpu_graph` caches graphs for."""
 

@@ -11,15 +11,30 @@ import grpc
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
 
+SHARD_TIMEOUT_ENV = "GAUDI_SERVE_SHARD_TIMEOUT_S"
+DEFAULT_SHARD_TIMEOUT_S = 600.0
+
+
+def shard_timeout_s(environ=None) -> float:
+    """Longest a shard call (Prefill, Decode, ...) may take before the shard counts as hung."""
+    raw = (os.environ if environ is None else environ).get(SHARD_TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_SHARD_TIMEOUT_S
+    value = float(raw)
+    if value <= 0:
+        raise ValueError(f"{SHARD_TIMEOUT_ENV} must be positive, got {raw!r}")
+    return value
+
 
 class ShardError(Exception):
-    """A shard failed or could not be reached."""
+    """A shard failed, hung past the call timeout, or could not be reached."""
 
 
 class ShardClient:
-    def __init__(self, uds_paths: list[str], call_timeout_s: float = 600.0):
+    def __init__(self, uds_paths: list[str], call_timeout_s: float | None = None):
         self.uds_paths = uds_paths
-        self.call_timeout_s = call_timeout_s
+        # A call that outlives this is a hung shard: DEADLINE_EXCEEDED becomes a ShardError (engine failure).
+        self.call_timeout_s = shard_timeout_s() if call_timeout_s is None else call_timeout_s
         self.channels: list[grpc.aio.Channel] = []
         self.stubs: list[pb_grpc.TextGenerationServiceStub] = []
 

@@ -61,6 +61,7 @@ class BatchingEngine:
         self.metrics = metrics
         self.state = "loading"  # loading | warming_up | ready | failed
         self.failure = ""
+        self.failed = asyncio.Event()  # set by fail(): the router process exits non-zero on it
         self.warmup_progress = {"done": 0, "total": 0, "phase": "prefill"}
         self.waiting: deque[Entry] = deque()
         self.entries: dict[int, Entry] = {}
@@ -97,10 +98,14 @@ class BatchingEngine:
 
     def _on_warmup(self, done: int, total: int, phase: str) -> None:
         self.warmup_progress = {"done": done, "total": total, "phase": phase}
+        if self.metrics is not None:
+            self.metrics.gaudi_serve_warmup_done.set(done)
+            self.metrics.gaudi_serve_warmup_total.set(total)
 
     def fail(self, why: str) -> None:
         log.error("engine failed: %s", why)
         self.state, self.failure = "failed", why
+        self.failed.set()
         for e in list(self.entries.values()):
             self._finish_with_error(e, GenerationError(why))
 
@@ -138,6 +143,7 @@ class BatchingEngine:
             })
             details = json.loads(s.details_json or "{}")
             info["warmup"] = details.get("warmup")
+            info["weight_bytes_per_shard"] = details.get("weight_bytes")  # rank 0's; every rank holds ~1/N
         if self.allocator is not None:
             info["kv_blocks_free"] = self.allocator.free_count
         return info
@@ -358,6 +364,8 @@ class BatchingEngine:
             self.metrics.tgi_queue_size.set(len(self.waiting))
 
     def _set_unwarmed(self, count: int) -> None:
+        if count > self.unwarmed_shapes and self.metrics is not None:
+            self.metrics.gaudi_serve_unwarmed_shapes_total.inc(count - self.unwarmed_shapes)
         self.unwarmed_shapes = count
 
     def _set_batch_metric(self, n: int) -> None:

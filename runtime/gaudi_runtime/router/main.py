@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 from aiohttp import web
@@ -17,6 +18,8 @@ from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.shard.server import uds_path
 
 log = logging.getLogger(__name__)
+
+FAIL_EXIT_DELAY_S = float(os.environ.get("GAUDI_SERVE_FAIL_EXIT_DELAY_S", "2"))
 
 
 async def serve(cfg: Config, model_dir: str) -> int:
@@ -42,7 +45,15 @@ async def serve(cfg: Config, model_dir: str) -> int:
         if starting.done() and starting.exception() is not None:
             log.error("could not start: %s", starting.exception())
             return 1
-        await stop.wait()
+        failed = asyncio.create_task(engine.failed.wait())
+        await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if failed.done() and not stop.is_set():
+            # A shard died or hung: /health answers 503 for a moment (in-flight requests get their
+            # error responses), then the router exits non-zero so the launcher stops every process.
+            log.error("engine failed (%s); exiting in %.1fs", engine.failure, FAIL_EXIT_DELAY_S)
+            await asyncio.wait({stopped}, timeout=FAIL_EXIT_DELAY_S)
+            code = 1
+        failed.cancel()
     finally:
         await engine.stop()
         await runner.cleanup()

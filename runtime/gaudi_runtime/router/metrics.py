@@ -138,5 +138,12 @@ class Metrics:
             "tgi_batch_forward_duration", "Forward pass time (s), by method", ("method",),
             buckets=_FAST + (5.0, 10.0, 30.0), registry=r)
 
+        # Warmup (set by the engine; see docs/design.md "Static shapes").
+        self.gaudi_serve_warmup_done = Gauge("gaudi_serve_warmup_done", "Shapes warmed up so far", registry=r)
+        self.gaudi_serve_warmup_total = Gauge("gaudi_serve_warmup_total", "Shapes warmup runs", registry=r)
+        self.gaudi_serve_unwarmed_shapes_total = Counter(
+            "gaudi_serve_unwarmed_shapes_total", "Forward passes on a shape warmup did not cover (should stay 0)",
+            registry=c)
+
     def render(self) -> bytes:
         return "".join(c.render() for c in self.counters).encode() + generate_latest(self.registry)

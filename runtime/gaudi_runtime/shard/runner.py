@@ -63,6 +63,12 @@ def size_kv_cache(cfg: Config, bytes_per_block: int, free_bytes: int | None) -> 
     return min(wanted, fit)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes this rank holds for the model: parameters (tied ones once) and buffers."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class WarmupError(RuntimeError):
     """A bucket could not run; the message names the setting to lower."""
 
@@ -77,18 +83,22 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(model_dir, self.dtype, device, rank, world_size, process_group)
         m = self.model
+        self.rank, self.world_size = rank, world_size
+        self.weight_bytes = weight_bytes(m)
         per_block = kv_bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim, self.dtype)
         free = backend.memory_info()
         self.num_blocks = size_kv_cache(cfg, per_block, free[0] if free else None)
         self.kv_cache = allocate_kv_cache(m.num_layers, self.num_blocks, cfg.block_size, m.num_kv_heads,
                                           m.head_dim, self.dtype, device)
+        log.info("rank %d/%d holds %.1f MiB of weights", rank, world_size, self.weight_bytes / 2**20)
         log.info("model loaded in %.1fs; KV cache: %d blocks of %d tokens (%.1f MiB)",
                  time.perf_counter() - t0, self.num_blocks - 1, cfg.block_size,
                  self.num_blocks * per_block / 2**20)
         self.batches: dict[int, ShardBatch] = {}
         self.warmup_summary: dict | None = None
         self.warmed: set[tuple[str, int, int]] | None = None  # None until warmup ran
-        self.unwarmed_shapes = 0
+        self.unwarmed_shapes = 0  # forward passes on a shape warmup did not run
+        self._unwarmed_seen: set[tuple[str, int, int]] = set()
         self._decode_fn = backend.graphed(self._decode_step, "decode")
         self._prefill_fn = self._prefill_step if cfg.limit_hpu_graph else backend.graphed(self._prefill_step,
                                                                                           "prefill")
@@ -107,11 +117,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden[:, -1])
 
     def _note_shape(self, kind: str, rows: int, dim: int) -> None:
-        if self.warmed is not None and (kind, rows, dim) not in self.warmed:
-            self.unwarmed_shapes += 1
-            self.warmed.add((kind, rows, dim))  # counted once per shape
-            log.warning("%s shape (%d, %d) was not warmed up (%d so far): expect a slow first pass",
-                        kind, rows, dim, self.unwarmed_shapes)
+        if self.warmed is None or (kind, rows, dim) in self.warmed:
+            return
+        self.unwarmed_shapes += 1
+        if (kind, rows, dim) not in self._unwarmed_seen:
+            self._unwarmed_seen.add((kind, rows, dim))
+            log.warning("%s shape (%d, %d) was not warmed up: expect a slow first pass", kind, rows, dim)
 
     # ---- prefill -------------------------------------------------------
 
@@ -273,6 +284,9 @@ class ModelRunner:
 
     def info(self) -> dict:
         return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "weight_bytes": self.weight_bytes,
             "kv_blocks": self.num_blocks - 1,
             "block_size": self.cfg.block_size,
             "max_batch_total_tokens": (self.num_blocks - 1) * self.cfg.block_size,

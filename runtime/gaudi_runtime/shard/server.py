@@ -36,15 +36,38 @@ def join_process_group(backend: str, rank: int, world_size: int):
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=JOIN_TIMEOUT_S))
     except Exception as e:  # noqa: BLE001 - any failure to join is fatal, with context
+        # c10d appends a C++ stack trace to its messages: the first line is the one that says why.
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise SystemExit(
             f"shard {rank}/{world_size}: could not join the {backend} process group at "
-            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {JOIN_TIMEOUT_S:.0f}s: {e}"
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {JOIN_TIMEOUT_S:.0f}s "
+            f"(GAUDI_SERVE_JOIN_TIMEOUT_S): {why}"
         ) from e
     return dist.group.WORLD
 
 
+def cpu_threads(world_size: int, environ=None) -> int | None:
+    """Intra-op threads for one of `world_size` shards sharing this machine's cores (None: leave torch's).
+
+    The shards of one pod run on the same CPUs; each taking every core oversubscribes them (collectives
+    then wait on descheduled peers). OMP_NUM_THREADS, when set, is the operator's choice and wins.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("OMP_NUM_THREADS"):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, world_size))
+
+
 async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None:
     backend = select_device(cfg.device, rank, world_size, graphs=cfg.enable_hpu_graph)
+    threads = cpu_threads(world_size) if backend.name == "cpu" else None
+    if threads is not None:
+        torch.set_num_threads(threads)
+        log.info("shard %d/%d: %d torch threads", rank, world_size, threads)
     group = join_process_group(backend.distributed_backend, rank, world_size)
     runner = ModelRunner(cfg, model_dir, backend, rank, world_size, group)
     urls = [f"unix://{uds_path(cfg, r)}" for r in range(world_size)]

@@ -1,0 +1,101 @@
+{{/* Chart name, truncated to the 63 characters a label value allows. */}}
+{{- define "gso.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Fully qualified release name. */}}
+{{- define "gso.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gso.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "gso.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gso.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "gso.labels" -}}
+helm.sh/chart: {{ include "gso.chart" . }}
+{{ include "gso.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gaudi-serve
+{{- end -}}
+
+{{- define "gso.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "gso.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "gso.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Labels the operator puts on every runtime pod and Service (operator/gaudi_operator/render.py). */}}
+{{- define "gso.runtimeSelector" -}}
+app.kubernetes.io/name: gaudi-serve
+app.kubernetes.io/managed-by: gaudi-serve-operator
+{{- end -}}
+
+{{/* namespaceSelector for monitors: the watched namespaces, or any. */}}
+{{- define "gso.monitorNamespaces" -}}
+{{- if .Values.watch.namespaces }}
+matchNames:
+{{- range .Values.watch.namespaces }}
+  - {{ . | quote }}
+{{- end }}
+{{- else }}
+any: true
+{{- end }}
+{{- end -}}
+
+{{/* Namespaced rules: everything the operator reads and writes inside a watched namespace. */}}
+{{- define "gso.namespacedRules" -}}
+# InferenceServices: read and watch; patch for Kopf's bookkeeping annotations.
+- apiGroups: ["gaudiserve.io"]
+  resources: ["inferenceservices"]
+  verbs: ["get", "list", "watch", "patch"]
+# Status is written with a merge patch of the status subresource.
+- apiGroups: ["gaudiserve.io"]
+  resources: ["inferenceservices/status"]
+  verbs: ["patch"]
+# Children, applied server-side (create is needed when an apply creates the object).
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Pods: observed for status and warmup progress, never changed.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+# Events on phase changes.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- if .Values.peering.enabled }}
+# Kopf peering in namespaced mode (one KopfPeering per watched namespace).
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["get", "list", "watch", "patch"]
+{{- end }}
+{{- end -}}

@@ -1,0 +1,65 @@
+"""Summary statistics shared by `gaudi-serve benchmark` and `gaudi-serve loadtest` (pure)."""
+
+from __future__ import annotations
+
+import math
+
+QUANTILES = (50, 90, 99)
+
+
+def percentile(values, q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between ranks (numpy's default).
+
+    NaN for no values.
+    """
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be within [0, 100], got {q}")
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(values) -> dict:
+    """count, mean, min, max, p50, p90, p99 of `values` (NaN for every statistic when empty)."""
+    xs = [float(v) for v in values]
+    if not xs:
+        return {"count": 0, "mean": math.nan, "min": math.nan, "max": math.nan,
+                **{f"p{q}": math.nan for q in QUANTILES}}
+    return {"count": len(xs), "mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs),
+            **{f"p{q}": percentile(xs, q) for q in QUANTILES}}
+
+
+STAT_COLUMNS = ("mean", "min", "max", "p50", "p90", "p99")
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:,.{digits}f}"
+
+
+def table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """A Markdown-style table with aligned columns (the first `left` left-aligned, the rest right)."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells):
+        out = [str(c).ljust(widths[i]) if i < left else str(c).rjust(widths[i]) for i, c in enumerate(cells)]
+        return "| " + " | ".join(out) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def json_safe(obj):
+    """NaN/inf become None so that the JSON output is standard JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

@@ -1,0 +1,162 @@
+"""The pure parts of the two tools: stream accounting, step and run summaries, config checks, rendering."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from gaudi_runtime.bench import benchmark, loadtest
+from gaudi_runtime.bench.loadtest import Record, on_event, request_body, summarize_step, sweep_rates
+from gaudi_runtime.bench.profiles import PromptMaker, parse_length
+from gaudi_runtime.config import ConfigError, resolve
+
+
+def test_tgi_events_count_tokens_and_take_details_from_the_last():
+    rec = Record(index=0, start_s=0)
+    for i in range(3):
+        assert on_event("tgi", {"index": i, "token": {"id": 5, "text": "a"}, "details": None}, rec)
+    assert on_event("tgi", {"index": 4, "token": {"id": 5}, "details": {"generated_tokens": 4,
+                                                                      "finish_reason": "length"}}, rec)
+    assert rec.generated_tokens == 4 and rec.finish_reason == "length"
+    assert not on_event("tgi", {"error": "boom", "error_type": "generation"}, rec)
+    assert rec.status == "stream_error"
+
+
+def test_openai_events_prefer_the_servers_usage():
+    rec = Record(index=0, start_s=0, prompt_tokens=10, prompt_counted_by="estimate")
+    for _ in range(3):
+        assert on_event("openai", {"choices": [{"text": "x", "finish_reason": None}]}, rec)
+    assert on_event("openai", {"choices": [{"text": "", "finish_reason": "length"}]}, rec)
+    assert rec.generated_tokens == 4 and rec.finish_reason == "length"
+    assert not on_event("openai", {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 5}}, rec)
+    assert (rec.generated_tokens, rec.prompt_tokens, rec.prompt_counted_by) == (5, 12, "server")
+
+
+def test_openai_chat_events_count_only_chunks_with_text():
+    rec = Record(index=0, start_s=0)
+    assert not on_event("openai-chat", {"choices": [{"delta": {"role": "assistant", "content": ""}}]}, rec)
+    assert on_event("openai-chat", {"choices": [{"delta": {"role": "assistant", "content": "Hi"}}]}, rec)
+    assert on_event("openai-chat", {"choices": [{"delta": {"content": " there"}}]}, rec)
+    assert not on_event("openai-chat", {"choices": [{"delta": {}, "finish_reason": "length"}]}, rec)
+    assert rec.generated_tokens == 2 and rec.finish_reason == "length"
+    on_event("openai-chat", {"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 3}}, rec)
+    assert rec.generated_tokens == 3 and rec.prompt_tokens == 20
+
+
+def test_request_bodies_ignore_eos_only_when_asked():
+    p = loadtest.Planned(0, "hi", 2, "estimate", 7)
+    path, body = request_body("tgi", p, "m", ignore_eos=True)
+    assert path == "/generate_stream" and body["parameters"]["max_new_tokens"] == 7
+    assert "ignore_eos" not in body and "ignore_eos" not in body["parameters"]
+    path, body = request_body("openai", p, "m", ignore_eos=False)
+    assert path == "/v1/completions" and body["max_tokens"] == 7 and "ignore_eos" not in body
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert request_body("openai", p, "m", ignore_eos=True)[1]["ignore_eos"] is True
+    path, body = request_body("openai-chat", p, "m", ignore_eos=False)
+    assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "hi"}]
+    assert "prompt" not in body and "ignore_eos" not in body and body["max_tokens"] == 7
+
+
+def rec(i, status="ok", ttft=10.0, e2e=100.0, gen=10, want=10, prompt=5, itl=(10.0,) * 9):
+    return Record(index=i, start_s=0, status=status, prompt_tokens=prompt, prompt_counted_by="tokenizer",
+                  max_new_tokens=want, generated_tokens=gen if status == "ok" else 0, chunks=gen,
+                  ttft_ms=ttft if status == "ok" else None, e2e_ms=e2e if status == "ok" else None,
+                  itl_ms=list(itl) if status == "ok" else [])
+
+
+def test_step_summary_counts_errors_by_status_and_tokens_of_successes():
+    records = [rec(0), rec(1, ttft=30, e2e=120), rec(2, "422"), rec(3, "422"), rec(4, "timeout")]
+    s = summarize_step(records, elapsed=2.0, users=2)
+    assert s["mode"] == "closed" and s["users"] == 2
+    assert s["requests"] == {"sent": 5, "ok": 2, "failed": 3, "errors": {"422": 2, "timeout": 1}}
+    assert s["tokens"]["generated"] == 20 == s["tokens"]["requested"]
+    assert s["throughput"]["output_tokens_per_s"] == 10 and s["throughput"]["requests_per_s"] == 1
+    assert s["ttft_ms"]["min"] == 10 and s["ttft_ms"]["max"] == 30
+    assert s["tpot_ms"]["mean"] == pytest.approx(10)  # (100 - 10) / 9 and (120 - 30) / 9
+    assert s["itl_ms"]["count"] == 18
+    assert [r["status"] for r in s["records"]] == ["ok", "ok", "422", "422", "timeout"]
+
+
+def test_sweep_rates_are_fractions_of_saturation():
+    assert sweep_rates(6.0, 3) == [2.0, 4.0, 6.0]
+    with pytest.raises(ValueError):
+        sweep_rates(0.0, 3)
+
+
+def test_loadtest_render_shows_every_step_and_errors():
+    s1 = summarize_step([rec(0), rec(1, "422")], 1.0, rate=2.0)
+    s1["label"] = "rate 2.00/s"
+    s2 = summarize_step([rec(0), rec(1)], 1.0, rate=4.0)
+    s2["label"] = "rate 4.00/s"
+    report = {"api": "tgi", "url": "http://x", "model": "m", "profile": "sweep", "prompt_tokens": "8",
+              "output_tokens": "10", "steps": [s1, s2]}
+    text = loadtest.render(report)
+    assert "rate 2.00/s: 1/2 ok, errors: 422: 1" in text and "Summary" in text and "TTFT (ms)" in text
+
+
+def test_loadtest_plans_are_deterministic_per_index():
+    w = loadtest.Workload(parse_length("uniform:5:50"), parse_length("chat-output", 64), PromptMaker(), seed=3)
+    a, b = w.plan(17), w.plan(17)
+    assert a == b and 1 <= a.max_new_tokens <= 64 and w.plan(18) != a
+
+
+def test_bad_loadtest_arguments_exit_with_usage():
+    with pytest.raises(SystemExit) as e:
+        loadtest.main(["--url", "http://127.0.0.1:1", "--users", "2", "--rate", "3"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        loadtest.main(["--url", "http://127.0.0.1:1", "--prompt-tokens", "zipf:1"])
+
+
+def test_benchmark_summary_definitions():
+    runs = [benchmark.RunTimes(prefill_s=0.010, decode_s=0.080, generated=4 * 9),
+            benchmark.RunTimes(prefill_s=0.020, decode_s=0.040, generated=4 * 9)]
+    r = benchmark.summarize_runs(4, 10, 8, runs)
+    assert r["prefill"]["latency_ms"]["mean"] == pytest.approx(15)
+    assert r["prefill"]["throughput_tokens_per_s"]["max"] == pytest.approx(400)  # 4 tokens in 10 ms
+    assert r["prefill"]["prompt_tokens_per_s"]["max"] == pytest.approx(4000)
+    assert r["decode"]["token_latency_ms"]["min"] == pytest.approx(5)  # 40 ms / 8 steps
+    assert r["decode"]["throughput_tokens_per_s"]["max"] == pytest.approx(4 / 0.005)
+    assert r["total_latency_ms"]["min"] == pytest.approx(60) and r["total_latency_ms"]["max"] == pytest.approx(90)
+
+
+def args(**kw):
+    base = dict(sequence_length=10, decode_length=8, batch_size=[1, 4], max_input_tokens=None,
+                max_total_tokens=None, max_batch_size=None, max_batch_prefill_tokens=None, model_id="m")
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_benchmark_sizes_the_server_settings_it_needs():
+    a = args()
+    benchmark.derive_flags(a, environ={"PAD_SEQUENCE_TO_MULTIPLE_OF": "16"})
+    assert (a.max_input_tokens, a.max_total_tokens, a.max_batch_size, a.max_batch_prefill_tokens) == \
+        ("10", "18", "4", "64")
+    cfg = resolve(a, {"PAD_SEQUENCE_TO_MULTIPLE_OF": "16"})
+    benchmark.check_fits(cfg, [1, 4], 10, 8)
+    kept = args(max_batch_size="2")
+    benchmark.derive_flags(kept, environ={"MAX_TOTAL_TOKENS": "100"})
+    assert kept.max_batch_size == "2" and kept.max_total_tokens is None  # the flag and the env win
+
+
+@pytest.mark.parametrize("flags,msg", [
+    ({"max_batch_size": "2"}, "--batch-size 4 exceeds --max-batch-size 2"),
+    ({"max_total_tokens": "12"}, "exceeds --max-total-tokens 12"),
+    ({"max_batch_prefill_tokens": "32"}, "exceeds --max-batch-prefill-tokens 32"),
+])
+def test_benchmark_refuses_batches_the_configuration_cannot_run(flags, msg):
+    a = args(**flags)
+    benchmark.derive_flags(a, environ={"PAD_SEQUENCE_TO_MULTIPLE_OF": "16"})
+    cfg = resolve(a, {"PAD_SEQUENCE_TO_MULTIPLE_OF": "16"})
+    with pytest.raises(ConfigError, match=msg):
+        benchmark.check_fits(cfg, [1, 4], 10, 8)
+
+
+def test_benchmark_render_has_a_table_per_batch_size():
+    runs = [benchmark.RunTimes(0.01, 0.08, 9)]
+    report = {"model_id": "m", "device": "cpu", "dtype": "float32", "num_shard": 1, "sequence_length": 10,
+              "decode_length": 8, "runs": 1, "warmups": 0, "unwarmed_shapes": 0,
+              "results": [benchmark.summarize_runs(b, 10, 8, runs) for b in (1, 2)]}
+    text = benchmark.render(report)
+    assert "Batch size 1" in text and "Batch size 2" in text
+    assert text.count("| Decode (token) | Latency (ms)") == 2
