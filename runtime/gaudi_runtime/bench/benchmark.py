@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -33,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 from gaudi_runtime import buckets
-from gaudi_runtime.bench.stats import STAT_COLUMNS, fmt, json_safe, summarize, table
+from gaudi_runtime.bench.stats import STAT_COLUMNS, fmt, summarize, table, write_json
 from gaudi_runtime.config import FLAGS, Config, ConfigError, resolve
 from gaudi_runtime.proto import generate_pb2 as pb
 
@@ -343,10 +342,5 @@ def main(argv: list[str] | None = None) -> int:
             launcher.stop_all(procs)
     print(render(report))
     if a.json_path:
-        text = json.dumps(json_safe(report), indent=2)
-        if a.json_path == "-":
-            print(text)
-        else:
-            with open(a.json_path, "w") as f:
-                f.write(text + "\n")
+        write_json(report, a.json_path)
     return 0

@@ -42,7 +42,7 @@ from gaudi_runtime.bench.profiles import (
     parse_length,
     poisson_schedule,
 )
-from gaudi_runtime.bench.stats import STAT_COLUMNS, fmt, json_safe, summarize, table
+from gaudi_runtime.bench.stats import STAT_COLUMNS, fmt, summarize, table, write_json
 
 PROFILE_LENGTHS = {"constant": ("128", "128"), "chat": ("chat-prompt", "chat-output"),
                    "sweep": ("chat-prompt", "chat-output")}
@@ -527,12 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     report = asyncio.run(run(a, workload))
     print(render(report))
     if a.json_path:
-        text = json.dumps(json_safe(report), indent=2)
-        if a.json_path == "-":
-            print(text)
-        else:
-            with open(a.json_path, "w") as f:
-                f.write(text + "\n")
+        write_json(report, a.json_path)
     if a.plot:
         plot(report, a.plot)
         print(f"plot written to {a.plot}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 QUANTILES = (50, 90, 99)
@@ -63,3 +64,13 @@ def json_safe(obj):
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def write_json(report: dict, path: str) -> None:
+    """The report as JSON on stdout (path "-") or in a file."""
+    text = json.dumps(json_safe(report), indent=2)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
