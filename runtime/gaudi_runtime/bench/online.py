@@ -57,7 +57,8 @@ async def run(url: str, prompts: list[str], concurrency: int, output_len: int) -
     async def user(session):
         nonlocal tokens
         while queue:
-            tokens += await one(session, url, queue.pop(), output_len, ttft, itl)
+            n = await one(session, url, queue.pop(), output_len, ttft, itl)
+            tokens += n  # not `tokens += await ...`: that reads tokens before the await
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         start = time.perf_counter()
