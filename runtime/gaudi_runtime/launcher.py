@@ -75,8 +75,8 @@ def _child_env(cfg: Config, model_dir: str) -> dict[str, str]:
 _EXE = [sys.executable, "-m", "gaudi_runtime.cli"]
 
 
-def spawn_shards(cfg: Config, model_dir: str) -> list[tuple[str, subprocess.Popen]]:
-    env = _child_env(cfg, model_dir)
+def spawn_shards(cfg: Config, model_dir: str, env: dict[str, str] | None = None) -> list[tuple[str, subprocess.Popen]]:
+    env = env or _child_env(cfg, model_dir)
     return [
         (f"shard-{rank}", subprocess.Popen(_EXE + ["shard", "--rank", str(rank), "--world-size", str(cfg.num_shard)],
                                            env=env, preexec_fn=_die_with_parent))
@@ -85,9 +85,9 @@ def spawn_shards(cfg: Config, model_dir: str) -> list[tuple[str, subprocess.Pope
 
 
 def spawn(cfg: Config, model_dir: str) -> list[tuple[str, subprocess.Popen]]:
-    procs = spawn_shards(cfg, model_dir)
-    router = subprocess.Popen(_EXE + ["router"], env=_child_env(cfg, model_dir), preexec_fn=_die_with_parent)
-    return procs + [("router", router)]
+    env = _child_env(cfg, model_dir)
+    procs = spawn_shards(cfg, model_dir, env)
+    return procs + [("router", subprocess.Popen(_EXE + ["router"], env=env, preexec_fn=_die_with_parent))]
 
 
 def stop_all(procs: list[tuple[str, subprocess.Popen]]) -> None:
