@@ -75,3 +75,63 @@ def launch(model_dir: Path | str, tmp: Path, *args: str, env: dict | None = None
     out = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     return Launched(proc, f"http://127.0.0.1:{port}", log_path)
+
+
+# Small shapes so that prompts span several KV blocks, batches are padded and several buckets are used.
+SMALL_ARGS = ["--dtype", "float32", "--max-input-tokens", "64", "--max-total-tokens", "128",
+              "--max-batch-size", "8", "--max-batch-prefill-tokens", "128", "--block-size", "4",
+              "--max-concurrent-requests", "64"]
+SMALL_ENV = {"PAD_SEQUENCE_TO_MULTIPLE_OF": "16", "BATCH_BUCKET_SIZE": "4", "PREFILL_BATCH_BUCKET_SIZE": "2"}
+
+_REFERENCE: dict[str, tuple] = {}
+
+
+def greedy_reference(model_dir, prompt: str, max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens on the same weights in fp32: the correctness reference."""
+    import torch
+    import transformers
+
+    key = str(model_dir)
+    if key not in _REFERENCE:
+        tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        _REFERENCE[key] = (tok, model, {})
+    tok, model, cache = _REFERENCE[key]
+    if (prompt, max_new_tokens) not in cache:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                 attention_mask=torch.ones_like(ids))
+        cache[prompt, max_new_tokens] = out[0, ids.shape[1]:].tolist()
+    return cache[prompt, max_new_tokens]
+
+
+async def stream_ids(session, url: str, prompt: str, max_new_tokens: int, started=None, after: int = 2) -> list[int]:
+    """Token ids of a /generate_stream; sets `started` once `after` tokens arrived (or at the end)."""
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
+    ids = []
+    async with session.post(url + "/generate_stream", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            line = line.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            ids.append(json.loads(line[5:])["token"]["id"])
+            if started is not None and len(ids) >= after:
+                started.set()
+    if started is not None:
+        started.set()
+    return ids
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie is dead for our purposes
+    except FileNotFoundError:
+        return False

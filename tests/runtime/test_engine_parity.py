@@ -7,25 +7,15 @@ join and leave a running batch; afterwards every KV block is free again.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 
 import aiohttp
 import pytest
-import torch
-import transformers
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import get_json, launch
+from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, get_json, greedy_reference, launch, stream_ids
 
 FAMILIES = ["llama", "llama31", "mistral", "qwen2"]
-
-# Small shapes so that prompts span several KV blocks, batches are padded and
-# several buckets are used.
-SERVER_ARGS = ["--dtype", "float32", "--max-input-tokens", "64", "--max-total-tokens", "128",
-               "--max-batch-size", "8", "--max-batch-prefill-tokens", "128", "--block-size", "4",
-               "--max-concurrent-requests", "64"]
-SERVER_ENV = {"PAD_SEQUENCE_TO_MULTIPLE_OF": "16", "BATCH_BUCKET_SIZE": "4", "PREFILL_BATCH_BUCKET_SIZE": "2"}
 
 PROMPTS = [
     "What is deep learning?",
@@ -49,7 +39,7 @@ PROMPTS = [
 def server(request, tmp_path_factory):
     family = request.param
     model_dir = make_tiny_model(tmp_path_factory.mktemp(family), family)
-    srv = launch(model_dir, tmp_path_factory.mktemp(f"{family}-run"), *SERVER_ARGS, env=SERVER_ENV)
+    srv = launch(model_dir, tmp_path_factory.mktemp(f"{family}-run"), *SMALL_ARGS, env=SMALL_ENV)
     try:
         srv.wait_ready()
         srv.model_dir = model_dir
@@ -60,22 +50,7 @@ def server(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(server):
-    tok = transformers.AutoTokenizer.from_pretrained(server.model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.float32)
-    model.eval()
-    cache = {}
-
-    def generate(prompt: str, max_new_tokens: int) -> list[int]:
-        key = (prompt, max_new_tokens)
-        if key not in cache:
-            ids = tok(prompt, return_tensors="pt").input_ids
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                     attention_mask=torch.ones_like(ids))
-            cache[key] = out[0, ids.shape[1]:].tolist()
-        return cache[key]
-
-    return generate
+    return lambda prompt, n: greedy_reference(server.model_dir, prompt, n)
 
 
 async def generate_ids(session, url, prompt, max_new_tokens):
@@ -84,24 +59,6 @@ async def generate_ids(session, url, prompt, max_new_tokens):
         assert r.status == 200, await r.text()
         data = await r.json()
     return [t["id"] for t in data["details"]["tokens"]]
-
-
-async def stream_ids(session, url, prompt, max_new_tokens, started: asyncio.Event | None = None, after=2):
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
-    ids = []
-    async with session.post(url + "/generate_stream", json=body) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            line = line.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            ev = json.loads(line[5:])
-            ids.append(ev["token"]["id"])
-            if started is not None and len(ids) >= after:
-                started.set()
-    if started is not None:
-        started.set()
-    return ids
 
 
 def test_greedy_single_request_matches_transformers(server, reference):

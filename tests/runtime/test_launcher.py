@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import launch
+from tests.runtime.launched import alive, children, launch
 
 
 @pytest.fixture(scope="module")
@@ -48,24 +48,6 @@ def test_unsupported_architecture_lists_the_supported_ones(model_dir, tmp_path):
         assert arch in r.stderr
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_health_reports_warmup_progress_then_ready(model_dir, tmp_path):
     srv = launch(model_dir, tmp_path, "--max-input-tokens", "256", "--max-total-tokens", "512",
                  "--max-batch-size", "32", env={"PAD_SEQUENCE_TO_MULTIPLE_OF": "16", "BATCH_BUCKET_SIZE": "2"})
@@ -89,15 +71,15 @@ def test_a_dying_shard_stops_the_launcher_non_zero_leaving_no_process(model_dir,
                  "--max-batch-size", "4", env={"PAD_SEQUENCE_TO_MULTIPLE_OF": "16"})
     try:
         srv.wait_ready()
-        children = _children(srv.proc.pid)
-        assert len(children) == 2  # shard-0 and the router
-        shard = next(p for p in children if b"shard" in open(f"/proc/{p}/cmdline", "rb").read())
+        kids = children(srv.proc.pid)
+        assert len(kids) == 2  # shard-0 and the router
+        shard = next(p for p in kids if b"shard" in open(f"/proc/{p}/cmdline", "rb").read())
         os.kill(shard, signal.SIGKILL)
         code = srv.proc.wait(timeout=60)
         assert code != 0
         deadline = time.monotonic() + 30
-        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        while any(alive(p) for p in kids) and time.monotonic() < deadline:
             time.sleep(0.05)  # poll interval of a deadline-bounded wait
-        assert not any(_alive(p) for p in children)
+        assert not any(alive(p) for p in kids)
     finally:
         srv.stop()

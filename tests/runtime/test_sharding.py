@@ -17,7 +17,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,11 +26,20 @@ import urllib.request
 import aiohttp
 import pytest
 import torch
-import transformers
 
 from gaudi_runtime.config import ConfigError, resolve
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import get_json, launch
+from tests.runtime.launched import (
+    SMALL_ARGS,
+    SMALL_ENV,
+    alive,
+    children,
+    free_port,
+    get_json,
+    greedy_reference,
+    launch,
+    stream_ids,
+)
 
 FAMILIES = ["llama", "llama31", "mistral", "qwen2"]
 # qwen2 at 4 shards: 2 KV heads each replicated on 2 ranks (with q/k/v biases), tied embeddings, vocab
@@ -39,10 +47,7 @@ FAMILIES = ["llama", "llama31", "mistral", "qwen2"]
 CASES = [(f, 2) for f in FAMILIES] + [("qwen2", 4)]
 
 # --device cpu: gloo on CPU whatever accelerator the test machine has (what CI shows).
-SERVER_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-input-tokens", "64",
-               "--max-total-tokens", "128", "--max-batch-size", "8", "--max-batch-prefill-tokens", "128",
-               "--block-size", "4", "--max-concurrent-requests", "64"]
-SERVER_ENV = {"PAD_SEQUENCE_TO_MULTIPLE_OF": "16", "BATCH_BUCKET_SIZE": "4", "PREFILL_BATCH_BUCKET_SIZE": "2"}
+SERVER_ARGS = ["--device", "cpu", *SMALL_ARGS]
 
 PROMPTS = [
     "What is deep learning?",
@@ -75,7 +80,7 @@ def server(request, model_dirs, tmp_path_factory):
     family, shards = request.param
     model_dir = model_dirs(family)
     srv = launch(model_dir, tmp_path_factory.mktemp(f"{family}-{shards}"), "--num-shard", str(shards),
-                 *SERVER_ARGS, env=SERVER_ENV)
+                 *SERVER_ARGS, env=SMALL_ENV)
     try:
         srv.wait_ready()
         srv.model_dir, srv.shards = model_dir, shards
@@ -84,24 +89,7 @@ def server(request, model_dirs, tmp_path_factory):
         srv.stop()
 
 
-_REFERENCE: dict[str, object] = {}
-
-
-def reference(model_dir, prompt: str, max_new_tokens: int) -> list[int]:
-    """transformers' greedy tokens on the same fp32 weights (what one shard gives, test_engine_parity)."""
-    key = str(model_dir)
-    if key not in _REFERENCE:
-        tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        _REFERENCE[key] = (tok, model, {})
-    tok, model, cache = _REFERENCE[key]
-    if (prompt, max_new_tokens) not in cache:
-        ids = tok(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                 attention_mask=torch.ones_like(ids))
-        cache[prompt, max_new_tokens] = out[0, ids.shape[1]:].tolist()
-    return cache[prompt, max_new_tokens]
+reference = greedy_reference
 
 
 async def generate(session, url, prompt, max_new_tokens, **params) -> dict:
@@ -109,21 +97,6 @@ async def generate(session, url, prompt, max_new_tokens, **params) -> dict:
     async with session.post(url + "/generate", json=body) as r:
         assert r.status == 200, await r.text()
         return (await r.json())["details"]
-
-
-async def stream_ids(session, url, prompt, max_new_tokens, started: asyncio.Event) -> list[int]:
-    ids = []
-    body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
-    async with session.post(url + "/generate_stream", json=body) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            line = line.decode().strip()
-            if line.startswith("data:"):
-                ids.append(json.loads(line[5:])["token"]["id"])
-                if len(ids) >= 2:
-                    started.set()
-    started.set()
-    return ids
 
 
 def test_info_reports_the_shards(server):
@@ -166,6 +139,9 @@ def test_greedy_concurrent_requests_match_one_shard(server):
     assert info["kv_blocks_free"] == info["kv_blocks"]
 
 
+_RUNNERS: dict[str, object] = {}
+
+
 def _one_shard_sampled(model_dir, input_ids: list[int], seed: int, max_new_tokens: int) -> list[int]:
     """The 1-shard shard path in process: the same ModelRunner and sampler `launch` runs on rank 0."""
     from gaudi_runtime.device.cpu import CpuBackend
@@ -173,12 +149,12 @@ def _one_shard_sampled(model_dir, input_ids: list[int], seed: int, max_new_token
     from gaudi_runtime.shard.runner import ModelRunner, PrefillInput
     from gaudi_runtime.shard.servicer import to_params
 
-    key = ("runner", str(model_dir))
-    if key not in _REFERENCE:
+    key = str(model_dir)
+    if key not in _RUNNERS:
         cfg = resolve(None, {"MODEL_ID": str(model_dir), "DTYPE": "float32", "DEVICE": "cpu", "BLOCK_SIZE": "4",
                              "MAX_TOTAL_TOKENS": "128", "MAX_BATCH_SIZE": "8", "NUM_SHARD": "1"})
-        _REFERENCE[key] = ModelRunner(cfg, str(model_dir), CpuBackend())
-    runner = _REFERENCE[key]
+        _RUNNERS[key] = ModelRunner(cfg, str(model_dir), CpuBackend())
+    runner = _RUNNERS[key]
     params = to_params(pb.NextTokenChooserParameters(seed=seed, **SAMPLING))
     blocks = list(range(1, 1 + (len(input_ids) + max_new_tokens + 3) // 4 + 1))
     step = runner.prefill(1, [PrefillInput(1, input_ids, params, 0, blocks, False)])
@@ -220,12 +196,6 @@ def test_seeded_sampling_matches_one_shard(server):
 # ---- memory per rank ---------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
@@ -260,7 +230,7 @@ def test_each_of_two_ranks_holds_at_most_55_percent_of_the_weights(tmp_path_fact
 
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("small"), "llama", size="small", dtype="bfloat16"))
     for world in (1, 2):
-        mp.spawn(_weights_worker, args=(world, _free_port(), model_dir, str(tmp_path)), nprocs=world, join=True)
+        mp.spawn(_weights_worker, args=(world, free_port(), model_dir, str(tmp_path)), nprocs=world, join=True)
     one = torch.load(tmp_path / "rank0-of-1.pt")
     ranks = [torch.load(tmp_path / f"rank{r}-of-2.pt") for r in range(2)]
     full = one["weight_bytes"]
@@ -277,23 +247,10 @@ def test_each_of_two_ranks_holds_at_most_55_percent_of_the_weights(tmp_path_fact
 # ---- failures --------------------------------------------------------------------------------------------
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"  # a zombie is dead for our purposes
-    except FileNotFoundError:
-        return False
-
-
-def _shards(children: list[int]) -> dict[int, int]:
-    """rank -> pid of the launcher's shard children."""
+def _shards(kids: list[int]) -> dict[int, int]:
+    """rank -> pid of the launcher's shard kids."""
     ranks = {}
-    for pid in children:
+    for pid in kids:
         args = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         if b"shard" in args:
             ranks[int(args[args.index(b"--rank") + 1])] = pid
@@ -308,11 +265,11 @@ def _health(url: str) -> int | None:
         return None
 
 
-def _assert_all_gone(children: list[int], timeout_s: float = 30) -> None:
+def _assert_all_gone(kids: list[int], timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
-    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+    while any(alive(p) for p in kids) and time.monotonic() < deadline:
         time.sleep(0.05)  # poll interval of a deadline-bounded wait
-    assert not any(_alive(p) for p in children), [p for p in children if _alive(p)]
+    assert not any(alive(p) for p in kids), [p for p in kids if alive(p)]
 
 
 FAIL_ARGS = ["--device", "cpu", "--num-shard", "2", "--dtype", "float32", "--max-input-tokens", "32",
@@ -324,9 +281,9 @@ def test_killing_one_of_two_shards_stops_everything_non_zero(model_dirs, tmp_pat
     srv = launch(model_dirs("llama"), tmp_path, *FAIL_ARGS, env=FAIL_ENV)
     try:
         srv.wait_ready()
-        children = _children(srv.proc.pid)
-        shards = _shards(children)
-        assert sorted(shards) == [0, 1] and len(children) == 3, children  # shard-0, shard-1 and the router
+        kids = children(srv.proc.pid)
+        shards = _shards(kids)
+        assert sorted(shards) == [0, 1] and len(kids) == 3, kids  # shard-0, shard-1 and the router
         killed = time.monotonic()
         os.kill(shards[1], signal.SIGKILL)
         while _health(srv.url) == 200 and time.monotonic() - killed < 30:
@@ -335,7 +292,7 @@ def test_killing_one_of_two_shards_stops_everything_non_zero(model_dirs, tmp_pat
         code = srv.proc.wait(timeout=60)
         stopped_in = time.monotonic() - killed
         assert code != 0
-        _assert_all_gone(children)
+        _assert_all_gone(kids)
         assert stopped_in < 30, stopped_in
         assert "shard-1 exited with code -9" in srv.log()
     finally:
@@ -349,8 +306,8 @@ def test_a_hung_shard_turns_health_503_then_stops_everything_non_zero(model_dirs
                  env={**FAIL_ENV, "GAUDI_SERVE_SHARD_TIMEOUT_S": "3", "GAUDI_SERVE_FAIL_EXIT_DELAY_S": "4"})
     try:
         srv.wait_ready()
-        children = _children(srv.proc.pid)
-        shards = _shards(children)
+        kids = children(srv.proc.pid)
+        shards = _shards(kids)
         os.kill(shards[1], signal.SIGSTOP)
         hung = time.monotonic()
         req = urllib.request.Request(srv.url + "/generate", data=json.dumps(
@@ -363,7 +320,7 @@ def test_a_hung_shard_turns_health_503_then_stops_everything_non_zero(model_dirs
         code, body = get_json(srv.url + "/health")
         assert code == 503 and body["status"] == "failed", body
         assert srv.proc.wait(timeout=60) != 0
-        _assert_all_gone(children)
+        _assert_all_gone(kids)
         assert time.monotonic() - hung < 45
         assert "router exited with code 1" in srv.log()
     finally:
@@ -378,7 +335,7 @@ def test_a_rank_that_cannot_join_exits_with_a_clear_message(model_dirs, tmp_path
     cfg = resolve(None, {"MODEL_ID": model_dir, "DEVICE": "cpu", "DTYPE": "float32", "NUM_SHARD": "2",
                          "SHARD_UDS_PATH": str(tmp_path / "s")})
     env = dict(os.environ, **{CONFIG_ENV: cfg.to_json(), MODEL_DIR_ENV: model_dir, "MASTER_ADDR": "127.0.0.1",
-                              "MASTER_PORT": str(_free_port()), "GAUDI_SERVE_JOIN_TIMEOUT_S": "3"})
+                              "MASTER_PORT": str(free_port()), "GAUDI_SERVE_JOIN_TIMEOUT_S": "3"})
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "gaudi_runtime.cli", "shard", "--rank", "0", "--world-size", "2"],
                        env=env, capture_output=True, text=True, timeout=120)
