@@ -24,6 +24,7 @@ from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TPContext
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_params_from_config
+from .loading import load_checkpoint, materialize
 
 
 @dataclass
@@ -164,6 +165,7 @@ class LlamaForCausalLM(nn.Module):
     ``vocab_size`` (true vocab), ``eos_token_ids``, ``max_position_embeddings``.
     """
 
+    config_class = LlamaConfig
     # checkpoint name fragment -> (parameter name fragment, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -191,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
             else:
                 self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = rotary
-        _materialize(self, dtype, device)
+        materialize(self, dtype, device)
         attn0 = self.model.layers[0].self_attn
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = attn0.num_heads
@@ -215,53 +217,9 @@ class LlamaForCausalLM(nn.Module):
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, weights) -> None:
         """Load from an iterable of ``(name, tensor)`` (full checkpoint tensors; each layer slices its part)."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            target, shard = name, None
-            for ckpt, (mine, shard_id) in self.packed_modules_mapping.items():
-                if f".{ckpt}." in name:
-                    target, shard = name.replace(f".{ckpt}.", f".{mine}."), shard_id
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"unexpected weight {name!r} in checkpoint")
-            loader = param.weight_loader
-            if shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
-            loaded.add(target if shard is None else f"{target}:{shard}")
-        missing = []
-        for pname in params:
-            if pname == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue
-            module_name = pname.rsplit(".", 1)[0].rsplit(".", 1)[-1]
-            if module_name == "qkv_proj":
-                missing += [f"{pname}:{s}" for s in "qkv" if f"{pname}:{s}" not in loaded]
-            elif module_name == "gate_up_proj":
-                missing += [f"{pname}:{s}" for s in (0, 1) if f"{pname}:{s}" not in loaded]
-            elif pname not in loaded:
-                missing.append(pname)
-        if missing:
-            raise ValueError(f"weights missing from checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        tied = self.config.tie_word_embeddings
 
+        def skip(name: str) -> bool:
+            return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
 
-def _materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Replace meta parameters by uninitialized ones on ``device`` in ``dtype`` (keeping ties and loaders)."""
-    memo: dict[int, nn.Parameter] = {}
-    for mod in module.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            new = memo.get(id(p))
-            if new is None:
-                new = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
-                if hasattr(p, "weight_loader"):
-                    new.weight_loader = p.weight_loader
-                memo[id(p)] = new
-            mod._parameters[name] = new
+        load_checkpoint(self, weights, self.packed_modules_mapping, skip)

@@ -10,10 +10,12 @@ from typing import Any
 import torch
 
 from ..layers.linear import LazyWeight, TPContext
-from .llama import LlamaConfig, LlamaForCausalLM
+from .llama import LlamaForCausalLM
 
 # config.json "architectures" entry -> model class (Mistral and Qwen2 are Llama config variations).
-SUPPORTED_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+# A model class has ``config_class.from_dict(cfg, arch)``, the constructor
+# ``(cfg, tp, dtype, device)``, ``load_weights`` and the ``CausalLM`` interface.
+SUPPORTED_ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -87,14 +89,15 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1,
-               process_group=None) -> LlamaForCausalLM:
+               process_group=None) -> CausalLM:
     """Build the model for ``model_dir`` and load this rank's weight shard from its safetensors files."""
     cfg_dict = read_config(model_dir)
     arch = resolve_architecture(cfg_dict)
-    cfg = LlamaConfig.from_dict(cfg_dict, arch)
+    model_cls = SUPPORTED_ARCHITECTURES[arch]
+    cfg = model_cls.config_class.from_dict(cfg_dict, arch)
     cfg.eos_token_ids = eos_token_ids(model_dir, cfg_dict)
     tp = TPContext(rank=tp_rank, size=tp_size, group=process_group)
-    model = SUPPORTED_ARCHITECTURES[arch](cfg, tp, dtype, torch.device(device))
+    model = model_cls(cfg, tp, dtype, torch.device(device))
     with torch.no_grad():
         model.load_weights(iter_safetensors(safetensors_files(model_dir)))
     model.eval()

@@ -53,26 +53,51 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0):
     return fast
 
 
-def make_config(family: str, vocab_size: int, size: str = "tiny", **overrides):
+def _llama(common, shape):
     import transformers
 
+    return transformers.LlamaConfig(**common, **shape, tie_word_embeddings=False)
+
+
+def _llama31(common, shape):
+    import transformers
+
+    return transformers.LlamaConfig(
+        **common, **shape, tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    )
+
+
+def _mistral(common, shape):
+    import transformers
+
+    return transformers.MistralConfig(**common, **shape, sliding_window=None, tie_word_embeddings=False)
+
+
+def _qwen2(common, shape):
+    import transformers
+
+    return transformers.Qwen2Config(**common, **shape, tie_word_embeddings=True, use_sliding_window=False)
+
+
+# family -> builder(common kwargs, shape kwargs) -> a transformers config of that family
+FAMILIES = {
+    "llama": _llama,
+    "codellama": _llama,
+    "llama31": _llama31,
+    "mistral": _mistral,
+    "qwen2": _qwen2,
+}
+
+
+def make_config(family: str, vocab_size: int, size: str = "tiny", **overrides):
     shape = dict(SHAPES[size])
     common = dict(vocab_size=vocab_size, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1,
                   initializer_range=0.1)
-    if family in ("llama", "codellama"):
-        cfg = transformers.LlamaConfig(**common, **shape, tie_word_embeddings=False)
-    elif family == "llama31":
-        cfg = transformers.LlamaConfig(
-            **common, **shape, tie_word_embeddings=True, rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
-        )
-    elif family == "mistral":
-        cfg = transformers.MistralConfig(**common, **shape, sliding_window=None, tie_word_embeddings=False)
-    elif family == "qwen2":
-        cfg = transformers.Qwen2Config(**common, **shape, tie_word_embeddings=True, use_sliding_window=False)
-    else:
-        raise ValueError(f"unknown family {family!r}; choose llama, llama31, codellama, mistral or qwen2")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    cfg = FAMILIES[family](common, shape)
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
