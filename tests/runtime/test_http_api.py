@@ -461,6 +461,16 @@ async def test_completions(fake_server):
     assert b["usage"]["total_tokens"] == b["usage"]["prompt_tokens"] + 1
 
 
+async def test_completions_ignore_eos_generates_to_max_tokens(fake_server):
+    body = {"prompt": "hello", "max_tokens": 6, "temperature": 0}
+    _, b, _ = await call(fake_server.url, "/v1/completions", body)
+    assert b["choices"][0]["finish_reason"] == "stop" and b["usage"]["completion_tokens"] < 6
+    _, b, _ = await call(fake_server.url, "/v1/completions", {**body, "ignore_eos": True})
+    assert b["choices"][0]["finish_reason"] == "length" and b["usage"]["completion_tokens"] == 6
+    status, b, _ = await call(fake_server.url, "/v1/completions", {**body, "ignore_eos": "yes"})
+    assert status == 422 and "ignore_eos" in b["error"]
+
+
 async def test_completions_prompt_list(fake_server):
     status, b, _ = await call(fake_server.url, "/v1/completions", {
         "prompt": ["hello", "the gaudi card", "東京"], "max_tokens": 20, "temperature": 0})

@@ -78,6 +78,7 @@ def tgi_parameters(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
     params["repetition_penalty"] = opt_float(body, "repetition_penalty")
     params["stop"] = str_list(body, "stop")
     opt_float(body, "presence_penalty")  # accepted, type-checked, not applied
+    params["ignore_eos"] = opt_bool(body, "ignore_eos")
     return params
 
 

@@ -234,7 +234,8 @@ def validate_parameters(inputs: str, input_ids: list[int], params: dict, config:
     stopping = StoppingParameters(
         max_new_tokens=max_new_tokens,
         stop_sequences=tuple(stop),
-        ignore_eos_token=config.text_generation_server_ignore_eos_token,
+        # `ignore_eos` is vLLM's extension (benchmark clients send it); the env var sets it server-wide.
+        ignore_eos_token=config.text_generation_server_ignore_eos_token or bool(opt_bool(params, "ignore_eos")),
     )
     request = ValidRequest(
         input_ids=input_ids,
