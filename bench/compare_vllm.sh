@@ -7,7 +7,7 @@
 #
 # Workloads: offline 64 prompts x 128 random tokens -> 128 new tokens, EOS ignored;
 # online streaming /v1/completions, 128 in / 128 out, 64 requests at concurrency 16
-# and C1_REQUESTS (default 16) at concurrency 1. Both engines ignore EOS.
+# and C1_REQUESTS (default 16) at concurrency 1. Both servers get the same requests (`ignore_eos`).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 peer=${PEER_BENCH:-$root/../shared/bench}
@@ -72,7 +72,7 @@ for run in $(seq 1 "$runs"); do
 
   echo "== run $run: gaudi-serve online" >&2
   # shellcheck disable=SC2086  # OURS_ARGS is a list of flags
-  TEXT_GENERATION_SERVER_IGNORE_EOS_TOKEN=true EXPONENTIAL_BUCKETING=true setsid "$ours/gaudi-serve" launch \
+  EXPONENTIAL_BUCKETING=true setsid "$ours/gaudi-serve" launch \
     --model-id "$model" --dtype bfloat16 --hostname 127.0.0.1 --port "$port" $ours_args \
     >"$log/ours-server.log" 2>&1 &
   server=$!
