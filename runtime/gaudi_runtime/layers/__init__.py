@@ -11,6 +11,7 @@ from .linear import (
     RowParallelLinear,
     TPContext,
 )
+from .moe import FusedMoE
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding, rope_params_from_config
 
@@ -18,6 +19,7 @@ __all__ = [
     "Attention",
     "AttentionMetadata",
     "ColumnParallelLinear",
+    "FusedMoE",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",

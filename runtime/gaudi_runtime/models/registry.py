@@ -10,7 +10,10 @@ from typing import Any
 import torch
 
 from ..layers.linear import LazyWeight, TPContext
+from .gemma import GemmaForCausalLM
 from .llama import LlamaForCausalLM
+from .mixtral import MixtralForCausalLM
+from .starcoder2 import Starcoder2ForCausalLM
 
 # config.json "architectures" entry -> model class (Mistral and Qwen2 are Llama config variations).
 # A model class has ``config_class.from_dict(cfg, arch)``, the constructor
@@ -19,6 +22,9 @@ SUPPORTED_ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
 }
 
 CausalLM = LlamaForCausalLM  # the interface every supported model class implements

@@ -81,6 +81,48 @@ def _qwen2(common, shape):
     return transformers.Qwen2Config(**common, **shape, tie_word_embeddings=True, use_sliding_window=False)
 
 
+def _mixtral(common, shape):
+    import transformers
+
+    # 8 experts, top-2, like Mixtral-8x7B: decode batches of 1-3 tokens take the gathered-experts path.
+    return transformers.MixtralConfig(**common, **shape, num_local_experts=8, num_experts_per_tok=2,
+                                      sliding_window=None, tie_word_embeddings=False)
+
+
+def _gemma(common, shape):
+    import transformers
+
+    # head_dim 32 != hidden / heads (16), as Gemma-7B's 256 != 3072 / 16.
+    return transformers.GemmaConfig(**common, **shape, head_dim=32, hidden_act="gelu_pytorch_tanh",
+                                    tie_word_embeddings=True)
+
+
+def _starcoder2(common, shape):
+    import transformers
+
+    # A window below max_position_embeddings: the runtime caps its context at it.
+    return transformers.Starcoder2Config(**common, **shape, use_bias=True, sliding_window=2048,
+                                         hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
+
+
+def randomize_vectors(model_dir: str | Path, seed: int = 0, scale: float = 0.2) -> None:
+    """Add noise to every 1-D weight (norm weights, biases) of the model in `model_dir`, in place.
+
+    transformers initializes them to constants (0 or 1), under which a wrong norm formula
+    (Gemma's ``1 + weight``) or a bias never loaded would go unnoticed.
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors = load_file(f)
+        for name, t in tensors.items():
+            if t.dim() == 1:
+                tensors[name] = t + scale * torch.randn(t.shape, generator=gen).to(t.dtype)
+        save_file(tensors, f, metadata={"format": "pt"})
+
+
 # family -> builder(common kwargs, shape kwargs) -> a transformers config of that family
 FAMILIES = {
     "llama": _llama,
@@ -88,6 +130,9 @@ FAMILIES = {
     "llama31": _llama31,
     "mistral": _mistral,
     "qwen2": _qwen2,
+    "mixtral": _mixtral,
+    "gemma": _gemma,
+    "starcoder2": _starcoder2,
 }
 
 

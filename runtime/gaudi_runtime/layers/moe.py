@@ -1,0 +1,140 @@
+"""Mixture-of-experts MLP (Mixtral style): a softmax router picks the top-k experts of each token.
+
+Sharding: tensor parallelism inside every expert, as TGI does. Each rank holds
+all experts, each with its ``1 / tp`` slice of the intermediate dimension
+(``w1``/``w3`` split by output rows, ``w2`` by input columns), so every rank
+computes every token and one all-reduce per layer sums the partial outputs.
+Unlike expert parallelism, no token has to move between ranks and the load
+is even whatever the routing.
+
+Compute: shapes depend only on the number of tokens ``T`` (a warmed bucket),
+never on the routing, so HPU/CUDA graphs can capture the layer.
+
+* ``T * top_k < num_experts`` (small decode batches): the routed experts'
+  weights are gathered per token and applied with batched matmuls; only the
+  experts in use are read.
+* otherwise: a loop over the experts, each applied to every token and weighted
+  by the token's routing weight for it (zero when not routed). This reads each
+  expert once and needs no host sync to find which tokens go where.
+
+Both add a token's experts to zero in ascending expert order, as
+``transformers`` does, so fp32 results differ from it only by matmul rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linear import ReplicatedLinear, TPContext, divide, materialize
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, E]`` logits -> (float32 weights ``[T, k]``, expert ids ``[T, k]``), ids ascending per token.
+
+    Softmax over all experts in float32, then the top k; with ``renormalize``
+    the k weights are divided by their sum (Mixtral).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(1, order), ids
+
+
+def expert_params_mapping(num_experts: int, gate: str = "w1", up: str = "w3", down: str = "w2",
+                          prefix: str = "experts") -> dict[str, tuple[str, tuple[int, str]]]:
+    """Checkpoint name fragment -> (parameter name, shard id) for ``loading.load_checkpoint``.
+
+    ``experts.{e}.w1`` / ``w3`` go to the fused ``w13`` and ``experts.{e}.w2``
+    to ``w2`` of the ``FusedMoE`` module standing where the checkpoint's
+    ``experts`` container is.
+    """
+    mapping: dict[str, tuple[str, tuple[int, str]]] = {}
+    for e in range(num_experts):
+        mapping[f"{prefix}.{e}.{gate}"] = ("w13", (e, "gate"))
+        mapping[f"{prefix}.{e}.{up}"] = ("w13", (e, "up"))
+        mapping[f"{prefix}.{e}.{down}"] = ("w2", (e, "down"))
+    return mapping
+
+
+class ExpertWeights(nn.Module):
+    """One stacked weight ``[num_experts, out, in]`` whose loader takes one expert's checkpoint matrix."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int, tp: TPContext, gate_up: bool):
+        super().__init__()
+        self.tp = tp
+        self.gate_up = gate_up  # True: [gate_rank_slice; up_rank_slice] rows; False: down, columns split
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        expert, which = shard_id
+        dst = param.data[expert]
+        if self.gate_up:
+            size = dst.size(0) // 2
+            dst = dst.narrow(0, 0 if which == "gate" else size, size)
+            src = loaded.narrow(0, self.tp.rank * size, size)
+        else:
+            size = dst.size(1)
+            src = loaded.narrow(1, self.tp.rank * size, size)
+        if dst.shape != src.shape:
+            raise ValueError(f"expert weight shape mismatch: parameter slice {tuple(dst.shape)} vs checkpoint "
+                             f"{tuple(src.shape)}")
+        dst.copy_(materialize(src))
+
+
+class FusedMoE(nn.Module):
+    """Router (``gate``) + stacked experts (``w13``, ``w2``); SiLU-gated experts (``w2(silu(w1 x) * w3 x)``)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 tp: TPContext = TPContext(), renormalize: bool = True):
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and num_local_experts {num_experts}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.tp = tp
+        self.intermediate_per_rank = divide(intermediate_size, tp.size, "expert intermediate size")
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, tp=tp)
+        self.w13 = ExpertWeights(num_experts, 2 * self.intermediate_per_rank, hidden_size, tp, gate_up=True)
+        self.w2 = ExpertWeights(num_experts, hidden_size, self.intermediate_per_rank, tp, gate_up=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if x.shape[0] * self.top_k < self.num_experts:
+            out = self._gathered(x, weights, ids)
+        else:
+            out = self._dense(x, weights, ids)
+        return self.tp.all_reduce(out).reshape(shape)
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        combine = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        combine.scatter_(1, ids, weights)  # [T, E]: a token's weight for each expert, 0 if not routed
+        w13, w2 = self.w13.weight, self.w2.weight
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[e])
+            out = out + (y * combine[:, e, None]).to(x.dtype)
+        return out
+
+    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w13 = self.w13.weight[ids]  # [T, k, 2I, H]
+        w2 = self.w2.weight[ids]  # [T, k, H, I]
+        gate_up = torch.matmul(w13, x[:, None, :, None]).squeeze(-1)  # [T, k, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch.matmul(w2, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T, k, H]
+        y = (y * weights[..., None]).to(x.dtype)
+        out = torch.zeros_like(x)
+        for j in range(self.top_k):  # ascending expert order, like the dense path
+            out = out + y[:, j]
+        return out
+
+
+__all__ = ["ExpertWeights", "FusedMoE", "expert_params_mapping", "route"]
