@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,6 +47,17 @@ def test_unsupported_architecture_lists_the_supported_ones(model_dir, tmp_path):
     assert "GPTJForCausalLM" in r.stderr
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
         assert arch in r.stderr
+
+
+def test_a_token_budget_beyond_the_models_context_fails_naming_the_setting(model_dir, tmp_path):
+    short = tmp_path / "short-context"
+    shutil.copytree(model_dir, short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 1024
+    (short / "config.json").write_text(json.dumps(cfg))
+    r = run_launch("--model-id", str(short), "--max-total-tokens", "2048", "--max-input-tokens", "1000")
+    assert r.returncode != 0
+    assert "--max-total-tokens (2048) exceeds the model's context of 1024 positions" in r.stderr, r.stderr[-3000:]
 
 
 def test_health_reports_warmup_progress_then_ready(model_dir, tmp_path):

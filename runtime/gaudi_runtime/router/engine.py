@@ -51,6 +51,18 @@ class Entry:
     cancelled: bool = False
 
 
+def check_context_fits(max_total_tokens: int, max_positions: int) -> None:
+    """Refuse a token budget beyond the positions the model can attend to.
+
+    The shard reports the model's usable context (its sliding window where that
+    is what caps it); past it, output would silently stop matching the model.
+    """
+    if max_positions and max_total_tokens > max_positions:
+        raise ValueError(
+            f"--max-total-tokens ({max_total_tokens}) exceeds the model's context of {max_positions} "
+            "positions (max_position_embeddings, or its sliding window); lower --max-total-tokens")
+
+
 class BatchingEngine:
     """Implements `router.types.Engine` over the shards."""
 
@@ -83,6 +95,7 @@ class BatchingEngine:
         try:
             await self.client.connect(connect_timeout_s, alive)
             info = await self.client.info()
+            check_context_fits(self.cfg.max_total_tokens, info.max_position_embeddings)
             self.shard_info = info
             self.allocator = BlockAllocator(info.num_blocks)
             self.eos_ids = set(info.eos_token_ids)
@@ -91,7 +104,7 @@ class BatchingEngine:
             self.shard_info = await self.client.info()
             self.state = "ready"
             log.info("ready: %d KV blocks of %d tokens", info.num_blocks, info.block_size)
-        except (ShardError, OSError) as e:
+        except (ShardError, OSError, ValueError) as e:
             self.fail(str(e))
             raise
         self._task = asyncio.create_task(self._loop(), name="batching-loop")
