@@ -1,8 +1,11 @@
 """Model building blocks: tensor-parallel linear/embedding layers, RoPE, RMSNorm, paged attention."""
 
+from .activation import get_activation
 from .attention import Attention, AttentionMetadata, write_kv
 from .embedding import ParallelLMHead, VocabParallelEmbedding
+from .fused_qkv import FusedQKVParallelLinear
 from .kv_cache import allocate_kv_cache, kv_bytes_per_block
+from .layernorm import LayerNorm
 from .linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -13,6 +16,7 @@ from .linear import (
 )
 from .moe import FusedMoE
 from .norm import RMSNorm
+from .position import PositionEmbedding
 from .rotary import RotaryEmbedding, rope_params_from_config
 
 __all__ = [
@@ -20,8 +24,11 @@ __all__ = [
     "AttentionMetadata",
     "ColumnParallelLinear",
     "FusedMoE",
+    "FusedQKVParallelLinear",
+    "LayerNorm",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
+    "PositionEmbedding",
     "QKVParallelLinear",
     "RMSNorm",
     "ReplicatedLinear",
@@ -30,6 +37,7 @@ __all__ = [
     "TPContext",
     "VocabParallelEmbedding",
     "allocate_kv_cache",
+    "get_activation",
     "kv_bytes_per_block",
     "rope_params_from_config",
     "write_kv",

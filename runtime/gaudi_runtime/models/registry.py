@@ -10,7 +10,9 @@ from typing import Any
 import torch
 
 from ..layers.linear import LazyWeight, TPContext
+from .falcon import FalconForCausalLM
 from .gemma import GemmaForCausalLM
+from .gpt_bigcode import GPTBigCodeForCausalLM
 from .llama import LlamaForCausalLM
 from .mixtral import MixtralForCausalLM
 from .starcoder2 import Starcoder2ForCausalLM
@@ -25,6 +27,8 @@ SUPPORTED_ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
 }
 
 CausalLM = LlamaForCausalLM  # the interface every supported model class implements

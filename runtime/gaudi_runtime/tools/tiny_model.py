@@ -105,6 +105,40 @@ def _starcoder2(common, shape):
                                          hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
 
 
+def _falcon(common, shape):
+    import transformers
+
+    # Falcon-40B/180B layout: grouped KV heads stored group by group in query_key_value, ln_attn + ln_mlp.
+    return transformers.FalconConfig(
+        **common, hidden_size=shape["hidden_size"], num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["num_attention_heads"], num_kv_heads=shape["num_key_value_heads"],
+        ffn_hidden_size=shape["intermediate_size"], new_decoder_architecture=True, parallel_attn=True,
+        alibi=False, bias=False, tie_word_embeddings=False)
+
+
+def _falcon7b(common, shape):
+    import transformers
+
+    # Falcon-7B layout: one KV head (replicated on every rank), one input_layernorm feeding attention and MLP.
+    # Biases on (Falcon-7B has none) so that slicing the fused query_key_value bias is exercised too.
+    return transformers.FalconConfig(
+        **common, hidden_size=shape["hidden_size"], num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["num_attention_heads"], ffn_hidden_size=shape["intermediate_size"],
+        new_decoder_architecture=False, multi_query=True, parallel_attn=True, alibi=False, bias=True,
+        tie_word_embeddings=True)
+
+
+def _starcoder(common, shape):
+    import transformers
+
+    # GPTBigCode: multi-query attention, learned positions (n_positions), gelu-tanh MLP, tied head.
+    common = {k: v for k, v in common.items() if k != "max_position_embeddings"}
+    return transformers.GPTBigCodeConfig(
+        **common, n_embd=shape["hidden_size"], n_layer=shape["num_hidden_layers"],
+        n_head=shape["num_attention_heads"], n_inner=shape["intermediate_size"], n_positions=1024,
+        multi_query=True, activation_function="gelu_pytorch_tanh", tie_word_embeddings=True)
+
+
 def randomize_vectors(model_dir: str | Path, seed: int = 0, scale: float = 0.2) -> None:
     """Add noise to every 1-D weight (norm weights, biases) of the model in `model_dir`, in place.
 
@@ -133,6 +167,9 @@ FAMILIES = {
     "mixtral": _mixtral,
     "gemma": _gemma,
     "starcoder2": _starcoder2,
+    "falcon": _falcon,
+    "falcon7b": _falcon7b,
+    "starcoder": _starcoder,
 }
 
 
