@@ -41,12 +41,21 @@ def check_model(model_dir: str) -> None:
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise ConfigError(f"--model-id: {model_dir} has no config.json")
-    archs = json.loads(path.read_text()).get("architectures") or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    cfg = json.loads(path.read_text())
+    archs = cfg.get("architectures") or []
+    served = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if not served:
         raise ConfigError(
             f"--model-id: architecture {', '.join(archs) or '(none)'} is not supported; "
             f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
+    # A variant the model class refuses (e.g. an ALiBi Falcon) fails here, not as a shard traceback.
+    try:
+        SUPPORTED_ARCHITECTURES[served[0]].config_class.from_dict(cfg, served[0])
+    except KeyError as e:
+        raise ConfigError(f"--model-id: {model_dir}/config.json lacks {e} for {served[0]}") from e
+    except ValueError as e:
+        raise ConfigError(f"--model-id: {model_dir}: {e}") from e
     if not list(Path(model_dir).glob("*.safetensors")):
         raise ConfigError(f"--model-id: {model_dir} has no .safetensors weights")
 

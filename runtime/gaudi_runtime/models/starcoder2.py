@@ -18,8 +18,8 @@ from torch import nn
 
 from ..layers.attention import AttentionMetadata
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.layernorm import LayerNorm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, TPContext
-from ..layers.linear import materialize as load_tensor
 from ..layers.rotary import RotaryEmbedding
 from .gemma import GELU_TANH
 from .llama import LlamaAttention, LlamaConfig, LlamaForCausalLM
@@ -42,26 +42,6 @@ class Starcoder2Config(LlamaConfig):
         base = super().from_dict(llama_view, architecture)
         base.norm_eps = float(cfg.get("norm_epsilon", 1e-5))
         return base
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm with weight and bias in the model dtype (``F.layer_norm``, as ``nn.LayerNorm``)."""
-
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.bias.weight_loader = self.weight_loader
-
-    @staticmethod
-    def weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param.data.shape != loaded.shape:
-            raise ValueError(f"layer norm shape mismatch: {tuple(param.shape)} vs {tuple(loaded.shape)}")
-        param.data.copy_(load_tensor(loaded))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 class Starcoder2MLP(nn.Module):
