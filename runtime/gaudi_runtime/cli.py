@@ -1,4 +1,4 @@
-"""`gaudi-serve` command line: launch, router, shard, tiny-model, benchmark, loadtest."""
+"""`gaudi-serve` command line: launch, router, shard, tiny-model, benchmark, loadtest, calibrate."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("loadtest", help="load generator for a TGI or OpenAI endpoint (TTFT, ITL, throughput)",
                    add_help=False)
+    sub.add_parser("calibrate", help="measure FP8 statistics (INC layout) for QUANT_CONFIG", add_help=False)
 
     if argv[:1] == ["tiny-model"]:
         from gaudi_runtime.tools.tiny_model import main as tiny
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         from gaudi_runtime.bench.benchmark import main as benchmark
 
         return benchmark(argv[1:])
+    if argv[:1] == ["calibrate"]:
+        from gaudi_runtime.quant.calibrate import main as calibrate
+
+        return calibrate(argv[1:])
     if argv[:1] == ["loadtest"]:
         from gaudi_runtime.bench.loadtest import main as loadtest
 
@@ -50,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "launch":
         try:
             cfg = resolve(args)
+            from gaudi_runtime.quant.config import check_quant_config
+
+            check_quant_config(cfg)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -66,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         logs.setup(cfg.log_level, cfg.json_output, f"shard-{args.rank}")
         from gaudi_runtime.shard import server
 
-        server.main(cfg, model_dir, args.rank, args.world_size)
+        try:
+            server.main(cfg, model_dir, args.rank, args.world_size)
+        except ConfigError as e:  # found only once the model is built (e.g. QUANT_CONFIG naming no layer)
+            print(f"error: shard {args.rank}: {e}", file=sys.stderr)
+            return 2
         return 0
     logs.setup(cfg.log_level, cfg.json_output, "router")
     from gaudi_runtime.router import main as router_main

@@ -1,0 +1,50 @@
+"""The shard's one quantization step after loading: FP8 weights (INC on Gaudi, ours elsewhere) and the KV dtype."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from gaudi_runtime.config import Config
+from gaudi_runtime.quant.apply import load_rank_stats, quantize_model, set_kv_scales
+from gaudi_runtime.quant.config import QuantConfig, check_quant_config
+
+log = logging.getLogger(__name__)
+
+KV_DTYPES = {"fp8_e4m3fn": torch.float8_e4m3fn}
+
+
+def kv_cache_dtype(cfg: Config, model_dtype: torch.dtype) -> torch.dtype:
+    return KV_DTYPES[cfg.kv_cache_dtype] if cfg.kv_cache_dtype else model_dtype
+
+
+def quant_config(cfg: Config) -> QuantConfig:
+    """The QUANT_CONFIG file (checked again: not every start goes through `launch`), or the defaults of a
+    bare --quantize fp8: every layer, dynamic input scales."""
+    return check_quant_config(cfg) or QuantConfig()
+
+
+def quantize_loaded(model: nn.Module, cfg: Config, device: str, dtype: torch.dtype, rank: int = 0,
+                    world_size: int = 1) -> nn.Module:
+    """Apply --quantize / QUANT_CONFIG / --kv-cache-dtype to a freshly loaded model; return the model to serve."""
+    stats = None
+    if cfg.quantize == "fp8":
+        qc = quant_config(cfg)
+        if device == "hpu":
+            from gaudi_runtime.quant import inc
+
+            model = inc.convert_quantize(model, qc, rank, world_size)
+            log.info("rank %d: FP8 through Intel Neural Compressor (%s)", rank, qc.source or "defaults")
+        else:
+            stats = load_rank_stats(qc, rank, world_size)
+            report = quantize_model(model, qc, dtype, stats)
+            static = sum(s is not None for s in report.input_scales.values())
+            log.info("rank %d: %d layers in FP8 (%d with static input scales), %d kept in %s",
+                     rank, len(report.input_scales), static, len(report.kept), cfg.dtype)
+    if cfg.kv_cache_dtype:
+        set_kv_scales(model, stats)
+        log.info("rank %d: KV cache in %s (%s scales)", rank, cfg.kv_cache_dtype,
+                 "measured" if stats else "unit")
+    return model
