@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gaudi_runtime/proto/generate.proto\x12\x17gaudi_serve.generate.v1\"\r\n\x0bInfoRequest\"\xe6\x01\n\x0cInfoResponse\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\x14\n\x0c\x64\x65tails_json\x18\n \x01(\t\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"7\n\x11\x43learCacheRequest\x12\x15\n\x08\x62\x61tch_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x0b\n\t_batch_id\"\x14\n\x12\x43learCacheResponse\"\x0f\n\rWarmupRequest\"<\n\x0eWarmupProgress\x12\x0c\n\x04\x64one\x18\x01 \x01(\r\x12\r\n\x05total\x18\x02 \x01(\r\x12\r\n\x05phase\x18\x03 \x01(\t\"\xcd\x01\n\x1aNextTokenChooserParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\twatermark\x18\t \x01(\x08\"\xb1\x01\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12G\n\nparameters\x18\x03 \x01(\x0b\x32\x33.gaudi_serve.generate.v1.NextTokenChooserParameters\x12\x14\n\x0ctop_n_tokens\x18\x04 \x01(\r\x12\x0e\n\x06\x62locks\x18\x05 \x03(\r\x12\x18\n\x10prefill_logprobs\x18\x06 \x01(\x08\"G\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x32\n\x08requests\x18\x02 \x03(\x0b\x32 .gaudi_serve.generate.v1.Request\".\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"7\n\x0fPrefillLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb8\x01\n\x0bGenerations\x12\x13\n\x0brequest_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\r\n\x05top_n\x18\x04 \x01(\r\x12\x0f\n\x07top_ids\x18\x05 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x12\x39\n\x07prefill\x18\x07 \x03(\x0b\x32(.gaudi_serve.generate.v1.PrefillLogprobs\"?\n\x0ePrefillRequest\x12-\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1e.gaudi_serve.generate.v1.Batch\"\xae\x01\n\x0fPrefillResponse\x12\x39\n\x0bgenerations\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.Generations\x12\x33\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x17\n\x0funwarmed_shapes\x18\x04 \x01(\x04\"F\n\rDecodeRequest\x12\x35\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\"\xad\x01\n\x0e\x44\x65\x63odeResponse\x12\x39\n\x0bgenerations\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.Generations\x12\x33\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x17\n\x0funwarmed_shapes\x18\x04 \x01(\x04\";\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"J\n\x13\x46ilterBatchResponse\x12\x33\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch2\xa7\x06\n\x15TextGenerationService\x12S\n\x04Info\x12$.gaudi_serve.generate.v1.InfoRequest\x1a%.gaudi_serve.generate.v1.InfoResponse\x12Y\n\x06Health\x12&.gaudi_serve.generate.v1.HealthRequest\x1a\'.gaudi_serve.generate.v1.HealthResponse\x12w\n\x10ServiceDiscovery\x12\x30.gaudi_serve.generate.v1.ServiceDiscoveryRequest\x1a\x31.gaudi_serve.generate.v1.ServiceDiscoveryResponse\x12\x65\n\nClearCache\x12*.gaudi_serve.generate.v1.ClearCacheRequest\x1a+.gaudi_serve.generate.v1.ClearCacheResponse\x12[\n\x06Warmup\x12&.gaudi_serve.generate.v1.WarmupRequest\x1a\'.gaudi_serve.generate.v1.WarmupProgress0\x01\x12\\\n\x07Prefill\x12\'.gaudi_serve.generate.v1.PrefillRequest\x1a(.gaudi_serve.generate.v1.PrefillResponse\x12Y\n\x06\x44\x65\x63ode\x12&.gaudi_serve.generate.v1.DecodeRequest\x1a\'.gaudi_serve.generate.v1.DecodeResponse\x12h\n\x0b\x46ilterBatch\x12+.gaudi_serve.generate.v1.FilterBatchRequest\x1a,.gaudi_serve.generate.v1.FilterBatchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gaudi_runtime/proto/generate.proto\x12\x17gaudi_serve.generate.v1\"\r\n\x0bInfoRequest\"\xe6\x01\n\x0cInfoResponse\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\x14\n\x0c\x64\x65tails_json\x18\n \x01(\t\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"7\n\x11\x43learCacheRequest\x12\x15\n\x08\x62\x61tch_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x0b\n\t_batch_id\"\x14\n\x12\x43learCacheResponse\"\x0f\n\rWarmupRequest\"<\n\x0eWarmupProgress\x12\x0c\n\x04\x64one\x18\x01 \x01(\r\x12\r\n\x05total\x18\x02 \x01(\r\x12\r\n\x05phase\x18\x03 \x01(\t\"\xcd\x01\n\x1aNextTokenChooserParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\twatermark\x18\t \x01(\x08\"\xc1\x01\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12G\n\nparameters\x18\x03 \x01(\x0b\x32\x33.gaudi_serve.generate.v1.NextTokenChooserParameters\x12\x14\n\x0ctop_n_tokens\x18\x04 \x01(\r\x12\x0e\n\x06\x62locks\x18\x05 \x03(\r\x12\x18\n\x10prefill_logprobs\x18\x06 \x01(\x08\x12\x0e\n\x06images\x18\x07 \x03(\x0c\"G\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x32\n\x08requests\x18\x02 \x03(\x0b\x32 .gaudi_serve.generate.v1.Request\".\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"7\n\x0fPrefillLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb8\x01\n\x0bGenerations\x12\x13\n\x0brequest_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\r\n\x05top_n\x18\x04 \x01(\r\x12\x0f\n\x07top_ids\x18\x05 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x12\x39\n\x07prefill\x18\x07 \x03(\x0b\x32(.gaudi_serve.generate.v1.PrefillLogprobs\"?\n\x0ePrefillRequest\x12-\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1e.gaudi_serve.generate.v1.Batch\"\xae\x01\n\x0fPrefillResponse\x12\x39\n\x0bgenerations\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.Generations\x12\x33\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x17\n\x0funwarmed_shapes\x18\x04 \x01(\x04\"F\n\rDecodeRequest\x12\x35\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\"\xad\x01\n\x0e\x44\x65\x63odeResponse\x12\x39\n\x0bgenerations\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.Generations\x12\x33\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x17\n\x0funwarmed_shapes\x18\x04 \x01(\x04\";\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"J\n\x13\x46ilterBatchResponse\x12\x33\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch2\xa7\x06\n\x15TextGenerationService\x12S\n\x04Info\x12$.gaudi_serve.generate.v1.InfoRequest\x1a%.gaudi_serve.generate.v1.InfoResponse\x12Y\n\x06Health\x12&.gaudi_serve.generate.v1.HealthRequest\x1a\'.gaudi_serve.generate.v1.HealthResponse\x12w\n\x10ServiceDiscovery\x12\x30.gaudi_serve.generate.v1.ServiceDiscoveryRequest\x1a\x31.gaudi_serve.generate.v1.ServiceDiscoveryResponse\x12\x65\n\nClearCache\x12*.gaudi_serve.generate.v1.ClearCacheRequest\x1a+.gaudi_serve.generate.v1.ClearCacheResponse\x12[\n\x06Warmup\x12&.gaudi_serve.generate.v1.WarmupRequest\x1a\'.gaudi_serve.generate.v1.WarmupProgress0\x01\x12\\\n\x07Prefill\x12\'.gaudi_serve.generate.v1.PrefillRequest\x1a(.gaudi_serve.generate.v1.PrefillResponse\x12Y\n\x06\x44\x65\x63ode\x12&.gaudi_serve.generate.v1.DecodeRequest\x1a\'.gaudi_serve.generate.v1.DecodeResponse\x12h\n\x0b\x46ilterBatch\x12+.gaudi_serve.generate.v1.FilterBatchRequest\x1a,.gaudi_serve.generate.v1.FilterBatchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -54,27 +54,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_start=574
   _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_end=779
   _globals['_REQUEST']._serialized_start=782
-  _globals['_REQUEST']._serialized_end=959
-  _globals['_BATCH']._serialized_start=961
-  _globals['_BATCH']._serialized_end=1032
-  _globals['_CACHEDBATCH']._serialized_start=1034
-  _globals['_CACHEDBATCH']._serialized_end=1080
-  _globals['_PREFILLLOGPROBS']._serialized_start=1082
-  _globals['_PREFILLLOGPROBS']._serialized_end=1137
-  _globals['_GENERATIONS']._serialized_start=1140
-  _globals['_GENERATIONS']._serialized_end=1324
-  _globals['_PREFILLREQUEST']._serialized_start=1326
-  _globals['_PREFILLREQUEST']._serialized_end=1389
-  _globals['_PREFILLRESPONSE']._serialized_start=1392
-  _globals['_PREFILLRESPONSE']._serialized_end=1566
-  _globals['_DECODEREQUEST']._serialized_start=1568
-  _globals['_DECODEREQUEST']._serialized_end=1638
-  _globals['_DECODERESPONSE']._serialized_start=1641
-  _globals['_DECODERESPONSE']._serialized_end=1814
-  _globals['_FILTERBATCHREQUEST']._serialized_start=1816
-  _globals['_FILTERBATCHREQUEST']._serialized_end=1875
-  _globals['_FILTERBATCHRESPONSE']._serialized_start=1877
-  _globals['_FILTERBATCHRESPONSE']._serialized_end=1951
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=1954
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=2761
+  _globals['_REQUEST']._serialized_end=975
+  _globals['_BATCH']._serialized_start=977
+  _globals['_BATCH']._serialized_end=1048
+  _globals['_CACHEDBATCH']._serialized_start=1050
+  _globals['_CACHEDBATCH']._serialized_end=1096
+  _globals['_PREFILLLOGPROBS']._serialized_start=1098
+  _globals['_PREFILLLOGPROBS']._serialized_end=1153
+  _globals['_GENERATIONS']._serialized_start=1156
+  _globals['_GENERATIONS']._serialized_end=1340
+  _globals['_PREFILLREQUEST']._serialized_start=1342
+  _globals['_PREFILLREQUEST']._serialized_end=1405
+  _globals['_PREFILLRESPONSE']._serialized_start=1408
+  _globals['_PREFILLRESPONSE']._serialized_end=1582
+  _globals['_DECODEREQUEST']._serialized_start=1584
+  _globals['_DECODEREQUEST']._serialized_end=1654
+  _globals['_DECODERESPONSE']._serialized_start=1657
+  _globals['_DECODERESPONSE']._serialized_end=1830
+  _globals['_FILTERBATCHREQUEST']._serialized_start=1832
+  _globals['_FILTERBATCHREQUEST']._serialized_end=1891
+  _globals['_FILTERBATCHRESPONSE']._serialized_start=1893
+  _globals['_FILTERBATCHRESPONSE']._serialized_end=1967
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=1970
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=2777
 # @@protoc_insertion_point(module_scope)
