@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8080
 MODEL ?= /tmp/gaudi-serve-tiny-llama
 
-.PHONY: venv serve test lint proto
+.PHONY: venv serve test lint proto e2e
 
 $(BIN)/gaudi-serve: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,3 +31,8 @@ lint: venv
 
 proto: venv
 	PATH=$(BIN):$$PATH hack/gen-proto.sh
+
+# End-to-end suite (also part of `make test`): a real control plane built from source by
+# hack/control-plane.sh (cached per machine), or the cluster of E2E_KUBECONFIG (docs/e2e.md).
+e2e: venv
+	GAUDI_SERVE_E2E_KUBECONFIG=$(E2E_KUBECONFIG) $(BIN)/python -m pytest -q tests/e2e

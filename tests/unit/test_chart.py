@@ -203,10 +203,10 @@ def _allowed(rules: list[dict[str, Any]], group: str, resource: str, verb: str) 
 NEEDED = {
     ("gaudiserve.io", "inferenceservices"): {"get", "list", "watch", "patch"},
     ("gaudiserve.io", "inferenceservices/status"): {"patch"},
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("policy", "poddisruptionbudgets"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "pods"): {"get", "list", "watch"},
+    ("apps", "deployments"): {"list", "watch", "create", "patch"},
+    ("", "services"): {"list", "watch", "create", "patch"},
+    ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
+    ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }
 

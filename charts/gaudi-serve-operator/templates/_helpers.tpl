@@ -74,20 +74,22 @@ any: true
 - apiGroups: ["gaudiserve.io"]
   resources: ["inferenceservices/status"]
   verbs: ["patch"]
-# Children, applied server-side (create is needed when an apply creates the object).
+# Children, applied server-side (create is needed when an apply creates the object); only the
+# PodDisruptionBudget is ever deleted (at one replica). The rest goes by garbage collection.
+# Exactly what the operator uses: tests/e2e/test_8_rbac.py checks it against the audit log.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["list", "watch", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Pods: observed for status and warmup progress, never changed.
+  verbs: ["list", "watch", "create", "patch", "delete"]
+# Pods: observed (watched) for status and warmup progress, never changed.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list", "watch"]
 # Events on phase changes.
 - apiGroups: [""]
   resources: ["events"]

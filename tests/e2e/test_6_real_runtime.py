@@ -1,0 +1,139 @@
+"""Scenario 6: the pod's container played by a real `gaudi-serve launch` (tiny model, CPU) on the
+pod's own loopback IP: the operator reports WarmingUp with the process's progress, then Ready,
+and a request through the pod address returns generated text.
+
+The command line is the one the operator rendered into the pod, with what cannot hold outside a
+container replaced: the model (a local tiny one), the address (the pod IP, not 0.0.0.0), the
+dtype and device (float32 on CPU) and the scratch paths.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import Cluster
+from tests.e2e.control_plane import clean_env
+from tests.e2e.harness import OperatorProcess, http_json, is_ready, isvc_manifest, table, wait_for
+from tests.e2e.netwatch import WATCH
+from tests.runtime.launched import alive, children
+
+pytestmark = pytest.mark.simulated  # kwok nodes and pods, the local operator
+
+PORT = 8080  # the runtime port the operator renders and polls
+REPLACED = {"--model-id", "--hostname", "--dtype"}
+
+
+def container_command(pod: dict, model_dir: Path, scratch: Path) -> tuple[list[str], dict[str, str]]:
+    c = pod["spec"]["containers"][0]
+    args, it = [], iter(c["args"])
+    for a in it:
+        if a in REPLACED:
+            next(it)
+            continue
+        args.append(a)
+    assert args[0] == "launch" and args[args.index("--port") + 1] == str(PORT), c["args"]
+    args += ["--model-id", str(model_dir), "--hostname", pod["status"]["podIP"], "--dtype", "float32",
+             "--device", "cpu", "--shard-uds-path", str(scratch / "shard")]
+    env = {e["name"]: e["value"] for e in c.get("env") or [] if "value" in e}
+    env.update(HF_HOME=str(scratch / "hf"), HUGGINGFACE_HUB_CACHE=str(scratch / "hf" / "hub"), LOG_LEVEL="info")
+    return [sys.executable, "-m", "gaudi_runtime.cli", *args], env
+
+
+@pytest.fixture
+def runtime_proc() -> Iterator[list[subprocess.Popen]]:
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGCONT)
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def test_real_runtime_warms_up_then_serves_through_the_pod_ip(cluster: Cluster, operator: OperatorProcess, ns: str,
+                                                              cleanup: list[str], runtime_proc: list,
+                                                              tmp_path: Path) -> None:
+    from gaudi_runtime.tools.tiny_model import make_tiny_model
+
+    kube = cluster.kube
+    model_dir = make_tiny_model(tmp_path / "tiny-llama", "llama")
+    cleanup.append("tiny")
+    cluster.kubectl.apply(isvc_manifest(
+        "tiny", ns, shards=1, replicas=1, manual=True,
+        serving={"maxInputTokens": 256, "maxTotalTokens": 512, "maxBatchSize": 32},  # seconds of warmup
+        batching={"padSequenceToMultipleOf": 16, "batchBucketSize": 2, "prefillBatchBucketSize": 2,
+                  "hpuGraphs": False}))
+    (pod,) = wait_for(lambda: (p := kube.live_pods(ns, "tiny")) and p[0]["status"].get("podIP") and p, 60,
+                      "the pod to run with an IP")
+    ip = pod["status"]["podIP"]
+    assert ip.startswith("127."), ip  # simulated pod IPs are loopback addresses
+
+    cmd, env = container_command(pod, model_dir, tmp_path)
+    log = open(tmp_path / "runtime.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(**env), start_new_session=True)
+    runtime_proc.append(proc)
+    WATCH.watch(proc.pid)
+    url = f"http://{ip}:{PORT}"
+
+    def runtime_log() -> str:
+        return (tmp_path / "runtime.log").read_text(errors="replace")[-4000:]
+
+    def warming() -> dict | None:
+        if proc.poll() is not None:
+            raise AssertionError(f"the runtime exited with {proc.returncode}:\n{runtime_log()}")
+        try:
+            code, body = http_json("GET", url + "/health", timeout=2)
+        except OSError:
+            return None
+        if code == 200:
+            raise AssertionError("warmup finished before it could be observed; raise the shapes' count")
+        return body["warmup"] if body.get("status") == "warming_up" and body["warmup"]["done"] >= 1 else None
+    wait_for(warming, 240, "the runtime to report warmup progress", interval=0.05)
+
+    # Hold warmup where it is (the shard stops; the router keeps answering /health) so that the
+    # operator's poll sees a known value, whatever this machine's speed.
+    shards = [c for c in children(proc.pid) if b"shard" in open(f"/proc/{c}/cmdline", "rb").read()]
+    assert shards, "no shard process under the launcher"
+    for s in shards:
+        os.kill(s, signal.SIGSTOP)
+    try:
+        def operator_sees_it() -> tuple[dict, dict] | None:
+            # (Progress the shard sent just before it stopped may still reach the router: compare
+            # with what the process reports now, which soon stops moving.)
+            st = kube.status(ns, "tiny")
+            now = http_json("GET", url + "/health")[1]["warmup"]
+            return (st, now) if st.get("phase") == "WarmingUp" and st.get("warmup", {}).get("done") == now["done"] \
+                else None
+        status, frozen = wait_for(operator_sees_it, 60, "status WarmingUp at the process's progress")
+        assert status["warmup"] == {"done": frozen["done"], "total": frozen["total"], "pod": pod["metadata"]["name"],
+                                    "phase": frozen["phase"]}
+        assert status["warmupSummary"] == f"{frozen['done']}/{frozen['total']}"
+        (row,) = table(cluster.kubectl("get", "gisvc", "tiny", "-n", ns).stdout)
+        assert (row["PHASE"], row["READY"], row["WARMUP"]) == ("WarmingUp", "0/1", status["warmupSummary"]), row
+    finally:
+        for s in shards:
+            if alive(s):
+                os.kill(s, signal.SIGCONT)
+
+    # Play the kubelet's readiness probe: /health answers 200 once warmup is done.
+    wait_for(lambda: http_json("GET", url + "/health", timeout=2)[0] == 200, 240, "the runtime to be ready",
+             interval=0.2)
+    kube.mark_ready(kube.live_pods(ns, "tiny")[0])
+    status = wait_for(lambda: (s := kube.status(ns, "tiny")).get("phase") == "Ready" and s, 60, "tiny Ready")
+    assert "warmup" not in status and is_ready(kube.live_pods(ns, "tiny")[0])
+
+    code, body = http_json("POST", url + "/generate", {"inputs": "The cards are warm and",
+                                                       "parameters": {"max_new_tokens": 8, "details": True}}, 60)
+    assert code == 200, body
+    assert isinstance(body["generated_text"], str) and body["details"]["generated_tokens"] == 8

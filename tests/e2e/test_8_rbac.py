@@ -1,0 +1,64 @@
+"""The chart's RBAC against what the operator really did, from the API server's audit log:
+every request of the operator's ServiceAccount was allowed (enough), and every right the chart
+grants was used (no more).
+
+The audit log covers the whole session (all scenarios); this test adds a workload that goes
+through every code path of the operator's API use on its own, so it also holds when run alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import Cluster, Release
+from tests.e2e.control_plane import json_lines
+from tests.e2e.harness import OperatorProcess, isvc_manifest, wait_for
+
+pytestmark = pytest.mark.simulated  # kwok nodes and pods, the local operator
+
+def _granted(release: Release) -> set[tuple[str, str, str]]:
+    roles = [d for d in release.manifest if d["kind"] == "ClusterRole"]
+    return {(g, r, v) for role in roles for rule in role["rules"]
+            for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def _used(cluster: Cluster, user: str) -> tuple[set[tuple[str, str, str]], list[str]]:
+    used, denied = set(), []
+    for ev in json_lines(cluster.cp.audit_log):
+        if ev.get("user", {}).get("username") != user or ev.get("stage") != "ResponseComplete":
+            continue
+        if ev.get("userAgent", "").startswith("kubectl") or not ev.get("objectRef"):
+            continue  # the tests' own `kubectl auth` checks with this account; discovery
+        ref = ev["objectRef"]
+        resource = ref.get("resource", "") + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        code = (ev.get("responseStatus") or {}).get("code", 0)
+        if code == 403:
+            denied.append(f"{ev['verb']} {ev['requestURI']}")
+            continue
+        used.add((ref.get("apiGroup", ""), resource, ev["verb"]))
+        if ev["verb"] == "patch" and code == 201:  # a server-side apply that created the object
+            used.add((ref.get("apiGroup", ""), resource, "create"))
+    return used, denied
+
+
+def test_the_chart_grants_what_the_operator_uses_and_no_more(cluster: Cluster, release: Release,
+                                                             operator: OperatorProcess, ns: str) -> None:
+    kube, kubectl = cluster.kube, cluster.kubectl
+    # Every path: create (children applied), 2 replicas (PDB), scale to 1 (PDB deleted), delete.
+    kubectl.apply(isvc_manifest("rbac", ns, shards=1, replicas=2))
+    wait_for(lambda: kube.status(ns, "rbac").get("phase") == "Ready", 60, "rbac Ready")
+    assert kube.children(ns, "rbac")["poddisruptionbudgets"] == ["rbac"]
+    kubectl("scale", "gisvc/rbac", "--replicas=1", "-n", ns)
+    wait_for(lambda: not kube.children(ns, "rbac")["poddisruptionbudgets"]
+             and kube.status(ns, "rbac").get("readyReplicas") == 1, 60, "the PDB removed at one replica")
+    kubectl("delete", "gisvc", "rbac", "-n", ns, "--wait=true")
+    wait_for(lambda: not kube.pods(ns, "rbac"), 60, "the pods gone")
+
+    user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
+    used, denied = _used(cluster, user)
+    assert used, "no request of the operator's ServiceAccount in the audit log"
+    assert not denied, f"the chart's RBAC refused the operator: {denied}"
+    granted = _granted(release)
+    unused = sorted(granted - used)
+    assert not unused, f"granted by the chart but never used by the operator: {unused}"
+    assert not sorted(used - granted)  # (an allowed request needs a grant; this guards the bookkeeping)
