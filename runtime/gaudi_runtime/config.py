@@ -62,6 +62,14 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--block-size", None, int, None, "KV-cache block size in tokens (default: 128 on HPU, 16 elsewhere)."),
     ("--memory-fraction", "MEMORY_FRACTION", float, 0.9, "Share of free device memory the KV cache may take."),
     ("--model-name", None, str, None, "Name served at /v1/models (default: the model id)."),
+    ("--quantize", None, str, None, "fp8: float8 weights (Intel Neural Compressor on Gaudi, native elsewhere)."),
+    ("--kv-cache-dtype", None, str, None, "fp8_e4m3fn: float8 KV cache with per-tensor scales (default: --dtype)."),
+    ("--rope-scaling", None, str, None, "Override the model's RoPE scaling: linear or dynamic (factor from --rope-factor)."),
+    ("--rope-factor", None, float, None, "RoPE scaling factor (default 1.0 with --rope-scaling; alone it implies linear)."),
+    ("--tokenizer-config-path", None, str, None, "A tokenizer_config.json whose chat_template replaces the model's."),
+    ("--otlp-endpoint", None, str, None, "OTLP/HTTP collector (e.g. http://collector:4318) receiving request traces."),
+    ("--otlp-service-name", None, str, "text-generation-inference.router", "service.name of the exported traces."),
+    ("--disable-grammar-support", None, _bool, False, "Refuse grammar / response_format requests (always the case here)."),
 ]
 
 # Environment-only settings (TGI and TGI-Gaudi names).
@@ -77,6 +85,21 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
     ("EXPONENTIAL_BUCKETING", _bool, False, "Buckets grow as step * 2^k instead of linearly."),
     ("ENABLE_HPU_GRAPH", _bool, True, "Capture a device graph per bucket (HPU graphs; CUDA graphs on NVIDIA)."),
     ("LIMIT_HPU_GRAPH", _bool, False, "Keep prefill out of graphs (decode only), to save device memory."),
+    ("BASE_IMAGE_TOKENS", int, 2048, "Vision models (Llava): the image-token budget every prompt must have "
+     "room for; --max-input-tokens must be at least this."),
+    ("MAX_IMAGE_BYTES", int, 5 * 1024 * 1024, "Largest image in a prompt (encoded bytes, inline or fetched)."),
+    ("IMAGE_FETCH_TIMEOUT_S", float, 10.0, "Longest the router waits for an http(s) image of a prompt."),
+    ("PROF_WAITSTEP", int, 0, "Profiler: decode steps skipped before the profiler warms up."),
+    ("PROF_WARMUPSTEP", int, 0, "Profiler: decode steps profiled but discarded (warm-up) before recording."),
+    ("PROF_STEP", int, 0, "Profiler: decode steps recorded into a Chrome trace (0: profiler off)."),
+    ("PROF_PATH", str, "/tmp/hpu_profile", "Profiler: directory the Chrome-trace files are written to."),
+    ("PROF_RANKS", str, "0", "Profiler: comma-separated shard ranks that record a trace."),
+    ("PROF_RECORD_SHAPES", _bool, False, "Profiler: record operator input shapes."),
+    ("USE_FLASH_ATTENTION", _bool, True, "Fused attention (FusedSDPA on HPU, torch SDPA elsewhere); false: explicit "
+     "softmax(QK^T)V."),
+    ("FLASH_ATTENTION_RECOMPUTE", _bool, False, "FusedSDPA recompute mode for the first token (HPU; saves memory)."),
+    ("QUANT_CONFIG", str, None, "INC FP8 JSON (QUANTIZE mode, allowlist/blocklist, dump_stats_path); implies "
+     "--quantize fp8."),
 ]
 
 
@@ -121,6 +144,26 @@ class Config:
     exponential_bucketing: bool = False
     enable_hpu_graph: bool = True
     limit_hpu_graph: bool = False
+    quantize: str | None = None
+    kv_cache_dtype: str | None = None
+    quant_config: str | None = None
+    base_image_tokens: int = 2048
+    max_image_bytes: int = 5 * 1024 * 1024
+    image_fetch_timeout_s: float = 10.0
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
+    tokenizer_config_path: str | None = None
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "text-generation-inference.router"
+    disable_grammar_support: bool = False
+    prof_waitstep: int = 0
+    prof_warmupstep: int = 0
+    prof_step: int = 0
+    prof_path: str = "/tmp/hpu_profile"
+    prof_ranks: list[int] = field(default_factory=lambda: [0])
+    prof_record_shapes: bool = False
+    use_flash_attention: bool = True
+    flash_attention_recompute: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -139,7 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, env, _typ, default, help_ in FLAGS:
         env = env or _attr(flag).upper()
         shown = "derived" if default is None else default
-        parser.add_argument(flag, default=None, help=f"{help_} [env: {env}] [default: {shown}]")
+        # Booleans may be given bare (`--disable-grammar-support`), as TGI's switches are.
+        bare = {"nargs": "?", "const": "true"} if _typ is _bool else {}
+        parser.add_argument(flag, default=None, help=f"{help_} [env: {env}] [default: {shown}]", **bare)
 
 
 def _visible_device_count(device: str) -> int:
@@ -242,8 +287,48 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     v["sharded"] = v["num_shard"] > 1
     if v["num_shard"] < 1:
         raise ConfigError("--num-shard must be positive")
+    _derive_quantization(v)
+    _derive_knobs(v)
     origins = v["cors_allow_origin"]
     v["cors_allow_origin"] = [o.strip() for o in origins.split(",") if o.strip()] if origins else []
     v["model_name"] = v["model_name"] or v["model_id"]
     v["log_level"] = str(v["log_level"]).lower()
     return Config(**v)
+
+
+def _derive_quantization(v: dict[str, object]) -> None:
+    """--quantize, --kv-cache-dtype and QUANT_CONFIG (whose file `launch` checks before starting anything:
+    `gaudi_runtime.quant.config.check_quant_config`; it may live only where the server runs)."""
+    if v["quantize"] is not None and v["quantize"] != "fp8":
+        raise ConfigError(f"--quantize {v['quantize']!r}: only fp8 is supported")
+    if v["kv_cache_dtype"] not in (None, "auto", "fp8_e4m3fn"):
+        raise ConfigError(f"--kv-cache-dtype {v['kv_cache_dtype']!r}: choose fp8_e4m3fn (or leave it unset)")
+    if v["kv_cache_dtype"] == "auto":
+        v["kv_cache_dtype"] = None
+    if v["quant_config"]:
+        v["quant_config"] = os.path.abspath(v["quant_config"])
+        v["quantize"] = "fp8"
+
+
+def _derive_knobs(v: dict[str, object]) -> None:
+    """RoPE override (TGI's pairing of --rope-scaling and --rope-factor), profiler and attention settings."""
+    scaling, factor = v["rope_scaling"], v["rope_factor"]
+    if scaling is not None and scaling not in ("linear", "dynamic"):
+        raise ConfigError(f"--rope-scaling {scaling!r}: choose linear or dynamic")
+    if factor is not None and factor <= 0:
+        raise ConfigError(f"--rope-factor ({factor}) must be positive")
+    if scaling is not None or factor is not None:
+        v["rope_scaling"], v["rope_factor"] = scaling or "linear", 1.0 if factor is None else factor
+    if v["tokenizer_config_path"]:
+        v["tokenizer_config_path"] = os.path.abspath(v["tokenizer_config_path"])
+        if not os.path.isfile(v["tokenizer_config_path"]):
+            raise ConfigError(f"--tokenizer-config-path {v['tokenizer_config_path']}: no such file")
+    for name in ("prof_waitstep", "prof_warmupstep", "prof_step"):
+        if v[name] < 0:
+            raise ConfigError(f"{name.upper()} must be >= 0")
+    ranks = v["prof_ranks"]
+    if isinstance(ranks, str):
+        try:
+            v["prof_ranks"] = [int(r) for r in ranks.split(",") if r.strip()]
+        except ValueError:
+            raise ConfigError(f"PROF_RANKS {ranks!r}: expected comma-separated ranks, e.g. 0,1") from None

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from gaudi_runtime.config import Config, ConfigError
+from gaudi_runtime.router.images import check_image_budget
 
 log = logging.getLogger("gaudi_runtime.launcher")
 
@@ -145,5 +146,7 @@ def supervise(procs: list[tuple[str, subprocess.Popen]]) -> int:
 def main(cfg: Config) -> int:
     model_dir = resolve_model_dir(cfg)
     check_model(model_dir)
+    check_image_budget(cfg, json.loads((Path(model_dir) / "config.json").read_text()))
+    log.info("effective configuration: %s", cfg.to_json())  # every flag and env setting, as resolved
     log.info("launching %d shard(s) and the router for %s", cfg.num_shard, model_dir)
     return supervise(spawn(cfg, model_dir))

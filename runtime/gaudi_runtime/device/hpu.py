@@ -34,6 +34,17 @@ def device_count() -> int:
     return int(hthpu.device_count()) if hthpu.is_available() else 0
 
 
+def fused_sdpa(recompute: bool):
+    """Habana's fused scaled-dot-product attention with torch SDPA's call shape (USE_FLASH_ATTENTION);
+    `recompute` trades compute for memory (FLASH_ATTENTION_RECOMPUTE)."""
+    from habana_frameworks.torch.hpex.kernels import FusedSDPA
+
+    def attend(q, k, v, attn_mask=None, is_causal=False, scale=None):
+        return FusedSDPA.apply(q, k, v, attn_mask, 0.0, is_causal, scale, "None", recompute)
+
+    return attend
+
+
 class _Step(torch.nn.Module):
     """A step function as a module, the unit `wrap_in_hpu_graph` caches graphs for."""
 

@@ -18,6 +18,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)  # --kv-cache-dtype fp8_e4m3fn
+
+
+def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                   is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """softmax(QK^T * scale) V spelled out (USE_FLASH_ATTENTION=false); softmax in float32 as transformers' eager."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
+                                    .tril().logical_not(), float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+    return torch.matmul(scores.float().softmax(-1).to(v.dtype), v)
+
+
+@dataclass
+class AttentionImpl:
+    """The kernels every Attention layer of this process calls (q, k, v, attn_mask, is_causal, scale)."""
+
+    name: str
+    prefill: object
+    decode: object
+
+
+IMPL = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention)
+
+
+def select_attention(use_flash: bool, recompute: bool, device: str) -> AttentionImpl:
+    """USE_FLASH_ATTENTION / FLASH_ATTENTION_RECOMPUTE: Habana's FusedSDPA on HPU (recompute applies to the
+    first token), torch SDPA elsewhere; or the explicit math. Set once per shard process, before the model runs."""
+    if not use_flash:
+        impl = AttentionImpl("math", math_attention, math_attention)
+    elif device == "hpu":
+        from gaudi_runtime.device.hpu import fused_sdpa
+
+        impl = AttentionImpl("fused_sdpa", fused_sdpa(recompute), fused_sdpa(False))
+    else:
+        impl = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention)
+    IMPL.name, IMPL.prefill, IMPL.decode = impl.name, impl.prefill, impl.decode
+    return IMPL
+
 
 @dataclass
 class AttentionMetadata:
@@ -28,15 +69,27 @@ class AttentionMetadata:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor) -> None:
-    """Scatter ``k, v`` ``[B, S, H, D]`` into the caches at flat ``slots`` ``[B, S]``."""
+             slots: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter ``k, v`` ``[B, S, H, D]`` into the caches at flat ``slots`` ``[B, S]``.
+
+    A float8 cache stores ``k / k_scale`` (and ``v / v_scale``), saturated to the format's range."""
     h, d = k_cache.shape[-2:]
     flat = slots.reshape(-1)
+    if k_cache.dtype in FP8_KV_DTYPES:
+        # index_copy_ has no float8 kernel on CPU: copy the bytes through a uint8 view.
+        for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+            limit = torch.finfo(cache.dtype).max
+            q = (x.reshape(-1, h, d).float() / scale).clamp(-limit, limit).to(cache.dtype)
+            cache.view(torch.uint8).view(-1, h, d).index_copy_(0, flat, q.view(torch.uint8))
+        return
     k_cache.view(-1, h, d).index_copy_(0, flat, k.reshape(-1, h, d).to(k_cache.dtype))
     v_cache.view(-1, h, d).index_copy_(0, flat, v.reshape(-1, h, d).to(v_cache.dtype))
 
 
 class Attention(nn.Module):
+    k_scale = 1.0  # per-tensor scales of a float8 KV cache (set by gaudi_runtime.quant)
+    v_scale = 1.0
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -52,7 +105,7 @@ class Attention(nn.Module):
         """q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]`` -> ``[B, S, Hq * D]``."""
         b, s = q.shape[:2]
         if kv_cache is not None:
-            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slots)
+            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slots, self.k_scale, self.v_scale)
         if meta.is_prefill:
             out = self._prefill(q, k, v)
         else:
@@ -68,8 +121,8 @@ class Attention(nn.Module):
                 b, s, self.num_heads, self.head_dim)
             v = v.unsqueeze(3).expand(b, s, self.num_kv_heads, self.group, self.head_dim).reshape(
                 b, s, self.num_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, scale=self.scale)
+        out = IMPL.prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           is_causal=True, scale=self.scale)
         return out.transpose(1, 2)  # [B, S, Hq, D]
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,11 +136,12 @@ class Attention(nn.Module):
         flat = block_tables.reshape(-1)
         keys = k_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         values = v_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if k_cache.dtype in FP8_KV_DTYPES:
+            keys, values = keys.to(q.dtype) * self.k_scale, values.to(q.dtype) * self.v_scale
         pos = torch.arange(length, device=q.device)
         # Position 0 is always allowed so a padded row with context_len 0 yields finite output, not NaN.
         mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)) | (pos.unsqueeze(0) == 0)  # [B, L]
         # q [B, 1, Hq, D] -> [B, Hkv, group, D]: the group's query heads act as the query axis.
         qg = q.reshape(b, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask[:, None, None, :],
-                                             scale=self.scale)
+        out = IMPL.decode(qg, keys, values, attn_mask=mask[:, None, None, :], scale=self.scale)
         return out.reshape(b, 1, self.num_heads, self.head_dim).to(q.dtype)

@@ -149,8 +149,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList([LlamaDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None):
+        # inputs_embeds: a multimodal model's prompt (token embeddings with image features merged in).
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, None if kv_caches is None else kv_caches[i], meta)
@@ -206,9 +207,12 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None):
         """``input_ids``/``positions`` ``[B, S]`` -> final-normed hidden states ``[B, S, hidden]``."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        if inputs_embeds is None:  # the families built on this class whose models take no embeddings
+            return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> float32 ``[N, vocab_size]`` (gathered over ranks, padding dropped)."""

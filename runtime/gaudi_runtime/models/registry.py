@@ -14,6 +14,7 @@ from .falcon import FalconForCausalLM
 from .gemma import GemmaForCausalLM
 from .gpt_bigcode import GPTBigCodeForCausalLM
 from .llama import LlamaForCausalLM
+from .llava_next import LlavaNextForConditionalGeneration
 from .mixtral import MixtralForCausalLM
 from .starcoder2 import Starcoder2ForCausalLM
 
@@ -29,6 +30,7 @@ SUPPORTED_ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
 }
 
 CausalLM = LlamaForCausalLM  # the interface every supported model class implements
@@ -98,10 +100,26 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:
                 yield name, LazyWeight(sl, sl.get_shape())
 
 
+def override_rope(cfg: dict[str, Any], scaling: str, factor: float) -> dict[str, Any]:
+    """config.json with its RoPE scaling replaced (--rope-scaling / --rope-factor), in the transformers 4
+    layout every model family reads; the base frequency (rope_theta) is kept."""
+    from ..layers.rotary import rope_params_from_config
+
+    theta, _ = rope_params_from_config(cfg)
+    out = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    out["rope_theta"] = theta
+    out["rope_scaling"] = {"rope_type": scaling, "factor": float(factor)}
+    return out
+
+
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1,
-               process_group=None) -> CausalLM:
-    """Build the model for ``model_dir`` and load this rank's weight shard from its safetensors files."""
+               process_group=None, rope: tuple[str, float] | None = None) -> CausalLM:
+    """Build the model for ``model_dir`` and load this rank's weight shard from its safetensors files.
+
+    ``rope`` = (scaling type, factor) overrides the model's RoPE scaling."""
     cfg_dict = read_config(model_dir)
+    if rope is not None:
+        cfg_dict = override_rope(cfg_dict, *rope)
     arch = resolve_architecture(cfg_dict)
     model_cls = SUPPORTED_ARCHITECTURES[arch]
     cfg = model_cls.config_class.from_dict(cfg_dict, arch)

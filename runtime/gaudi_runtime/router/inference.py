@@ -23,9 +23,12 @@ from gaudi_runtime.router.types import GenerationEnd, GenerationError, StreamEve
 class RequestRecorder:
     """Per-request metrics for one HTTP request (which may run several sequences)."""
 
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, tracer=None):
         self.m = metrics
+        self.tracer = tracer  # router.tracing.RequestTracer with --otlp-endpoint, else None
         self.start = time.monotonic()
+        self._first_token: float | None = None
+        self._input_tokens = 0
         self.validated_at: float | None = None
         self._last_token: float | None = None
         self._done = False
@@ -35,6 +38,7 @@ class RequestRecorder:
     def validated(self, requests: list[ValidRequest]) -> None:
         self.validated_at = time.monotonic()
         self.m.tgi_request_validation_duration.observe(self.validated_at - self.start)
+        self._input_tokens = sum(len(r.input_ids) for r in requests)
         for r in requests:
             self.m.tgi_request_input_length.observe(len(r.input_ids))
             self.m.tgi_request_max_new_tokens.observe(r.stopping.max_new_tokens)
@@ -50,6 +54,7 @@ class RequestRecorder:
     def token(self) -> None:
         now = time.monotonic()
         if self._last_token is None:
+            self._first_token = now
             self.m.tgi_request_time_to_first_token_duration.observe(now - self.start)
         else:
             self.m.tgi_request_inter_token_latency_duration.observe(now - self._last_token)
@@ -67,12 +72,28 @@ class RequestRecorder:
             self.m.tgi_request_generated_tokens.observe(end.generated_tokens)
             if end.generated_tokens:
                 self.m.tgi_request_mean_time_per_token_duration.observe(end.inference_time / end.generated_tokens)
+        self._trace("success", ends)
 
     def failure(self, exc: BaseException | str) -> None:
         if self._done:
             return
         self._done = True
         self.m.tgi_request_failure.labels(err=exc if isinstance(exc, str) else error_type(exc)).inc()
+        self._trace(exc if isinstance(exc, str) else error_type(exc), self._ends)
+
+    def _trace(self, status: str, ends: list[GenerationEnd]) -> None:
+        if self.tracer is None:
+            return
+        from gaudi_runtime.router.tracing import RequestTimes
+
+        attrs = {"status": status, "input_tokens": self._input_tokens,
+                 "generated_tokens": sum(e.generated_tokens for e in ends)}
+        if ends:
+            attrs["finish_reason"] = ends[0].finish_reason.value
+        self.tracer.record(RequestTimes(start=self.start, end=time.monotonic(), validated=self.validated_at,
+                                        first_token=self._first_token,
+                                        queue_time=max((e.queue_time for e in ends), default=0.0),
+                                        attributes=attrs))
 
     def cancelled(self) -> None:
         self.failure("cancelled")

@@ -12,9 +12,12 @@ from aiohttp import web
 from gaudi_runtime.config import Config
 from gaudi_runtime.router.client import ShardClient
 from gaudi_runtime.router.engine import BatchingEngine
+from gaudi_runtime.router.images import ImagePrompter
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.server import build_app
+from gaudi_runtime.router.state import STATE
 from gaudi_runtime.router.tokenizer import RouterTokenizer
+from gaudi_runtime.router.tracing import make_tracer
 from gaudi_runtime.shard.server import uds_path
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,8 @@ async def serve(cfg: Config, model_dir: str) -> int:
     client = ShardClient([uds_path(cfg, r) for r in range(cfg.num_shard)])
     metrics = Metrics()
     engine = BatchingEngine(cfg, client, tokenizer, metrics)
-    app = build_app(cfg, engine, tokenizer, metrics=metrics)
+    app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg))
+    app[STATE].tracer = tracer = make_tracer(cfg)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, cfg.hostname, cfg.port).start()
@@ -57,6 +61,8 @@ async def serve(cfg: Config, model_dir: str) -> int:
     finally:
         await engine.stop()
         await runner.cleanup()
+        if tracer is not None:
+            tracer.shutdown()
     return code
 
 

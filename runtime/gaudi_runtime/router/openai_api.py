@@ -16,6 +16,7 @@ from aiohttp import web
 import gaudi_runtime
 from gaudi_runtime.router import sse
 from gaudi_runtime.router.errors import ValidationError
+from gaudi_runtime.router.images import prompt_images
 from gaudi_runtime.router.inference import Generation, RequestRecorder, check_health, collect_all, merge
 from gaudi_runtime.router.state import AppState, get_state
 from gaudi_runtime.router.tgi_api import read_body, recorder
@@ -29,6 +30,7 @@ from gaudi_runtime.router.validation import (
     str_list,
     tokenize_input,
     validate_parameters,
+    validate_with_images,
 )
 
 FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop"}
@@ -210,7 +212,22 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
 
 # --- /v1/chat/completions ----------------------------------------------------------------
 
-def _messages(body: dict) -> list[dict]:
+def _content_part(i: int, p, images_allowed: bool) -> str:
+    """One part of a message's content list -> prompt text; an image becomes TGI's markdown `![](url)`."""
+    if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+        return p["text"]
+    if isinstance(p, dict) and p.get("type") == "image_url":
+        if not images_allowed:
+            raise ValidationError(f"`messages[{i}].content`: only text parts are supported: this model takes no images")
+        url = p.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise ValidationError(f"`messages[{i}].content`: an `image_url` part needs a string `url`")
+        return f"![]({url})"
+    raise ValidationError(f"`messages[{i}].content`: only text and image_url parts are supported")
+
+
+def _messages(body: dict, images_allowed: bool = False) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ValidationError("Failed to deserialize the JSON body: `messages` must be a non-empty list")
@@ -220,12 +237,7 @@ def _messages(body: dict) -> list[dict]:
             raise ValidationError(f"`messages[{i}]` must be an object with a string `role`")
         content = m.get("content")
         if isinstance(content, list):
-            parts = []
-            for p in content:
-                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                    raise ValidationError(f"`messages[{i}].content`: only text parts are supported")
-                parts.append(p["text"])
-            content = "".join(parts)
+            content = "".join(_content_part(i, p, images_allowed) for p in content)
         elif content is not None and not isinstance(content, str):
             raise ValidationError(f"`messages[{i}].content` must be a string or a list of text parts")
         out.append({**m, "content": content if content is not None else ""})
@@ -262,13 +274,18 @@ async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> we
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise ValidationError("Failed to deserialize the JSON body: `tools` must be a list")
-        messages = _messages(body)
+        messages = _messages(body, images_allowed=state.images is not None)
         try:
             prompt = state.tokenizer.apply_chat_template(messages, tools=tools if tool_choice != "none" else None)
         except TokenizerError as e:
             raise ValidationError(str(e)) from None
-        ids = tokenize_input(prompt, state.tokenizer, add_special_tokens=False)
-        job = validate_parameters(prompt, ids, params, state.config, stream=stream)
+        images = await prompt_images(state, prompt)
+        if images is not None:
+            job = validate_with_images(prompt, images, params, state.config, state.tokenizer, stream=stream,
+                                       add_special_tokens=False)
+        else:
+            ids = tokenize_input(prompt, state.tokenizer, add_special_tokens=False)
+            job = validate_parameters(prompt, ids, params, state.config, stream=stream)
         req = job.request
         rec.validated([req])
         check_health(state)

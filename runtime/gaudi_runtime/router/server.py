@@ -88,12 +88,12 @@ def _middlewares(config: Config) -> list:
 
 
 def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
-              metrics: Metrics | None = None) -> web.Application:
+              metrics: Metrics | None = None, images=None) -> web.Application:
     """The HTTP application; pass `metrics` to share it with the engine (else one is made:
     `app[METRICS]` or `get_metrics(app)`)."""
     metrics = metrics or Metrics()
     app = web.Application(middlewares=_middlewares(config), client_max_size=MAX_BODY)
-    app[STATE] = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics)
+    app[STATE] = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, images=images)
     app[METRICS] = metrics
 
     if config.cors_allow_origin:

@@ -20,6 +20,8 @@ class AppState:
     tokenizer: RouterTokenizer
     metrics: Metrics
     started: float = field(default_factory=time.time)
+    images: object | None = None  # router.images.ImagePrompter of a vision model, else None
+    tracer: object | None = None  # router.tracing.RequestTracer with --otlp-endpoint, else None
 
 
 STATE = web.AppKey("gaudi_serve_state", AppState)

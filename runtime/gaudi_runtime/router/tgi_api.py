@@ -13,6 +13,7 @@ from aiohttp import web
 import gaudi_runtime
 from gaudi_runtime.router import sse
 from gaudi_runtime.router.errors import ValidationError
+from gaudi_runtime.router.images import prompt_images
 from gaudi_runtime.router.inference import (
     Generation,
     RequestRecorder,
@@ -113,7 +114,8 @@ async def run_generate(request: web.Request, body: dict, rec: RequestRecorder, *
                        as_list: bool = False) -> web.Response:
     state = get_state(request)
     try:
-        job = validate_generate(body, state.config, state.tokenizer, stream=False)
+        images = await prompt_images(state, body.get("inputs"))
+        job = validate_generate(body, state.config, state.tokenizer, stream=False, images=images)
         reqs = best_of_requests(job)
         rec.validated([job.request])
         check_health(state)
@@ -150,7 +152,8 @@ def stream_event_json(index: int, ev: StreamEvent, request: ValidRequest) -> dic
 async def run_generate_stream(request: web.Request, body: dict, rec: RequestRecorder) -> web.StreamResponse:
     state = get_state(request)
     try:
-        job = validate_generate(body, state.config, state.tokenizer, stream=True)
+        images = await prompt_images(state, body.get("inputs"))
+        job = validate_generate(body, state.config, state.tokenizer, stream=True, images=images)
         rec.validated([job.request])
         check_health(state)
     except Exception as e:
@@ -173,7 +176,8 @@ async def stream_tgi(request: web.Request, state: AppState, vreq: ValidRequest,
 
 
 def recorder(request: web.Request) -> RequestRecorder:
-    return RequestRecorder(get_state(request).metrics)
+    state = get_state(request)
+    return RequestRecorder(state.metrics, tracer=state.tracer)
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:

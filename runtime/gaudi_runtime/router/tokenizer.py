@@ -34,6 +34,21 @@ def _ids_from_config(path: Path, key: str) -> list[int]:
     return []
 
 
+def chat_template_from(path: str) -> str:
+    """The chat template of a tokenizer_config.json (--tokenizer-config-path): a string, or the
+    "default" entry of a list of named templates."""
+    try:
+        template = json.loads(Path(path).read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"--tokenizer-config-path {path}: not a readable tokenizer_config.json ({e})") from e
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"--tokenizer-config-path {path}: has no chat_template")
+    return template
+
+
 class RouterTokenizer:
     def __init__(self, hf_tokenizer: Any | None, *, skip_tokenizer: bool = False,
                  eos_token_ids: list[int] | None = None, bos_token_id: int | None = None):
@@ -63,6 +78,8 @@ class RouterTokenizer:
                 raise
         if hf is not None and not hf.is_fast:
             raise ValueError(f"{path}: the router needs a fast tokenizer (tokenizer.json)")
+        if hf is not None and config.tokenizer_config_path:
+            hf.chat_template = chat_template_from(config.tokenizer_config_path)
         bos = _ids_from_config(p, "bos_token_id")
         return cls(hf, skip_tokenizer=config.skip_tokenizer_in_tgi,
                    eos_token_ids=_ids_from_config(p, "eos_token_id"), bos_token_id=bos[0] if bos else None)

@@ -39,6 +39,7 @@ class ValidRequest:
     decoder_input_details: bool = False  # the shard returns prompt logprobs
     details: bool = False
     return_full_text: bool = False
+    images: list[bytes] = field(default_factory=list)  # encoded prompt images (their tokens are in input_ids)
 
 
 @dataclass(frozen=True)

@@ -116,16 +116,30 @@ def tokenize_input(inputs: Any, tokenizer: _Encoder, add_special_tokens: bool = 
 
 
 def validate_generate(body: dict, config: Config, tokenizer: _Encoder, *, stream: bool = False,
-                      rng: random.Random | None = None) -> GenerateJob:
-    """A TGI body `{"inputs": ..., "parameters": {...}}` -> GenerateJob."""
+                      rng: random.Random | None = None, images=None) -> GenerateJob:
+    """A TGI body `{"inputs": ..., "parameters": {...}}` -> GenerateJob.
+
+    `images`: the prompt's images expanded for a vision model (`router.images.prompt_images`)."""
     if "inputs" not in body:
         raise ValidationError("Failed to deserialize the JSON body: missing field `inputs`")
     params = body.get("parameters") or {}
     if not isinstance(params, dict):
         raise _type_error("parameters", "an object", params)
     inputs = body["inputs"]
+    if images is not None:
+        return validate_with_images(inputs, images, params, config, tokenizer, stream=stream, rng=rng)
     input_ids = tokenize_input(inputs, tokenizer)
     return validate_parameters(inputs, input_ids, params, config, stream=stream, rng=rng)
+
+
+def validate_with_images(inputs: str, images, params: dict, config: Config, tokenizer: _Encoder, *,
+                         stream: bool = False, rng: random.Random | None = None,
+                         add_special_tokens: bool = True) -> GenerateJob:
+    """Validate a vision model's prompt: its text with each image expanded into placeholder tokens."""
+    input_ids = tokenize_input(images.text, tokenizer, add_special_tokens=add_special_tokens)
+    job = validate_parameters(inputs, input_ids, params, config, stream=stream, rng=rng)
+    images.attach(job.request, input_ids)
+    return job
 
 
 def validate_parameters(inputs: str, input_ids: list[int], params: dict, config: Config, *,

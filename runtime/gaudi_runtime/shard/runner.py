@@ -7,6 +7,7 @@ reading the sampled tokens back.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -18,11 +19,13 @@ import torch
 from gaudi_runtime import buckets
 from gaudi_runtime.config import Config
 from gaudi_runtime.device.base import Backend
-from gaudi_runtime.layers.attention import AttentionMetadata
+from gaudi_runtime.layers.attention import AttentionMetadata, select_attention
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from gaudi_runtime.models import load_model
 from gaudi_runtime.params import SamplingParameters
+from gaudi_runtime.quant.setup import kv_cache_dtype, quantize_loaded
 from gaudi_runtime.shard.batch import ShardBatch
+from gaudi_runtime.shard.profiler import make_profiler
 from gaudi_runtime.shard.sampling import BatchSampler, SampleOutput
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,7 @@ class PrefillInput:
     top_n_tokens: int
     blocks: list[int]
     prefill_logprobs: bool
+    images: list[bytes] = field(default_factory=list)  # encoded images of a multimodal prompt, in order
 
 
 @dataclass
@@ -81,20 +85,32 @@ class ModelRunner:
         self.device = device = backend.torch_device
         self.dtype = getattr(torch, cfg.dtype)
         t0 = time.perf_counter()
-        self.model = load_model(model_dir, self.dtype, device, rank, world_size, process_group)
+        attention = select_attention(cfg.use_flash_attention, cfg.flash_attention_recompute, backend.name)
+        log.info("attention: %s (FLASH_ATTENTION_RECOMPUTE=%s)", attention.name, cfg.flash_attention_recompute)
+        rope = (cfg.rope_scaling, cfg.rope_factor) if cfg.rope_scaling else None  # --rope-scaling/--rope-factor
+        self.model = load_model(model_dir, self.dtype, device, rank, world_size, process_group, rope=rope)
+        # FP8 (--quantize / QUANT_CONFIG) swaps layers after load; --kv-cache-dtype sets the cache's scales.
+        self.model = quantize_loaded(self.model, cfg, backend.name, self.dtype, rank, world_size)
+        self.kv_dtype = kv_cache_dtype(cfg, self.dtype)
         m = self.model
         self.rank, self.world_size = rank, world_size
         self.weight_bytes = weight_bytes(m)
-        per_block = kv_bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim, self.dtype)
+        per_block = kv_bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype)
         free = backend.memory_info()
         self.num_blocks = size_kv_cache(cfg, per_block, free[0] if free else None)
         self.kv_cache = allocate_kv_cache(m.num_layers, self.num_blocks, cfg.block_size, m.num_kv_heads,
-                                          m.head_dim, self.dtype, device)
+                                          m.head_dim, self.kv_dtype, device)
         log.info("rank %d/%d holds %.1f MiB of weights", rank, world_size, self.weight_bytes / 2**20)
         log.info("model loaded in %.1fs; KV cache: %d blocks of %d tokens (%.1f MiB)",
                  time.perf_counter() - t0, self.num_blocks - 1, cfg.block_size,
                  self.num_blocks * per_block / 2**20)
         self.batches: dict[int, ShardBatch] = {}
+        # Multimodal models (Llava) preprocess their prompt images here with the model's own processor.
+        self.image_processor = None
+        if getattr(m, "takes_images", False):
+            from gaudi_runtime.models.llava_next import load_image_processor
+
+            self.image_processor = load_image_processor(model_dir)
         self.warmup_summary: dict | None = None
         self.warmed: set[tuple[str, int, int]] | None = None  # None until warmup ran
         self.unwarmed_shapes = 0  # forward passes on a shape warmup did not run
@@ -102,11 +118,29 @@ class ModelRunner:
         self._decode_fn = backend.graphed(self._decode_step, "decode")
         self._prefill_fn = self._prefill_step if cfg.limit_hpu_graph else backend.graphed(self._prefill_step,
                                                                                           "prefill")
+        self.profiler = make_profiler(cfg, rank, backend.name)  # PROF_*: None unless this rank profiles
 
     # ---- the two step functions (what device graphs capture) -----------
 
     def _prefill_step(self, input_ids, positions, slots, last_idx):
         hidden = self.model(input_ids, positions, self.kv_cache, AttentionMetadata(is_prefill=True, slots=slots))
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return hidden, self.model.compute_logits(hidden[rows, last_idx])
+
+    def _prefill_images_step(self, images: list[bytes], input_ids, positions, slots, last_idx):
+        """A prefill whose prompts hold images: the vision tower's features replace the placeholder
+        tokens' embeddings. Eager (image tile counts vary), so text-only buckets and graphs are untouched."""
+        if self.image_processor is None:
+            raise ValueError("this model takes no images")
+        from gaudi_runtime.models.llava_next import pixel_inputs
+
+        try:
+            pixels, sizes = pixel_inputs(self.image_processor, images)
+        except Exception as e:  # the router validated them; a failure here is still the request's fault
+            raise ValueError(f"cannot preprocess the prompt's images: {e}") from e
+        embeds = self.model.embed_prompt(input_ids, pixels, sizes)
+        hidden = self.model(input_ids, positions, self.kv_cache, AttentionMetadata(is_prefill=True, slots=slots),
+                            inputs_embeds=embeds)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return hidden, self.model.compute_logits(hidden[rows, last_idx])
 
@@ -151,7 +185,10 @@ class ModelRunner:
         last_idx[:n] = lens - 1
         self._note_shape("prefill", rows, seq)
         t0 = time.perf_counter_ns()
-        hidden, logits = self._prefill_fn(
+        prefill_fn = self._prefill_fn
+        if any(r.images for r in reqs):
+            prefill_fn = functools.partial(self._prefill_images_step, [im for r in reqs for im in r.images])
+        hidden, logits = prefill_fn(
             torch.from_numpy(ids).to(dev), torch.from_numpy(np.broadcast_to(pos, (rows, seq)).copy()).to(dev),
             torch.from_numpy(slots).to(dev), torch.from_numpy(last_idx).to(dev))
         self.backend.mark_step()
@@ -225,6 +262,8 @@ class ModelRunner:
         out = batch.sampler(logits)
         self.backend.mark_step()
         batch.last_ids = out.next_ids[:n]
+        if self.profiler is not None:
+            self.profiler.step()
         batch.seq_lens = batch.seq_lens + 1
         batch.seq_lens_host = batch.seq_lens_host + 1
         self.batches[batch.id] = batch

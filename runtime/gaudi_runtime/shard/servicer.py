@@ -81,7 +81,8 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
     async def Prefill(self, request, context):
         reqs = [
             PrefillInput(id=r.id, input_ids=list(r.input_ids), params=to_params(r.parameters),
-                         top_n_tokens=r.top_n_tokens, blocks=list(r.blocks), prefill_logprobs=r.prefill_logprobs)
+                         top_n_tokens=r.top_n_tokens, blocks=list(r.blocks), prefill_logprobs=r.prefill_logprobs,
+                         images=list(r.images))
             for r in request.batch.requests
         ]
         try:

@@ -139,6 +139,39 @@ def _starcoder(common, shape):
         multi_query=True, activation_function="gelu_pytorch_tanh", tie_word_embeddings=True)
 
 
+def _llava(common, shape):
+    import transformers
+
+    # Llava-v1.6-Mistral in miniature: a CLIP tower on 32-pixel tiles of 8-pixel patches (16 per tile), a
+    # 3-tile pinpoint set (a 1x2, 2x1 and 2x2 grid) and a Mistral language model. The image token is the
+    # last id of the vocabulary (make_tiny_model adds it to the tokenizer).
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=32, patch_size=8)
+    text = transformers.MistralConfig(**common, **shape, sliding_window=None, tie_word_embeddings=False)
+    return transformers.LlavaNextConfig(
+        vision_config=vision, text_config=text, image_token_index=common["vocab_size"] - 1,
+        image_grid_pinpoints=[[32, 64], [64, 32], [64, 64]], vision_feature_layer=-2,
+        vision_feature_select_strategy="default", tie_word_embeddings=False)
+
+
+IMAGE_TOKEN = "<image>"
+IMAGE_FAMILIES = {"llava"}
+
+
+def save_image_processor(out: Path, cfg, tok) -> None:
+    """The image processor and LlavaNextProcessor (placeholder-token expansion) of a tiny Llava."""
+    import transformers
+
+    side = cfg.vision_config.image_size
+    images = transformers.LlavaNextImageProcessor(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+        image_grid_pinpoints=cfg.image_grid_pinpoints)
+    transformers.LlavaNextProcessor(
+        image_processor=images, tokenizer=tok, patch_size=cfg.vision_config.patch_size,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_token=IMAGE_TOKEN).save_pretrained(out)
+
+
 def randomize_vectors(model_dir: str | Path, seed: int = 0, scale: float = 0.2) -> None:
     """Add noise to every 1-D weight (norm weights, biases) of the model in `model_dir`, in place.
 
@@ -170,6 +203,7 @@ FAMILIES = {
     "falcon": _falcon,
     "falcon7b": _falcon7b,
     "starcoder": _starcoder,
+    "llava": _llava,
 }
 
 
@@ -194,12 +228,17 @@ def make_tiny_model(out: str | Path, family: str = "llama", size: str = "tiny", 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(vocab_size, seed)
+    if family in IMAGE_FAMILIES:
+        tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tok.save_pretrained(out)
     cfg = make_config(family, len(tok), size)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    auto = transformers.AutoModelForImageTextToText if family in IMAGE_FAMILIES else transformers.AutoModelForCausalLM
+    model = auto.from_config(cfg)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
+    if family in IMAGE_FAMILIES:
+        save_image_processor(out, cfg, tok)
     return out
 
 
