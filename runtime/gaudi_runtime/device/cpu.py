@@ -7,6 +7,7 @@ import os
 import torch
 
 from gaudi_runtime.device.base import Backend
+from gaudi_runtime.device.host_allocator import tune_host_allocator
 
 
 class CpuBackend(Backend):
@@ -15,6 +16,7 @@ class CpuBackend(Backend):
 
     def __init__(self) -> None:
         super().__init__(torch.device("cpu"))
+        tune_host_allocator()
 
     def memory_info(self) -> tuple[int, int] | None:
         try:

@@ -1,0 +1,90 @@
+"""Time one decode step of the model in this process, per batch size and attention kernel.
+
+    python -m gaudi_runtime.bench.decode_step --model-id DIR [--batch 1 16 64] [--context 256] [--profile]
+
+No router, no gRPC: the shard's own step function over a KV cache filled with noise, so the
+numbers are the model's forward pass and nothing else (docs/performance.md). Kernels are
+interleaved, repetition by repetition, so that a noisy machine hurts them alike; the minimum
+and the median of the repetitions are printed. ``--profile`` adds torch.profiler's top
+operators for each batch size with the kernels the CPU backend selects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gaudi_runtime.device.host_allocator import tune_host_allocator
+from gaudi_runtime.layers import attention
+from gaudi_runtime.layers.attention import AttentionMetadata, grouped_decode_attention
+from gaudi_runtime.layers.kv_cache import allocate_kv_cache
+from gaudi_runtime.models.registry import load_model
+
+BLOCK = 16
+KERNELS = {"sdpa": F.scaled_dot_product_attention, "grouped": grouped_decode_attention}
+
+
+def step_inputs(batch: int, context: int, vocab: int):
+    """A batch whose rows each hold `context` tokens in their own blocks (block 0 is the trash block)."""
+    nb = -(-context // BLOCK)
+    tables = torch.arange(1, 1 + batch * nb).view(batch, nb)
+    ctx = torch.full((batch,), context)
+    slots = tables[:, (context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK
+    return torch.randint(0, vocab, (batch,)), ctx - 1, slots, tables, ctx
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-id", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=5, help="steps timed per repetition")
+    ap.add_argument("--default-allocator", action="store_true", help="keep glibc's malloc defaults")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    if not args.default_allocator:
+        tune_host_allocator()
+    model = load_model(args.model_id, getattr(torch, args.dtype), torch.device("cpu"))
+    blocks = 1 + max(args.batch) * -(-args.context // BLOCK)
+    kv = allocate_kv_cache(model.num_layers, blocks, BLOCK, model.num_kv_heads, model.head_dim,
+                           getattr(torch, args.dtype), torch.device("cpu"))
+    for k, v in kv:
+        k.normal_(), v.normal_()
+    vocab = model.vocab_size
+
+    def step(input_ids, positions, slots, tables, context_lens):
+        meta = AttentionMetadata(is_prefill=False, slots=slots[:, None], block_tables=tables,
+                                 context_lens=context_lens)
+        return model.compute_logits(model(input_ids[:, None], positions[:, None], kv, meta)[:, -1])
+
+    print(f"{'batch':>5} {'kernel':<8} {'min ms':>8} {'median ms':>9}  (context {args.context}, {args.dtype})")
+    with torch.inference_mode():
+        for batch in args.batch:
+            inputs = step_inputs(batch, args.context, vocab)
+            times: dict[str, list[float]] = {name: [] for name in KERNELS}
+            for _ in range(args.repeats):
+                for name, kernel in KERNELS.items():
+                    attention.IMPL.decode = kernel
+                    step(*inputs)
+                    start = time.perf_counter()
+                    for _ in range(args.steps):
+                        step(*inputs)
+                    times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+            for name, ts in times.items():
+                print(f"{batch:>5} {name:<8} {min(ts):>8.2f} {statistics.median(ts):>9.2f}")
+            if args.profile:
+                attention.IMPL.decode = attention.select_attention(True, False, "cpu").decode
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    for _ in range(args.steps):
+                        step(*inputs)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+if __name__ == "__main__":
+    main()
