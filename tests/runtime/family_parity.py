@@ -37,10 +37,11 @@ PROMPTS = [
 ]
 
 
-def serve(model_dir: Path, tmp: Path, shards: int, env: dict | None = None) -> Launched:
-    """`gaudi-serve launch` on CPU with the small test shapes, ready to serve (the caller stops it)."""
-    srv = launch(model_dir, tmp, "--num-shard", str(shards), "--device", "cpu", *SMALL_ARGS,
-                 env={**SMALL_ENV, **(env or {})})
+def serve(model_dir: Path, tmp: Path, shards: int, env: dict | None = None, args: tuple = SMALL_ARGS,
+          base_env: dict = SMALL_ENV) -> Launched:
+    """`gaudi-serve launch` on CPU (by default with the small test shapes), ready to serve (the caller stops it)."""
+    srv = launch(model_dir, tmp, "--num-shard", str(shards), "--device", "cpu", *args,
+                 env={**base_env, **(env or {})})
     try:
         srv.wait_ready()
     except BaseException:

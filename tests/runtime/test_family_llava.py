@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model, randomize_vectors
+from tests.runtime.family_parity import serve
 from tests.runtime.launched import get_json, launch
 
 # Image tokens of the test images: (40x70) 52, (100x30) 40, (17x23) 44, (64x64) 88.
@@ -105,15 +106,8 @@ def server(request, model_dir, tmp_path_factory):
 
 
 def serve_llava(model_dir, tmp, shards: int):
-    """Like family_parity.serve, with limits that leave room for an image in a prompt."""
-    srv = launch(model_dir, tmp, "--num-shard", str(shards), "--device", "cpu", *ARGS, env=ENV)
-    try:
-        srv.wait_ready()
-    except BaseException:
-        srv.stop()
-        raise
-    srv.model_dir, srv.shards = model_dir, shards
-    return srv
+    """family_parity.serve with limits that leave room for an image in a prompt."""
+    return serve(model_dir, tmp, shards, args=tuple(ARGS), base_env=ENV)
 
 
 async def generate(session, url: str, inputs: str, max_new_tokens: int) -> tuple[int, dict]:
