@@ -7,7 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gaudi_runtime.layers.attention import GROUPED_MIN_BATCH, grouped_decode_attention, select_attention
+from gaudi_runtime.layers import attention
+from gaudi_runtime.layers.attention import (
+    GROUPED_MAX_KV_HEADS,
+    GROUPED_MIN_BATCH,
+    grouped_decode_attention,
+    select_attention,
+)
 
 
 def gathered(b: int, hkv: int, g: int, length: int, d: int, dtype=torch.float32):
@@ -53,3 +59,15 @@ def test_selected_for_cpu_decode_only():
         assert "sdpa" in impl.name
     finally:
         select_attention(True, False, "cuda")
+
+
+def test_batched_matmuls_serve_large_batches_with_few_kv_heads(monkeypatch):
+    """Where it is faster (batch >= 16, at most 4 KV heads) SDPA is not called at all."""
+    q, k, v, mask = gathered(GROUPED_MIN_BATCH, GROUPED_MAX_KV_HEADS, 2, 32, 8)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def no_sdpa(*args, **kwargs):
+        raise AssertionError("SDPA called")
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", no_sdpa)
+    torch.testing.assert_close(grouped_decode_attention(q, k, v, attn_mask=mask), expected)

@@ -55,7 +55,8 @@ def main() -> None:
     kv = allocate_kv_cache(model.num_layers, blocks, BLOCK, model.num_kv_heads, model.head_dim,
                            getattr(torch, args.dtype), torch.device("cpu"))
     for k, v in kv:
-        k.normal_(), v.normal_()
+        k.normal_()
+        v.normal_()
     vocab = model.vocab_size
 
     def step(input_ids, positions, slots, tables, context_lens):

@@ -12,6 +12,9 @@ class Backend:
 
     name = "cpu"
     distributed_backend = "gloo"
+    # Whether forward passes must run on the bucket shapes (graphs, or HPU lazy mode that compiles per
+    # shape). Where they need not, padding is wasted work: the runner runs the batch's own shape.
+    pads_to_buckets = False
 
     def __init__(self, torch_device: torch.device):
         self.torch_device = torch_device

@@ -50,6 +50,7 @@ class CudaBackend(Backend):
         super().__init__(torch.device("cuda", rank % max(1, torch.cuda.device_count())))
         torch.cuda.set_device(self.torch_device)
         self.graphs_enabled = graphs
+        self.pads_to_buckets = graphs
         self._pool = None
         self._runners: dict[str, _CudaGraphs] = {}
 

@@ -60,6 +60,7 @@ class _Step(torch.nn.Module):
 class HpuBackend(Backend):
     name = "hpu"
     distributed_backend = "hccl"
+    pads_to_buckets = True  # lazy mode compiles a graph per shape even without HPU graphs
 
     def __init__(self, world_size: int = 1, graphs: bool = True, torch_device: torch.device | None = None):
         if world_size > 1:

@@ -34,6 +34,9 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
 
 
 GROUPED_MIN_BATCH = 16
+# Each query head's row spans every KV head's slice, so the matmuls do Hkv times the useful work;
+# past a few KV heads that outgrows what SDPA loses on this shape.
+GROUPED_MAX_KV_HEADS = 4
 
 
 def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
@@ -46,11 +49,12 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     into one ``[L, Hkv * D]`` matrix and every query head gets a block-diagonal row that only meets its
     own KV head, so one ``bmm`` scores all heads without copying K or V (the zero blocks cost Hkv x the
     flops of a memory-bound op). On the reference model a batch-64 decode step took 29 ms against SDPA's
-    36; below batch 16 SDPA was faster (docs/performance.md), so it keeps those.
+    36; below batch 16 SDPA was faster (docs/performance.md), so it keeps those, and models with
+    more than GROUPED_MAX_KV_HEADS KV heads.
     """
     b, hkv, g, d = q.shape
     keys, values = k.transpose(1, 2), v.transpose(1, 2)  # back to the gathered [B, L, Hkv, D]
-    if b < GROUPED_MIN_BATCH or not (keys.is_contiguous() and values.is_contiguous()):
+    if b < GROUPED_MIN_BATCH or hkv > GROUPED_MAX_KV_HEADS or not (keys.is_contiguous() and values.is_contiguous()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     length = keys.shape[1]
     blocks = torch.eye(hkv, dtype=q.dtype, device=q.device).view(1, hkv, 1, hkv, 1)

@@ -167,6 +167,9 @@ class ModelRunner:
         lens = np.array([len(r.input_ids) for r in reqs], dtype=np.int64)
         seq = buckets.prefill_seq_bucket(int(lens.max()), cfg)
         rows = buckets.prefill_batch_bucket(n, seq, cfg)
+        self._note_shape("prefill", rows, seq)
+        if not self.backend.pads_to_buckets:  # eager device: the batch's own shape
+            seq, rows = int(lens.max()), n
         width = buckets.round_up(max(len(r.blocks) for r in reqs), buckets.block_step(cfg))
 
         ids = np.zeros((rows, seq), dtype=np.int64)
@@ -183,7 +186,6 @@ class ModelRunner:
         dev = self.device
         last_idx = np.zeros(rows, dtype=np.int64)
         last_idx[:n] = lens - 1
-        self._note_shape("prefill", rows, seq)
         t0 = time.perf_counter_ns()
         prefill_fn = self._prefill_fn
         if any(r.images for r in reqs):
@@ -238,7 +240,11 @@ class ModelRunner:
         cfg, bs, dev = self.cfg, self.cfg.block_size, self.device
         n = len(batch)
         rows = buckets.decode_batch_bucket(n, cfg)
-        width = buckets.decode_block_bucket(int(batch.seq_lens_host.max()) + 1, cfg)
+        longest = int(batch.seq_lens_host.max()) + 1
+        width = buckets.decode_block_bucket(longest, cfg)
+        self._note_shape("decode", rows, width)
+        if not self.backend.pads_to_buckets:  # eager device: no padded rows, only the blocks in use
+            rows, width = n, buckets.ceil_div(longest, bs)
 
         tables = batch.block_tables
         if tables.shape[1] < width:
@@ -255,7 +261,6 @@ class ModelRunner:
             tables = torch.cat([tables, torch.zeros(pad, width, dtype=torch.long, device=dev)])
         else:
             input_ids = batch.last_ids
-        self._note_shape("decode", rows, width)
         t0 = time.perf_counter_ns()
         logits = self._decode_fn(input_ids, positions, slots, tables, positions + 1)
         self.backend.mark_step()
