@@ -4,11 +4,8 @@ graphs replayed (never captured) while serving, out-of-memory named, nothing unw
 from __future__ import annotations
 
 import asyncio
-import importlib
 import random
-import sys
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -20,9 +17,8 @@ from gaudi_runtime.device.base import Backend
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput, WarmupError
 from gaudi_runtime.tools.tiny_model import make_tiny_model
+from tests.fake_modules import load_fake
 from tests.runtime.launched import get_json, launch
-
-FAKES = str(Path(__file__).resolve().parents[1] / "fakes")
 
 SMALL = {"DTYPE": "float32", "MAX_INPUT_TOKENS": "48", "MAX_TOTAL_TOKENS": "96", "MAX_BATCH_SIZE": "8",
          "MAX_BATCH_PREFILL_TOKENS": "96", "BLOCK_SIZE": "4", "PAD_SEQUENCE_TO_MULTIPLE_OF": "16",
@@ -41,14 +37,7 @@ def config(model_dir, **kw):
 @pytest.fixture
 def fake_hpu(monkeypatch):
     """The recording habana_frameworks fake, importable for this test only."""
-    monkeypatch.syspath_prepend(FAKES)
-    for name in [m for m in sys.modules if m.startswith("habana_frameworks")]:
-        monkeypatch.delitem(sys.modules, name)
-    hf = importlib.import_module("habana_frameworks.torch")
-    hf.reset()
-    yield hf.RECORD
-    for name in [m for m in sys.modules if m.startswith("habana_frameworks")]:
-        monkeypatch.delitem(sys.modules, name)
+    yield from load_fake(monkeypatch, "habana_frameworks", "habana_frameworks.torch")
 
 
 def serve_some(runner: ModelRunner, steps: int = 6) -> None:

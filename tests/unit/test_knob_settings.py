@@ -4,10 +4,8 @@ the offline API's parameters. The servers that use them are in tests/runtime/tes
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +18,7 @@ from gaudi_runtime.layers.rotary import rope_params_from_config
 from gaudi_runtime.models.registry import override_rope
 from gaudi_runtime.router.tokenizer import chat_template_from
 from gaudi_runtime.router.tracing import RequestTimes, phases, traces_url
-
-FAKES = str(Path(__file__).resolve().parents[1] / "fakes")
+from tests.fake_modules import load_fake
 
 
 def env(**kw):
@@ -124,14 +121,9 @@ def test_select_attention_off_hpu(restore_attention):
 
 @pytest.fixture
 def fake_hpu(monkeypatch):
-    monkeypatch.syspath_prepend(FAKES)
-    for name in [m for m in sys.modules if m.startswith("habana_frameworks")]:
-        monkeypatch.delitem(sys.modules, name)
-    record = importlib.import_module("habana_frameworks.torch").RECORD
-    record["fused_sdpa"] = []
-    yield record
-    for name in [m for m in sys.modules if m.startswith("habana_frameworks")]:
-        monkeypatch.delitem(sys.modules, name)
+    for record in load_fake(monkeypatch, "habana_frameworks", "habana_frameworks.torch"):
+        record["fused_sdpa"] = []
+        yield record
 
 
 @pytest.mark.parametrize("recompute", [False, True])

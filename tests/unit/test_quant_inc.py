@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,24 +13,16 @@ from gaudi_runtime.quant.config import load_quant_config
 from gaudi_runtime.quant.fp8_linear import is_fp8
 from gaudi_runtime.quant.setup import quantize_loaded
 from gaudi_runtime.quant.stats import read_stats
+from tests.fake_modules import load_fake
 from tests.unit.test_quant_config import tiny_llama
-
-FAKES = str(Path(__file__).resolve().parents[1] / "fakes")
 
 
 @pytest.fixture
 def fake_inc(monkeypatch):
     """The recording neural_compressor fake, importable for this test only; rank variables restored after."""
-    monkeypatch.syspath_prepend(FAKES)
     for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    for name in [m for m in sys.modules if m.startswith("neural_compressor")]:
-        monkeypatch.delitem(sys.modules, name)
-    inc = importlib.import_module("neural_compressor.torch.quantization")
-    inc.reset()
-    yield inc.RECORD
-    for name in [m for m in sys.modules if m.startswith("neural_compressor")]:
-        monkeypatch.delitem(sys.modules, name)
+    yield from load_fake(monkeypatch, "neural_compressor", "neural_compressor.torch.quantization")
 
 
 def quant_json(tmp_path, mode: str) -> tuple[str, dict]:

@@ -1,0 +1,26 @@
+"""Recording fakes of modules that cannot be installed here (`habana_frameworks`, `neural_compressor`),
+from tests/fakes, loaded fresh for one test."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+FAKES = str(Path(__file__).resolve().parent / "fakes")
+
+
+def _forget(monkeypatch, package: str) -> None:
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def load_fake(monkeypatch, package: str, module: str):
+    """For a fixture to `yield from`: a fresh import of `module` (from `package`'s fake) with its record
+    reset, yielded as that record; afterwards nothing of the fake stays importable."""
+    monkeypatch.syspath_prepend(FAKES)
+    _forget(monkeypatch, package)
+    fake = importlib.import_module(module)
+    fake.reset()
+    yield fake.RECORD
+    _forget(monkeypatch, package)
