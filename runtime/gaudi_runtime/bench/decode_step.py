@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from gaudi_runtime.buckets import ceil_div
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers import attention
 from gaudi_runtime.layers.attention import AttentionMetadata, grouped_decode_attention
@@ -30,7 +31,7 @@ KERNELS = {"sdpa": F.scaled_dot_product_attention, "grouped": grouped_decode_att
 
 def step_inputs(batch: int, context: int, vocab: int):
     """A batch whose rows each hold `context` tokens in their own blocks (block 0 is the trash block)."""
-    nb = -(-context // BLOCK)
+    nb = ceil_div(context, BLOCK)
     tables = torch.arange(1, 1 + batch * nb).view(batch, nb)
     ctx = torch.full((batch,), context)
     slots = tables[:, (context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK
@@ -51,7 +52,7 @@ def main() -> None:
     if not args.default_allocator:
         tune_host_allocator()
     model = load_model(args.model_id, getattr(torch, args.dtype), torch.device("cpu"))
-    blocks = 1 + max(args.batch) * -(-args.context // BLOCK)
+    blocks = 1 + max(args.batch) * ceil_div(args.context, BLOCK)
     kv = allocate_kv_cache(model.num_layers, blocks, BLOCK, model.num_kv_heads, model.head_dim,
                            getattr(torch, args.dtype), torch.device("cpu"))
     for k, v in kv:

@@ -50,9 +50,12 @@ class CudaBackend(Backend):
         super().__init__(torch.device("cuda", rank % max(1, torch.cuda.device_count())))
         torch.cuda.set_device(self.torch_device)
         self.graphs_enabled = graphs
-        self.pads_to_buckets = graphs
         self._pool = None
         self._runners: dict[str, _CudaGraphs] = {}
+
+    @property
+    def pads_to_buckets(self) -> bool:  # graphs are captured per bucket shape; eager CUDA needs no padding
+        return self.graphs_enabled
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)

@@ -13,6 +13,7 @@ group into the query-length axis, so K/V are never repeated in decode.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,12 @@ GROUPED_MIN_BATCH = 16
 GROUPED_MAX_KV_HEADS = 4
 
 
+@lru_cache(maxsize=8)
+def _head_blocks(hkv: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[1, Hkv, 1, Hkv, 1]`` identity: spreads each query head over only its own KV head's slice."""
+    return torch.eye(hkv, dtype=dtype, device=device).view(1, hkv, 1, hkv, 1)
+
+
 def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
                              scale: float | None = None) -> torch.Tensor:
     """Decode attention on CPU as two batched matmuls straight over the gathered cache.
@@ -57,8 +64,7 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if b < GROUPED_MIN_BATCH or hkv > GROUPED_MAX_KV_HEADS or not (keys.is_contiguous() and values.is_contiguous()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     length = keys.shape[1]
-    blocks = torch.eye(hkv, dtype=q.dtype, device=q.device).view(1, hkv, 1, hkv, 1)
-    q_rows = (q.unsqueeze(3) * blocks).view(b, hkv * g, hkv * d)  # [B, Hq, Hkv * D]
+    q_rows = (q.unsqueeze(3) * _head_blocks(hkv, q.dtype, q.device)).view(b, hkv * g, hkv * d)  # [B, Hq, Hkv * D]
     scores = torch.bmm(q_rows, keys.view(b, length, hkv * d).transpose(1, 2)).float()  # [B, Hq, L]
     scores.mul_(d ** -0.5 if scale is None else scale)
     scores.masked_fill_(attn_mask.view(b, 1, length).logical_not(), float("-inf"))
