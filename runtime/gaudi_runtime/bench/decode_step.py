@@ -3,7 +3,8 @@
     python -m gaudi_runtime.bench.decode_step --model-id DIR [--batch 1 16 64] [--context 256] [--profile]
 
 No router, no gRPC: the shard's own step function over a KV cache filled with noise, so the
-numbers are the model's forward pass and nothing else (docs/performance.md). Kernels are
+numbers are the model's forward pass and nothing else (docs/performance.md). Variants (decode
+attention kernel; linear layers over oneDNN-reordered weights, or ``plain`` F.linear) are
 interleaved, repetition by repetition, so that a noisy machine hurts them alike; the minimum
 and the median of the repetitions are printed. ``--profile`` adds torch.profiler's top
 operators for each batch size with the kernels the CPU backend selects.
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from gaudi_runtime.buckets import ceil_div
+from gaudi_runtime.device.cpu_gemm import prepack_linears
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers import attention
 from gaudi_runtime.layers.attention import AttentionMetadata, grouped_decode_attention
@@ -26,7 +28,9 @@ from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 from gaudi_runtime.models.registry import load_model
 
 BLOCK = 16
-KERNELS = {"sdpa": F.scaled_dot_product_attention, "grouped": grouped_decode_attention}
+# name: (decode attention, linear layers over reordered weights)
+VARIANTS = {"sdpa": (F.scaled_dot_product_attention, True), "grouped": (grouped_decode_attention, True),
+            "plain": (grouped_decode_attention, False)}
 
 
 def step_inputs(batch: int, context: int, vocab: int):
@@ -52,6 +56,12 @@ def main() -> None:
     if not args.default_allocator:
         tune_host_allocator()
     model = load_model(args.model_id, getattr(torch, args.dtype), torch.device("cpu"))
+    prepack_linears(model, release=False)
+    packed = {m: m.kernel for m in model.modules() if getattr(m, "kernel", None) is not None}
+
+    def use_packed(on: bool) -> None:
+        for m, kernel in packed.items():
+            m.kernel = kernel if on else None
     blocks = 1 + max(args.batch) * ceil_div(args.context, BLOCK)
     kv = allocate_kv_cache(model.num_layers, blocks, BLOCK, model.num_kv_heads, model.head_dim,
                            getattr(torch, args.dtype), torch.device("cpu"))
@@ -69,10 +79,11 @@ def main() -> None:
     with torch.inference_mode():
         for batch in args.batch:
             inputs = step_inputs(batch, args.context, vocab)
-            times: dict[str, list[float]] = {name: [] for name in KERNELS}
+            times: dict[str, list[float]] = {name: [] for name in VARIANTS}
             for _ in range(args.repeats):
-                for name, kernel in KERNELS.items():
+                for name, (kernel, on) in VARIANTS.items():
                     attention.IMPL.decode = kernel
+                    use_packed(on)
                     step(*inputs)
                     start = time.perf_counter()
                     for _ in range(args.steps):
@@ -82,6 +93,7 @@ def main() -> None:
                 print(f"{batch:>5} {name:<8} {min(ts):>8.2f} {statistics.median(ts):>9.2f}")
             if args.profile:
                 attention.IMPL.decode = attention.select_attention(True, False, "cpu").decode
+                use_packed(True)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     for _ in range(args.steps):
                         step(*inputs)

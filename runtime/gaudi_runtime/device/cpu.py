@@ -7,6 +7,7 @@ import os
 import torch
 
 from gaudi_runtime.device.base import Backend
+from gaudi_runtime.device.cpu_gemm import prepack_linears
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 
 
@@ -24,3 +25,6 @@ class CpuBackend(Backend):
             return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
         except (ValueError, OSError):
             return None
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        prepack_linears(model)

@@ -46,8 +46,10 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    kernel = None  # as LinearBase.kernel: set by the backend after loading
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
+        logits = F.linear(hidden, self.weight) if self.kernel is None else self.kernel(hidden, None)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         if self.padded_num_embeddings != self.num_embeddings:

@@ -9,6 +9,7 @@ With ``tp.size == 1`` no ``torch.distributed`` function is ever called.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,10 @@ def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 class LinearBase(nn.Module):
+    # ``(x, bias) -> x @ W.T + bias`` over a copy of the weight laid out for the device's kernels, set by
+    # the backend after loading (``Backend.prepare_model``); None: ``F.linear`` over ``self.weight``.
+    kernel: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+
     def __init__(self, tp: TPContext, tp_dim: int | None):
         super().__init__()
         self.tp = tp
@@ -115,8 +120,13 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *args) -> None:  # pragma: no cover
         raise NotImplementedError
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -231,5 +241,5 @@ class RowParallelLinear(LinearBase):
         _copy(param, loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp.rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp.rank == 0 else None)
         return self.tp.all_reduce(y)

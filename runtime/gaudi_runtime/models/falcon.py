@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..layers.activation import get_activation
@@ -104,7 +103,7 @@ class FalconConfig:
 
 def row_partial(layer: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
     """This rank's share of a row-parallel product (bias on rank 0), before the all-reduce."""
-    return F.linear(x, layer.weight, layer.bias if layer.tp.rank == 0 else None)
+    return layer.matmul(x, layer.bias if layer.tp.rank == 0 else None)
 
 
 class FalconAttention(nn.Module):
