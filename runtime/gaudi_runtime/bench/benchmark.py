@@ -199,7 +199,7 @@ async def run(cfg: Config, args, on_step=None) -> dict:
     from gaudi_runtime.router.client import ShardClient
     from gaudi_runtime.shard.server import uds_path
 
-    client = ShardClient([uds_path(cfg, r) for r in range(cfg.num_shard)])
+    client = ShardClient([uds_path(cfg, r) for r in range(cfg.num_shard)], numbered=False)
     await client.connect(args.connect_timeout, alive=getattr(args, "_alive", lambda: True))
     try:
         if not args.skip_warmup:

@@ -53,10 +53,12 @@ class ServiceDiscoveryResponse(_message.Message):
     def __init__(self, urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClearCacheRequest(_message.Message):
-    __slots__ = ("batch_id",)
+    __slots__ = ("batch_id", "sequence")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
-    def __init__(self, batch_id: _Optional[int] = ...) -> None: ...
+    sequence: int
+    def __init__(self, batch_id: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class ClearCacheResponse(_message.Message):
     __slots__ = ()
@@ -159,10 +161,12 @@ class Generations(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_n: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prefill: _Optional[_Iterable[_Union[PrefillLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "sequence")
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    sequence: int
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("generations", "batch", "forward_ns", "unwarmed_shapes")
@@ -177,10 +181,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches",)
+    __slots__ = ("batches", "sequence")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ...) -> None: ...
+    sequence: int
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("generations", "batch", "forward_ns", "unwarmed_shapes")
@@ -195,12 +201,14 @@ class DecodeResponse(_message.Message):
     def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "request_ids")
+    __slots__ = ("batch_id", "request_ids", "sequence")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batch_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    sequence: int
+    def __init__(self, batch_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class FilterBatchResponse(_message.Message):
     __slots__ = ("batch",)

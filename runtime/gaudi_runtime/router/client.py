@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
+from collections.abc import Awaitable
 
 import grpc
 
@@ -31,12 +33,16 @@ class ShardError(Exception):
 
 
 class ShardClient:
-    def __init__(self, uds_paths: list[str], call_timeout_s: float | None = None):
+    def __init__(self, uds_paths: list[str], call_timeout_s: float | None = None, numbered: bool = True):
         self.uds_paths = uds_paths
         # A call that outlives this is a hung shard: DEADLINE_EXCEEDED becomes a ShardError (engine failure).
         self.call_timeout_s = shard_timeout_s() if call_timeout_s is None else call_timeout_s
         self.channels: list[grpc.aio.Channel] = []
         self.stubs: list[pb_grpc.TextGenerationServiceStub] = []
+        # Calls that change cached batches are numbered when made, so the shards run them in that order
+        # even when several are in flight (shard/call_order.py). A client that never overlaps its calls,
+        # beside shards another client may number (`benchmark --attach`), sends 0: run on arrival.
+        self._sequence = itertools.count(1) if numbered else itertools.repeat(0)
 
     async def connect(self, timeout_s: float, alive=lambda: True) -> None:
         """Wait for every shard's socket and a successful Health call."""
@@ -84,12 +90,16 @@ class ShardClient:
         except grpc.aio.AioRpcError as e:
             raise ShardError(f"Warmup failed: {e.code().name}: {e.details()}") from e
 
-    async def prefill(self, batch: pb.Batch) -> pb.PrefillResponse:
-        return await self._all("Prefill", pb.PrefillRequest(batch=batch))
+    # Not coroutines themselves: each call takes its number when made, before the caller awaits it.
 
-    async def decode(self, batches: list[pb.CachedBatch]) -> pb.DecodeResponse:
-        return await self._all("Decode", pb.DecodeRequest(batches=batches))
+    def prefill(self, batch: pb.Batch) -> Awaitable[pb.PrefillResponse]:
+        return self._all("Prefill", pb.PrefillRequest(batch=batch, sequence=next(self._sequence)))
 
-    async def clear(self, batch_id: int | None = None) -> None:
-        req = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(batch_id=batch_id)
-        await self._all("ClearCache", req)
+    def decode(self, batches: list[pb.CachedBatch]) -> Awaitable[pb.DecodeResponse]:
+        return self._all("Decode", pb.DecodeRequest(batches=batches, sequence=next(self._sequence)))
+
+    def clear(self, batch_id: int | None = None) -> Awaitable[None]:
+        req = pb.ClearCacheRequest(sequence=next(self._sequence))
+        if batch_id is not None:
+            req.batch_id = batch_id
+        return self._all("ClearCache", req)

@@ -4,6 +4,15 @@ One asyncio task runs TGI's loop: prefill a batch from the queue, then decode
 it step by step; between steps, waiting requests join through a prefill of
 their own when the scheduler's rules allow, and finished or abandoned ones
 leave (their KV blocks go back to the allocator at once).
+
+The next Decode is sent before the current one's answer is back
+(PIPELINE_DEPTH calls in flight; the shards run them in the order they were
+made, shard/call_order.py), so the shards go from one step to the next
+without waiting on the round trip or on this process. A call names the
+requests running when it is made; one that finishes in a step still in
+flight gets one more token computed, which is dropped. Its KV blocks may
+already serve a new request then: that request's prefill is made after the
+stale call, so on the shards its writes land last.
 """
 
 from __future__ import annotations
@@ -34,6 +43,9 @@ from gaudi_runtime.router.types import (
 
 log = logging.getLogger(__name__)
 
+# Decode calls in flight: one computing on the shards, one queued behind it.
+PIPELINE_DEPTH = 2
+
 
 @dataclass
 class Entry:
@@ -46,6 +58,7 @@ class Entry:
     started: float = 0.0
     blocks: list[int] = field(default_factory=list)
     generated: int = 0
+    sent: int = 0  # tokens asked of the shards so far (prefill and decode calls made, answered or not)
     prefill: list[Token] = field(default_factory=list)
     finished: bool = False
     cancelled: bool = False
@@ -81,6 +94,7 @@ class BatchingEngine:
         self.unwarmed_shapes = 0
         self._ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
+        self._last_answer = 0.0  # when the last decode call answered
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.allocator: BlockAllocator | None = None
@@ -199,18 +213,8 @@ class BatchingEngine:
                 await self._wake.wait()
                 self._wake.clear()
                 batch = await self._prefill_next(running=0, min_size=None)
-                waiting_steps = 0
-                while batch:
-                    batches = [batch]
-                    if self.waiting:
-                        oldest = (time.monotonic() - self.waiting[0].enqueued) * 1000
-                        n = len(batch.request_ids)
-                        joined = await self._prefill_next(n, join_min_size(n, waiting_steps, oldest, self.cfg))
-                        if joined is not None:
-                            batches.append(joined)
-                            waiting_steps = 0
-                    batch = await self._decode(batches)
-                    waiting_steps += 1
+                if batch is not None:
+                    await self._decode_batch(batch)
                 self._set_batch_metric(0)
         except asyncio.CancelledError:
             raise
@@ -219,6 +223,55 @@ class BatchingEngine:
         except Exception as e:  # noqa: BLE001 - a bug here must not leave requests hanging
             log.exception("batching loop crashed")
             self.fail(f"internal error: {e}")
+
+    async def _decode_batch(self, batch: pb.CachedBatch) -> None:
+        """Decode `batch`, with the requests that join it, until none of them runs."""
+        batch_id, resident = batch.id, list(batch.request_ids)  # the shards' batch once every call made has run
+        inflight: deque[asyncio.Task] = deque()
+        waiting_steps = 0
+        try:
+            while True:
+                while len(inflight) < PIPELINE_DEPTH:
+                    parts = []
+                    ids = [rid for rid in resident if self._sendable(rid)]
+                    if ids:
+                        parts.append(pb.CachedBatch(id=batch_id, request_ids=ids))
+                    if self.waiting:
+                        oldest = (time.monotonic() - self.waiting[0].enqueued) * 1000
+                        joined = await self._prefill_next(len(ids), join_min_size(len(ids), waiting_steps, oldest,
+                                                                                  self.cfg))
+                        if joined is not None:
+                            parts.append(joined)
+                            waiting_steps = 0
+                    if not parts:
+                        break
+                    if not ids:  # none of the old batch runs on: the joined one takes its place
+                        await self.client.clear(batch_id)
+                    batch_id, resident = parts[0].id, [rid for b in parts for rid in b.request_ids]
+                    for rid in resident:
+                        if rid in self.entries:  # one that finished while a prefill ran is still named
+                            self.entries[rid].sent += 1
+                    self._set_batch_metric(len(resident))
+                    inflight.append(asyncio.create_task(self._decode(parts, time.monotonic())))
+                if not inflight:
+                    await self.client.clear(batch_id)
+                    return
+                await inflight.popleft()
+                waiting_steps += 1
+        finally:
+            for task in inflight:  # only after a failure: let no call outlive the loop that made it
+                task.cancel()
+
+    def _sendable(self, rid: int) -> bool:
+        """Whether the next decode call computes a token for `rid` (a cancelled request leaves here)."""
+        e = self.entries.get(rid)
+        if e is None or e.finished:
+            return False
+        if e.cancelled:
+            e.finished = True
+            self._release(e)
+            return False
+        return e.sent < e.req.stopping.max_new_tokens
 
     def _drop_cancelled_waiting(self) -> None:
         if any(e.cancelled for e in self.waiting):
@@ -243,6 +296,7 @@ class BatchingEngine:
             e.blocks = self.allocator.allocate(blocks_needed(len(e.req.input_ids), e.req.stopping.max_new_tokens,
                                                              self.cfg))
             e.started = now
+            e.sent = 1
             s = e.req.sampling
             requests.append(pb.Request(
                 id=e.id, input_ids=e.req.input_ids, top_n_tokens=e.req.top_n_tokens, blocks=e.blocks,
@@ -264,48 +318,38 @@ class BatchingEngine:
         self._set_unwarmed(resp.unwarmed_shapes)
         for p in resp.generations.prefill:
             self._set_prefill_tokens(self.entries[p.request_id], p.logprobs)
-        return await self._after_step(batch_id, resp.generations)
-
-    async def _decode(self, batches: list[pb.CachedBatch]) -> pb.CachedBatch | None:
-        wanted = []
-        for b in batches:
-            keep = [rid for rid in b.request_ids if self._keep(rid)]
-            if keep:
-                wanted.append(pb.CachedBatch(id=b.id, request_ids=keep))
-            else:
-                await self.client.clear(b.id)
-        if not wanted:
+        running = self._stream_tokens(resp.generations)
+        if not running:
+            await self.client.clear(batch_id)
             return None
-        self._set_batch_metric(sum(len(b.request_ids) for b in wanted))
-        t0 = time.monotonic()
+        return pb.CachedBatch(id=batch_id, request_ids=running)
+
+    async def _decode(self, batches: list[pb.CachedBatch], sent: float) -> None:
+        """One decode call, made now; its tokens are streamed when it answers."""
+        call = self.client.decode(batches)
         try:
-            resp = await self.client.decode(wanted)
+            resp = await call
         except ShardError as e:
-            for b in wanted:
+            for b in batches:
                 for rid in b.request_ids:
-                    self._finish_with_error(self.entries[rid], GenerationError(str(e)))
+                    if rid in self.entries:
+                        self._finish_with_error(self.entries[rid], GenerationError(str(e)))
             raise
-        self._observe_batch("decode", time.monotonic() - t0, resp.forward_ns, len(resp.batch.request_ids))
+        # A queued call's time starts when the shards could take it: when the one before it answered.
+        now = time.monotonic()
+        self._observe_batch("decode", now - max(sent, self._last_answer), resp.forward_ns,
+                            len(resp.batch.request_ids))
+        self._last_answer = now
         self._set_unwarmed(resp.unwarmed_shapes)
-        return await self._after_step(resp.batch.id, resp.generations)
+        self._stream_tokens(resp.generations)
 
-    def _keep(self, rid: int) -> bool:
-        e = self.entries.get(rid)
-        if e is None:
-            return False
-        if e.cancelled and not e.finished:
-            e.finished = True
-            self._release(e)
-            return False
-        return not e.finished
-
-    async def _after_step(self, batch_id: int, gens: pb.Generations) -> pb.CachedBatch | None:
-        """Stream each request's new token; returns the batch of those still running."""
+    def _stream_tokens(self, gens: pb.Generations) -> list[int]:
+        """Stream each request's new token; returns the requests still running."""
         running = []
         top_n = gens.top_n
         for i, rid in enumerate(gens.request_ids):
             e = self.entries.get(rid)
-            if e is None or e.finished:
+            if e is None or e.finished:  # finished in an earlier step, or failed: the token is dropped
                 continue
             if e.cancelled:
                 e.finished = True
@@ -316,10 +360,7 @@ class BatchingEngine:
                            gens.top_logprobs[i * top_n:(i + 1) * top_n] if top_n else ())
             if not e.finished:
                 running.append(rid)
-        if not running:
-            await self.client.clear(batch_id)
-            return None
-        return pb.CachedBatch(id=batch_id, request_ids=running)
+        return running
 
     def _on_token(self, e: Entry, token_id: int, logprob: float, top_ids, top_lps) -> None:
         e.generated += 1

@@ -10,6 +10,7 @@ import grpc
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
+from gaudi_runtime.shard.call_order import CallOrder
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput, StepResult, WarmupError
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         self.rank = rank
         self.world_size = world_size
         self.uds_urls = uds_urls
+        self.order = CallOrder()
 
     async def Info(self, request, context):
         r = self.runner
@@ -67,7 +69,8 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         return pb.ServiceDiscoveryResponse(urls=self.uds_urls)
 
     async def ClearCache(self, request, context):
-        self.runner.clear(request.batch_id if request.HasField("batch_id") else None)
+        async with self.order.turn(request.sequence):
+            self.runner.clear(request.batch_id if request.HasField("batch_id") else None)
         return pb.ClearCacheResponse()
 
     async def Warmup(self, request, context):
@@ -85,10 +88,11 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
                          images=list(r.images))
             for r in request.batch.requests
         ]
-        try:
-            step = self.runner.prefill(request.batch.id, reqs)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        async with self.order.turn(request.sequence):
+            try:
+                step = self.runner.prefill(request.batch.id, reqs)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.PrefillResponse(
             generations=to_generations(step, self.rank),
             batch=pb.CachedBatch(id=request.batch.id, request_ids=step.request_ids),
@@ -97,10 +101,11 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         )
 
     async def Decode(self, request, context):
-        try:
-            batch_id, step = self.runner.decode([(b.id, list(b.request_ids)) for b in request.batches])
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        async with self.order.turn(request.sequence):
+            try:
+                batch_id, step = self.runner.decode([(b.id, list(b.request_ids)) for b in request.batches])
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.DecodeResponse(
             generations=to_generations(step, self.rank),
             batch=pb.CachedBatch(id=batch_id, request_ids=step.request_ids),
@@ -109,8 +114,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         )
 
     async def FilterBatch(self, request, context):
-        try:
-            self.runner.filter(request.batch_id, list(request.request_ids))
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        async with self.order.turn(request.sequence):
+            try:
+                self.runner.filter(request.batch_id, list(request.request_ids))
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.FilterBatchResponse(batch=pb.CachedBatch(id=request.batch_id, request_ids=request.request_ids))

@@ -1,0 +1,127 @@
+"""The router keeps the next decode step queued on the shards while one computes, and what users
+receive is unchanged by it: each request gets exactly its tokens and its finish reason."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from gaudi_runtime.config import resolve
+from gaudi_runtime.params import SamplingParameters
+from gaudi_runtime.proto import generate_pb2 as pb
+from gaudi_runtime.router.engine import PIPELINE_DEPTH, BatchingEngine
+from gaudi_runtime.router.tokenizer import RouterTokenizer
+from gaudi_runtime.router.types import FinishReason, StoppingParameters, ValidRequest
+from gaudi_runtime.tools.tiny_model import train_tokenizer
+
+TOKEN = 40  # what the scripted shards generate, until a request's scripted EOS
+
+
+class ScriptedShards:
+    """Stands in for ShardClient: runs calls in the order they were made, as numbered calls do on
+    real shards, and answers TOKEN for each request, or EOS at the step `eos_at` gives it."""
+
+    def __init__(self, eos_id: int, eos_at: dict[int, int]):
+        self.eos_id, self.eos_at = eos_id, eos_at
+        self.generated: dict[int, int] = {}  # request id -> tokens computed for it
+        self.decodes: list[tuple[list[int], int]] = []  # names of each decode call; decodes unanswered when made
+        self.unanswered = 0
+        self._turns = itertools.count()
+        self._done = 0
+        self._changed = asyncio.Condition()
+
+    async def connect(self, timeout_s, alive=None):
+        pass
+
+    async def info(self):
+        return pb.InfoResponse(block_size=16, num_blocks=64, eos_token_ids=[self.eos_id],
+                               max_position_embeddings=4096, dtype="float32", device_type="cpu")
+
+    async def warmup(self, on_progress):
+        on_progress(0, 0, "done")
+
+    async def close(self):
+        pass
+
+    async def _in_turn(self, turn: int, work):
+        for _ in range(3):  # let the caller run on between making a call and its answer
+            await asyncio.sleep(0)
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._done == turn)
+            result = work()
+            self._done += 1
+            self._changed.notify_all()
+        return result
+
+    def _tokens(self, ids: list[int]) -> pb.Generations:
+        out = []
+        for rid in ids:
+            self.generated[rid] = self.generated.get(rid, 0) + 1
+            out.append(self.eos_id if self.generated[rid] == self.eos_at.get(rid) else TOKEN)
+        return pb.Generations(request_ids=ids, token_ids=out, logprobs=[0.0] * len(ids))
+
+    def prefill(self, batch: pb.Batch):
+        ids = [r.id for r in batch.requests]
+        return self._in_turn(next(self._turns), lambda: pb.PrefillResponse(
+            generations=self._tokens(ids), batch=pb.CachedBatch(id=batch.id, request_ids=ids)))
+
+    def decode(self, batches: list[pb.CachedBatch]):
+        ids = [rid for b in batches for rid in b.request_ids]
+        self.decodes.append((ids, self.unanswered))
+        self.unanswered += 1
+
+        def answer():
+            self.unanswered -= 1
+            return pb.DecodeResponse(generations=self._tokens(ids), batch=pb.CachedBatch(id=batches[0].id,
+                                                                                          request_ids=ids))
+        return self._in_turn(next(self._turns), answer)
+
+    def clear(self, batch_id=None):
+        return self._in_turn(next(self._turns), lambda: None)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return RouterTokenizer(train_tokenizer(256))
+
+
+def request(max_new_tokens: int) -> ValidRequest:
+    return ValidRequest(input_ids=[5, 6, 7], inputs="abc", sampling=SamplingParameters(),
+                        stopping=StoppingParameters(max_new_tokens=max_new_tokens))
+
+
+async def collect(engine: BatchingEngine, req: ValidRequest):
+    tokens, end = [], None
+    async for ev in engine.generate(req):
+        tokens.append(ev.token.id)
+        end = ev.end
+    return tokens, end
+
+
+def test_next_step_is_queued_while_one_computes_and_each_request_gets_exactly_its_tokens(tokenizer):
+    eos = tokenizer.eos_token_ids[0]
+
+    async def run():
+        shards = ScriptedShards(eos, eos_at={1: 3})  # request 1 meets EOS at its 3rd token
+        engine = BatchingEngine(resolve(None, {"MODEL_ID": "unused"}), shards, tokenizer)
+        await engine.start()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(collect(engine, request(10)),
+                                                            collect(engine, request(6))), 30)
+        finally:
+            await engine.stop()
+        return shards, results
+
+    shards, ((eos_tokens, eos_end), (len_tokens, len_end)) = asyncio.run(run())
+    assert eos_tokens == [TOKEN, TOKEN, eos] and eos_end.finish_reason == FinishReason.EOS_TOKEN
+    assert len_tokens == [TOKEN] * 6 and len_end.finish_reason == FinishReason.LENGTH
+    assert eos_end.generated_tokens == 3 and len_end.generated_tokens == 6
+    # The shards never waited on a round trip: each decode after the first was made before the one
+    # ahead of it answered.
+    assert max(unanswered for _, unanswered in shards.decodes) == PIPELINE_DEPTH - 1
+    # No call asks for a token past a request's max_new_tokens (the prefill gave the first) ...
+    assert sum(2 in ids for ids, _ in shards.decodes) == 6 - 1
+    # ... and a request that met EOS is named at most by the calls already made when it did.
+    assert sum(1 in ids for ids, _ in shards.decodes) <= (3 - 1) + (PIPELINE_DEPTH - 1)
