@@ -23,8 +23,11 @@ class ScriptedShards:
     """Stands in for ShardClient: runs calls in the order they were made, as numbered calls do on
     real shards, and answers TOKEN for each request, or EOS at the step `eos_at` gives it."""
 
-    def __init__(self, eos_id: int, eos_at: dict[int, int]):
-        self.eos_id, self.eos_at = eos_id, eos_at
+    def __init__(self, eos_id: int, eos_at: dict[int, int], num_blocks: int = 64):
+        self.eos_id, self.eos_at, self.num_blocks = eos_id, eos_at, num_blocks
+        self.blocks: dict[int, list[int]] = {}  # request id -> its KV blocks
+        self.owner: dict[int, int] = {}  # block -> the request whose prefill wrote it last
+        self.stale_writes: list[tuple[int, int]] = []  # (request, block another request owns) a step wrote
         self.generated: dict[int, int] = {}  # request id -> tokens computed for it
         self.decodes: list[tuple[list[int], int]] = []  # names of each decode call; decodes unanswered when made
         self.unanswered = 0
@@ -36,7 +39,7 @@ class ScriptedShards:
         pass
 
     async def info(self):
-        return pb.InfoResponse(block_size=16, num_blocks=64, eos_token_ids=[self.eos_id],
+        return pb.InfoResponse(block_size=16, num_blocks=self.num_blocks, eos_token_ids=[self.eos_id],
                                max_position_embeddings=4096, dtype="float32", device_type="cpu")
 
     async def warmup(self, on_progress):
@@ -62,10 +65,19 @@ class ScriptedShards:
             out.append(self.eos_id if self.generated[rid] == self.eos_at.get(rid) else TOKEN)
         return pb.Generations(request_ids=ids, token_ids=out, logprobs=[0.0] * len(ids))
 
+    def _write_kv(self, ids: list[int]) -> None:
+        for rid in ids:
+            self.stale_writes += [(rid, b) for b in self.blocks[rid] if self.owner[b] != rid]
+
     def prefill(self, batch: pb.Batch):
         ids = [r.id for r in batch.requests]
-        return self._in_turn(next(self._turns), lambda: pb.PrefillResponse(
-            generations=self._tokens(ids), batch=pb.CachedBatch(id=batch.id, request_ids=ids)))
+        blocks = {r.id: list(r.blocks) for r in batch.requests}
+
+        def answer():
+            self.blocks.update(blocks)
+            self.owner.update({b: rid for rid, bs in blocks.items() for b in bs})
+            return pb.PrefillResponse(generations=self._tokens(ids), batch=pb.CachedBatch(id=batch.id, request_ids=ids))
+        return self._in_turn(next(self._turns), answer)
 
     def decode(self, batches: list[pb.CachedBatch]):
         ids = [rid for b in batches for rid in b.request_ids]
@@ -74,6 +86,7 @@ class ScriptedShards:
 
         def answer():
             self.unanswered -= 1
+            self._write_kv(ids)
             return pb.DecodeResponse(generations=self._tokens(ids), batch=pb.CachedBatch(id=batches[0].id,
                                                                                           request_ids=ids))
         return self._in_turn(next(self._turns), answer)
@@ -125,3 +138,28 @@ def test_next_step_is_queued_while_one_computes_and_each_request_gets_exactly_it
     assert sum(2 in ids for ids, _ in shards.decodes) == 6 - 1
     # ... and a request that met EOS is named at most by the calls already made when it did.
     assert sum(1 in ids for ids, _ in shards.decodes) <= (3 - 1) + (PIPELINE_DEPTH - 1)
+
+
+def test_a_finished_requests_last_step_never_writes_into_blocks_a_new_request_took(tokenizer):
+    """With room for two requests' blocks, each new request takes the blocks of one that met EOS
+    while a decode naming it was still queued; that stale step must run before the new prefill."""
+    eos = tokenizer.eos_token_ids[0]
+
+    async def run():
+        shards = ScriptedShards(eos, eos_at={rid: 2 + rid % 3 for rid in range(1, 9)}, num_blocks=2)
+        engine = BatchingEngine(resolve(None, {"MODEL_ID": "unused"}), shards, tokenizer)
+        await engine.start()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(collect(engine, request(12)) for _ in range(8))), 30)
+        finally:
+            await engine.stop()
+        return shards, results
+
+    shards, results = asyncio.run(run())
+    assert [len(tokens) for tokens, _ in results] == [2 + rid % 3 for rid in range(1, 9)]
+    assert all(end.finish_reason == FinishReason.EOS_TOKEN for _, end in results)
+    assert len(set(shards.owner)) == 2 and len(shards.blocks) == 8  # the blocks were taken over, again and again
+    # Steps were computed past an EOS (a queued call named the request) ...
+    assert sum(shards.generated.values()) > sum(len(tokens) for tokens, _ in results)
+    # ... and each ran before the prefill of the request that took the blocks over.
+    assert shards.stale_writes == []

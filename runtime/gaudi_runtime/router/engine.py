@@ -23,6 +23,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from gaudi_runtime.config import Config
@@ -227,40 +228,42 @@ class BatchingEngine:
     async def _decode_batch(self, batch: pb.CachedBatch) -> None:
         """Decode `batch`, with the requests that join it, until none of them runs."""
         batch_id, resident = batch.id, list(batch.request_ids)  # the shards' batch once every call made has run
-        inflight: deque[asyncio.Task] = deque()
+        inflight: deque[tuple[bool, asyncio.Task]] = deque()  # (is a decode, the call's answer), in call order
         waiting_steps = 0
         try:
             while True:
-                while len(inflight) < PIPELINE_DEPTH:
+                while sum(is_decode for is_decode, _ in inflight) < PIPELINE_DEPTH:
                     parts = []
                     ids = [rid for rid in resident if self._sendable(rid)]
                     if ids:
                         parts.append(pb.CachedBatch(id=batch_id, request_ids=ids))
                     if self.waiting:
-                        oldest = (time.monotonic() - self.waiting[0].enqueued) * 1000
-                        joined = await self._prefill_next(len(ids), join_min_size(len(ids), waiting_steps, oldest,
-                                                                                  self.cfg))
+                        prefilled, joined = await self._join(len(ids), waiting_steps, inflight)
+                        if prefilled:
+                            waiting_steps = 0
                         if joined is not None:
                             parts.append(joined)
-                            waiting_steps = 0
                     if not parts:
                         break
                     if not ids:  # none of the old batch runs on: the joined one takes its place
-                        await self.client.clear(batch_id)
+                        inflight.append((False, asyncio.create_task(self.client.clear(batch_id))))
                     batch_id, resident = parts[0].id, [rid for b in parts for rid in b.request_ids]
                     for rid in resident:
                         if rid in self.entries:  # one that finished while a prefill ran is still named
                             self.entries[rid].sent += 1
                     self._set_batch_metric(len(resident))
-                    inflight.append(asyncio.create_task(self._decode(parts, time.monotonic())))
+                    # The call is made (numbered) here, before anything else the loop sends.
+                    call = self.client.decode(parts)
+                    inflight.append((True, asyncio.create_task(self._decode(parts, call, time.monotonic()))))
                 if not inflight:
                     await self.client.clear(batch_id)
                     return
-                await inflight.popleft()
-                waiting_steps += 1
+                is_decode, answer = inflight.popleft()
+                await answer
+                waiting_steps += is_decode
         finally:
-            for task in inflight:  # only after a failure: let no call outlive the loop that made it
-                task.cancel()
+            for _, answer in inflight:  # only after a failure: let no call outlive the loop that made it
+                answer.cancel()
 
     def _sendable(self, rid: int) -> bool:
         """Whether the next decode call computes a token for `rid` (a cancelled request leaves here)."""
@@ -280,23 +283,39 @@ class BatchingEngine:
                 self._release(e)
 
     async def _prefill_next(self, running: int, min_size: int | None) -> pb.CachedBatch | None:
+        """Prefill the waiting requests the rules admit; returns those still running after it."""
+        chosen = self._take_waiting(running, min_size)
+        if not chosen:
+            return None
+        batch_id, answer = self._make_prefill(chosen)
+        running_ids = await answer
+        if not running_ids:
+            await self.client.clear(batch_id)
+            return None
+        return pb.CachedBatch(id=batch_id, request_ids=running_ids)
+
+    def _take_waiting(self, running: int, min_size: int | None) -> list[Entry]:
+        """Pop the requests the next prefill takes (TGI's rules) and reserve their KV blocks."""
         self._drop_cancelled_waiting()
         if not self.waiting:
-            return None
+            return []
         now = time.monotonic()
         view = [Waiting(len(e.req.input_ids), e.req.stopping.max_new_tokens, (now - e.enqueued) * 1000)
                 for e in self.waiting]
         n = select_prefill(view, running, self.allocator.free_count, self.cfg, min_size)
-        if n == 0:
-            return None
         chosen = [self.waiting.popleft() for _ in range(n)]
         self._set_queue_metric()
-        requests = []
         for e in chosen:
             e.blocks = self.allocator.allocate(blocks_needed(len(e.req.input_ids), e.req.stopping.max_new_tokens,
                                                              self.cfg))
             e.started = now
             e.sent = 1
+        return chosen
+
+    def _make_prefill(self, chosen: list[Entry]) -> tuple[int, Awaitable[list[int]]]:
+        """Make the prefill call now; returns its batch id and what streams its answer (the running ids)."""
+        requests = []
+        for e in chosen:
             s = e.req.sampling
             requests.append(pb.Request(
                 id=e.id, input_ids=e.req.input_ids, top_n_tokens=e.req.top_n_tokens, blocks=e.blocks,
@@ -307,26 +326,50 @@ class BatchingEngine:
                     frequency_penalty=s.frequency_penalty, watermark=s.watermark),
             ))
         batch_id = next(self._batch_ids)
-        t0 = time.monotonic()
+        call = self.client.prefill(pb.Batch(id=batch_id, requests=requests))
+        return batch_id, self._answer_prefill(chosen, call, time.monotonic())
+
+    async def _answer_prefill(self, chosen: list[Entry], call: Awaitable[pb.PrefillResponse],
+                              made: float) -> list[int]:
         try:
-            resp = await self.client.prefill(pb.Batch(id=batch_id, requests=requests))
+            resp = await call
         except ShardError as e:
             for entry in chosen:
                 self._finish_with_error(entry, GenerationError(str(e)))
             raise
-        self._observe_batch("prefill", time.monotonic() - t0, resp.forward_ns, len(chosen))
+        self._observe_batch("prefill", time.monotonic() - made, resp.forward_ns, len(chosen))
         self._set_unwarmed(resp.unwarmed_shapes)
         for p in resp.generations.prefill:
-            self._set_prefill_tokens(self.entries[p.request_id], p.logprobs)
-        running = self._stream_tokens(resp.generations)
-        if not running:
-            await self.client.clear(batch_id)
-            return None
-        return pb.CachedBatch(id=batch_id, request_ids=running)
+            if p.request_id in self.entries:
+                self._set_prefill_tokens(self.entries[p.request_id], p.logprobs)
+        return self._stream_tokens(resp.generations)
 
-    async def _decode(self, batches: list[pb.CachedBatch], sent: float) -> None:
-        """One decode call, made now; its tokens are streamed when it answers."""
-        call = self.client.decode(batches)
+    async def _join(self, running: int, waiting_steps: int,
+                    inflight: deque[tuple[bool, asyncio.Task]]) -> tuple[bool, pb.CachedBatch | None]:
+        """Prefill the waiting requests that may join `running` decodes now.
+
+        Returns whether a prefill was made, and the batch the next decode call should add. The
+        prefill's answer is awaited in `inflight`'s order, so the decode naming its batch is made at
+        once and the shards go straight from one to the other.
+        """
+        oldest = (time.monotonic() - self.waiting[0].enqueued) * 1000
+        chosen = self._take_waiting(running, join_min_size(running, waiting_steps, oldest, self.cfg))
+        if not chosen:
+            return False, None
+        batch_id, answer = self._make_prefill(chosen)
+        if any(e.req.images for e in chosen):
+            # The shards may refuse a prompt's images: see the answer before a decode names the batch.
+            running_ids = await answer
+        else:
+            inflight.append((False, asyncio.create_task(answer)))
+            running_ids = [e.id for e in chosen if self._sendable(e.id)]
+        if not running_ids:
+            inflight.append((False, asyncio.create_task(self.client.clear(batch_id))))
+            return True, None
+        return True, pb.CachedBatch(id=batch_id, request_ids=running_ids)
+
+    async def _decode(self, batches: list[pb.CachedBatch], call: Awaitable[pb.DecodeResponse], made: float) -> None:
+        """Stream the tokens of a decode call when it answers."""
         try:
             resp = await call
         except ShardError as e:
@@ -337,7 +380,7 @@ class BatchingEngine:
             raise
         # A queued call's time starts when the shards could take it: when the one before it answered.
         now = time.monotonic()
-        self._observe_batch("decode", now - max(sent, self._last_answer), resp.forward_ns,
+        self._observe_batch("decode", now - max(made, self._last_answer), resp.forward_ns,
                             len(resp.batch.request_ids))
         self._last_answer = now
         self._set_unwarmed(resp.unwarmed_shapes)
