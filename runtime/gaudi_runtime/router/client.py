@@ -98,7 +98,7 @@ class ShardClient:
     def decode(self, batches: list[pb.CachedBatch]) -> Awaitable[pb.DecodeResponse]:
         return self._all("Decode", pb.DecodeRequest(batches=batches, sequence=next(self._sequence)))
 
-    def clear(self, batch_id: int | None = None) -> Awaitable[None]:
+    def clear(self, batch_id: int | None = None) -> Awaitable[pb.ClearCacheResponse]:
         req = pb.ClearCacheRequest(sequence=next(self._sequence))
         if batch_id is not None:
             req.batch_id = batch_id
