@@ -49,8 +49,6 @@ class ScriptedShards:
         pass
 
     async def _in_turn(self, turn: int, work):
-        for _ in range(3):  # let the caller run on between making a call and its answer
-            await asyncio.sleep(0)
         async with self._changed:
             await self._changed.wait_for(lambda: self._done == turn)
             result = work()

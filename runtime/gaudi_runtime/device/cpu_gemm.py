@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 
 import torch
 from torch import nn
@@ -51,10 +52,7 @@ def prepack_linears(model: nn.Module, release: bool = True) -> int:
     if not supported():
         return 0
     layers = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead)) and _plain_bf16(m)]
-    owners: dict[int, int] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            owners[p.data_ptr()] = owners.get(p.data_ptr(), 0) + 1
+    owners = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
     for m in layers:
         w = m.weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT)

@@ -213,9 +213,7 @@ class BatchingEngine:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                batch = await self._prefill_next(running=0, min_size=None)
-                if batch is not None:
-                    await self._decode_batch(batch)
+                await self._run_batch()
                 self._set_batch_metric(0)
         except asyncio.CancelledError:
             raise
@@ -225,9 +223,10 @@ class BatchingEngine:
             log.exception("batching loop crashed")
             self.fail(f"internal error: {e}")
 
-    async def _decode_batch(self, batch: pb.CachedBatch) -> None:
-        """Decode `batch`, with the requests that join it, until none of them runs."""
-        batch_id, resident = batch.id, list(batch.request_ids)  # the shards' batch once every call made has run
+    async def _run_batch(self) -> None:
+        """Prefill waiting requests and decode them, with the requests that join them, until none runs."""
+        batch_id: int | None = None  # the shards' batch, and its requests, once every call made has run
+        resident: list[int] = []
         inflight: deque[tuple[bool, asyncio.Task]] = deque()  # (is a decode, the call's answer), in call order
         waiting_steps = 0
         try:
@@ -245,7 +244,7 @@ class BatchingEngine:
                             parts.append(joined)
                     if not parts:
                         break
-                    if not ids:  # none of the old batch runs on: the joined one takes its place
+                    if not ids and batch_id is not None:  # none of the old batch runs on: the joined one replaces it
                         inflight.append((False, asyncio.create_task(self.client.clear(batch_id))))
                     batch_id, resident = parts[0].id, [rid for b in parts for rid in b.request_ids]
                     for rid in resident:
@@ -256,7 +255,8 @@ class BatchingEngine:
                     call = self.client.decode(parts)
                     inflight.append((True, asyncio.create_task(self._decode(parts, call, time.monotonic()))))
                 if not inflight:
-                    await self.client.clear(batch_id)
+                    if batch_id is not None:
+                        await self.client.clear(batch_id)
                     return
                 is_decode, answer = inflight.popleft()
                 await answer
@@ -281,18 +281,6 @@ class BatchingEngine:
             for e in [e for e in self.waiting if e.cancelled]:
                 self.waiting.remove(e)
                 self._release(e)
-
-    async def _prefill_next(self, running: int, min_size: int | None) -> pb.CachedBatch | None:
-        """Prefill the waiting requests the rules admit; returns those still running after it."""
-        chosen = self._take_waiting(running, min_size)
-        if not chosen:
-            return None
-        batch_id, answer = self._make_prefill(chosen)
-        running_ids = await answer
-        if not running_ids:
-            await self.client.clear(batch_id)
-            return None
-        return pb.CachedBatch(id=batch_id, request_ids=running_ids)
 
     def _take_waiting(self, running: int, min_size: int | None) -> list[Entry]:
         """Pop the requests the next prefill takes (TGI's rules) and reserve their KV blocks."""
