@@ -46,6 +46,8 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--max-batch-total-tokens", None, int, None, "KV-cache budget in tokens (default: sized from the device)."),
     ("--max-waiting-tokens", None, int, 20, "Decode steps before waiting requests are forced into the batch."),
     ("--waiting-served-ratio", None, float, 0.3, "Waiting/running ratio that allows a prefill to interrupt decoding."),
+    ("--decode-steps", None, int, 4, "Decode steps one call to the shards runs while at most 4 requests run and "
+     "none waits; their tokens stream together (1: a call per token, as in TGI)."),
     ("--max-concurrent-requests", None, int, 128, "Requests in flight before new ones get 429."),
     ("--max-stop-sequences", None, int, 4, "Most stop sequences in one request."),
     ("--max-top-n-tokens", None, int, 5, "Largest top_n_tokens a request may ask for."),
@@ -117,6 +119,7 @@ class Config:
     max_batch_total_tokens: int | None = None
     max_waiting_tokens: int = 20
     waiting_served_ratio: float = 0.3
+    decode_steps: int = 4
     max_concurrent_requests: int = 128
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
@@ -252,7 +255,7 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     bt = v["max_batch_total_tokens"]
     if bt is not None and bt < total:
         raise ConfigError(f"--max-batch-total-tokens ({bt}) must be >= --max-total-tokens ({total})")
-    for name in ("max_concurrent_requests", "max_client_batch_size", "max_waiting_tokens"):
+    for name in ("max_concurrent_requests", "max_client_batch_size", "max_waiting_tokens", "decode_steps"):
         if v[name] < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     for name in ("batch_bucket_size", "prefill_batch_bucket_size", "pad_sequence_to_multiple_of"):

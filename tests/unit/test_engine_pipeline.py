@@ -1,5 +1,6 @@
-"""The router keeps the next decode step queued on the shards while one computes, and what users
-receive is unchanged by it: each request gets exactly its tokens and its finish reason."""
+"""The router keeps the next decode step queued on the shards while one computes, and runs several
+steps per call for a small batch; what users receive is unchanged by either: each request gets
+exactly its tokens and its finish reason."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from gaudi_runtime.config import resolve
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.proto import generate_pb2 as pb
-from gaudi_runtime.router.engine import PIPELINE_DEPTH, BatchingEngine
+from gaudi_runtime.router.engine import MULTI_STEP_MAX_BATCH, PIPELINE_DEPTH, BatchingEngine
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.types import FinishReason, StoppingParameters, ValidRequest
 from gaudi_runtime.tools.tiny_model import train_tokenizer
@@ -29,7 +30,10 @@ class ScriptedShards:
         self.owner: dict[int, int] = {}  # block -> the request whose prefill wrote it last
         self.stale_writes: list[tuple[int, int]] = []  # (request, block another request owns) a step wrote
         self.generated: dict[int, int] = {}  # request id -> tokens computed for it
-        self.decodes: list[tuple[list[int], int]] = []  # names of each decode call; decodes unanswered when made
+        # Each decode call: the requests it names, decodes unanswered when it was made, its steps, and
+        # how many requests waited for a prefill then.
+        self.decodes: list[tuple[list[int], int, int, int]] = []
+        self.engine: BatchingEngine | None = None
         self.unanswered = 0
         self._turns = itertools.count()
         self._done = 0
@@ -77,16 +81,19 @@ class ScriptedShards:
             return pb.PrefillResponse(generations=self._tokens(ids), batch=pb.CachedBatch(id=batch.id, request_ids=ids))
         return self._in_turn(next(self._turns), answer)
 
-    def decode(self, batches: list[pb.CachedBatch]):
+    def decode(self, batches: list[pb.CachedBatch], steps: int = 1):
         ids = [rid for b in batches for rid in b.request_ids]
-        self.decodes.append((ids, self.unanswered))
+        self.decodes.append((ids, self.unanswered, steps, len(self.engine.waiting)))
         self.unanswered += 1
 
         def answer():
             self.unanswered -= 1
-            self._write_kv(ids)
-            return pb.DecodeResponse(generations=self._tokens(ids), batch=pb.CachedBatch(id=batches[0].id,
-                                                                                          request_ids=ids))
+            gens = []
+            for _ in range(steps):
+                self._write_kv(ids)
+                gens.append(self._tokens(ids))
+            return pb.DecodeResponse(generations=gens[0], next_steps=gens[1:],
+                                     batch=pb.CachedBatch(id=batches[0].id, request_ids=ids))
         return self._in_turn(next(self._turns), answer)
 
     def clear(self, batch_id=None):
@@ -103,6 +110,13 @@ def request(max_new_tokens: int) -> ValidRequest:
                         stopping=StoppingParameters(max_new_tokens=max_new_tokens))
 
 
+def engine_over(shards: ScriptedShards, tokenizer, decode_steps: int = 4) -> BatchingEngine:
+    engine = BatchingEngine(resolve(None, {"MODEL_ID": "unused", "DECODE_STEPS": str(decode_steps)}), shards,
+                            tokenizer)
+    shards.engine = engine
+    return engine
+
+
 async def collect(engine: BatchingEngine, req: ValidRequest):
     tokens, end = [], None
     async for ev in engine.generate(req):
@@ -111,12 +125,13 @@ async def collect(engine: BatchingEngine, req: ValidRequest):
     return tokens, end
 
 
-def test_next_step_is_queued_while_one_computes_and_each_request_gets_exactly_its_tokens(tokenizer):
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_next_step_is_queued_while_one_computes_and_each_request_gets_exactly_its_tokens(tokenizer, decode_steps):
     eos = tokenizer.eos_token_ids[0]
 
     async def run():
         shards = ScriptedShards(eos, eos_at={1: 3})  # request 1 meets EOS at its 3rd token
-        engine = BatchingEngine(resolve(None, {"MODEL_ID": "unused"}), shards, tokenizer)
+        engine = engine_over(shards, tokenizer, decode_steps)
         await engine.start()
         try:
             results = await asyncio.wait_for(asyncio.gather(collect(engine, request(10)),
@@ -131,11 +146,45 @@ def test_next_step_is_queued_while_one_computes_and_each_request_gets_exactly_it
     assert eos_end.generated_tokens == 3 and len_end.generated_tokens == 6
     # The shards never waited on a round trip: each decode after the first was made before the one
     # ahead of it answered.
-    assert max(unanswered for _, unanswered in shards.decodes) == PIPELINE_DEPTH - 1
+    assert max(unanswered for _, unanswered, _, _ in shards.decodes) == PIPELINE_DEPTH - 1
+    # Two requests and none waiting: the calls ran up to decode_steps steps each.
+    assert max(steps for *_, steps, _ in shards.decodes) == min(decode_steps, 6 - 1)
     # No call asks for a token past a request's max_new_tokens (the prefill gave the first) ...
-    assert sum(2 in ids for ids, _ in shards.decodes) == 6 - 1
-    # ... and a request that met EOS is named at most by the calls already made when it did.
-    assert sum(1 in ids for ids, _ in shards.decodes) <= (3 - 1) + (PIPELINE_DEPTH - 1)
+    assert sum(steps for ids, _, steps, _ in shards.decodes if 2 in ids) == 6 - 1
+    # ... and a request that met EOS is named at most by the rest of its call and the calls already
+    # made when it did.
+    assert shards.generated[1] <= 3 + (decode_steps - 1) + (PIPELINE_DEPTH - 1) * decode_steps
+
+
+@pytest.mark.parametrize("room", [5, 3])
+def test_one_step_per_call_while_requests_wait_or_the_batch_is_large(tokenizer, room):
+    """Several steps per call would hold back a waiting prompt's prefill, and gain little once the
+    forward pass of a large batch dwarfs a call's fixed costs."""
+    eos = tokenizer.eos_token_ids[0]
+    n = MULTI_STEP_MAX_BATCH + 3
+
+    async def run():
+        # Requests meet EOS one after another, so the batch shrinks; with KV room for `room` requests
+        # (3 blocks each) the others wait for a prefill meanwhile.
+        shards = ScriptedShards(eos, eos_at={rid: 2 * rid for rid in range(1, n + 1)}, num_blocks=room * 3)
+        engine = engine_over(shards, tokenizer, 4)
+        await engine.start()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(collect(engine, request(40)) for _ in range(n))), 30)
+        finally:
+            await engine.stop()
+        return shards, results
+
+    shards, results = asyncio.run(run())
+    assert [len(tokens) for tokens, _ in results] == [2 * rid for rid in range(1, n + 1)]
+    for ids, _, steps, waiting in shards.decodes:
+        if len(ids) > MULTI_STEP_MAX_BATCH or waiting:
+            assert steps == 1, (ids, waiting)
+    if room > MULTI_STEP_MAX_BATCH:
+        assert any(len(ids) > MULTI_STEP_MAX_BATCH for ids, *_ in shards.decodes)
+    else:
+        assert any(waiting for *_, waiting in shards.decodes)
+    assert any(steps > 1 for *_, steps, _ in shards.decodes)  # once the batch is small and none waits
 
 
 def test_a_finished_requests_last_step_never_writes_into_blocks_a_new_request_took(tokenizer):
@@ -145,7 +194,7 @@ def test_a_finished_requests_last_step_never_writes_into_blocks_a_new_request_to
 
     async def run():
         shards = ScriptedShards(eos, eos_at={rid: 2 + rid % 3 for rid in range(1, 9)}, num_blocks=2)
-        engine = BatchingEngine(resolve(None, {"MODEL_ID": "unused"}), shards, tokenizer)
+        engine = engine_over(shards, tokenizer)
         await engine.start()
         try:
             results = await asyncio.wait_for(asyncio.gather(*(collect(engine, request(12)) for _ in range(8))), 30)

@@ -95,8 +95,8 @@ class ShardClient:
     def prefill(self, batch: pb.Batch) -> Awaitable[pb.PrefillResponse]:
         return self._all("Prefill", pb.PrefillRequest(batch=batch, sequence=next(self._sequence)))
 
-    def decode(self, batches: list[pb.CachedBatch]) -> Awaitable[pb.DecodeResponse]:
-        return self._all("Decode", pb.DecodeRequest(batches=batches, sequence=next(self._sequence)))
+    def decode(self, batches: list[pb.CachedBatch], steps: int = 1) -> Awaitable[pb.DecodeResponse]:
+        return self._all("Decode", pb.DecodeRequest(batches=batches, sequence=next(self._sequence), steps=steps))
 
     def clear(self, batch_id: int | None = None) -> Awaitable[pb.ClearCacheResponse]:
         req = pb.ClearCacheRequest(sequence=next(self._sequence))

@@ -13,6 +13,12 @@ requests running when it is made; one that finishes in a step still in
 flight gets one more token computed, which is dropped. Its KV blocks may
 already serve a new request then: that request's prefill is made after the
 stale call, so on the shards its writes land last.
+
+A small batch with nothing waiting runs several steps per call (--decode-steps):
+at batch 1 a call's fixed costs (gRPC, messages, this loop) are a quarter of
+the step, and a call that runs four steps pays them once. Its tokens stream
+together. A call never asks a request for more tokens than it may still
+generate, so every write stays in the request's own KV blocks.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ log = logging.getLogger(__name__)
 
 # Decode calls in flight: one computing on the shards, one queued behind it.
 PIPELINE_DEPTH = 2
+# Largest batch whose decode calls may run several steps: from about 16 requests the forward pass
+# dwarfs a call's fixed costs, and the steps would only delay joining requests.
+MULTI_STEP_MAX_BATCH = 4
 
 
 @dataclass
@@ -227,11 +236,11 @@ class BatchingEngine:
         """Prefill waiting requests and decode them, with the requests that join them, until none runs."""
         batch_id: int | None = None  # the shards' batch, and its requests, once every call made has run
         resident: list[int] = []
-        inflight: deque[tuple[bool, asyncio.Task]] = deque()  # (is a decode, the call's answer), in call order
+        inflight: deque[tuple[int, asyncio.Task]] = deque()  # (decode steps, 0 if none; the answer), in call order
         waiting_steps = 0
         try:
             while True:
-                while sum(is_decode for is_decode, _ in inflight) < PIPELINE_DEPTH:
+                while sum(steps > 0 for steps, _ in inflight) < PIPELINE_DEPTH:
                     parts = []
                     ids = [rid for rid in resident if self._sendable(rid)]
                     if ids:
@@ -245,22 +254,23 @@ class BatchingEngine:
                     if not parts:
                         break
                     if not ids and batch_id is not None:  # none of the old batch runs on: the joined one replaces it
-                        inflight.append((False, asyncio.create_task(self.client.clear(batch_id))))
+                        inflight.append((0, asyncio.create_task(self.client.clear(batch_id))))
+                    steps = self._steps(ids) if ids and len(parts) == 1 and not self.waiting else 1
                     batch_id, resident = parts[0].id, [rid for b in parts for rid in b.request_ids]
                     for rid in resident:
                         if rid in self.entries:  # one that finished while a prefill ran is still named
-                            self.entries[rid].sent += 1
+                            self.entries[rid].sent += steps
                     self._set_batch_metric(len(resident))
                     # The call is made (numbered) here, before anything else the loop sends.
-                    call = self.client.decode(parts)
-                    inflight.append((True, asyncio.create_task(self._decode(parts, call, time.monotonic()))))
+                    call = self.client.decode(parts, steps)
+                    inflight.append((steps, asyncio.create_task(self._decode(parts, call, time.monotonic()))))
                 if not inflight:
                     if batch_id is not None:
                         await self.client.clear(batch_id)
                     return
-                is_decode, answer = inflight.popleft()
+                steps, answer = inflight.popleft()
                 await answer
-                waiting_steps += is_decode
+                waiting_steps += steps
         finally:
             for _, answer in inflight:  # only after a failure: let no call outlive the loop that made it
                 answer.cancel()
@@ -275,6 +285,13 @@ class BatchingEngine:
             self._release(e)
             return False
         return e.sent < e.req.stopping.max_new_tokens
+
+    def _steps(self, ids: list[int]) -> int:
+        """Decode steps the next call runs for the running `ids` (none joining, none waiting)."""
+        if len(ids) > MULTI_STEP_MAX_BATCH or self.cfg.decode_steps <= 1:
+            return 1
+        left = min(self.entries[rid].req.stopping.max_new_tokens - self.entries[rid].sent for rid in ids)
+        return max(1, min(self.cfg.decode_steps, left))
 
     def _drop_cancelled_waiting(self) -> None:
         if any(e.cancelled for e in self.waiting):
@@ -333,7 +350,7 @@ class BatchingEngine:
         return self._stream_tokens(resp.generations)
 
     async def _join(self, running: int, waiting_steps: int,
-                    inflight: deque[tuple[bool, asyncio.Task]]) -> tuple[bool, pb.CachedBatch | None]:
+                    inflight: deque[tuple[int, asyncio.Task]]) -> tuple[bool, pb.CachedBatch | None]:
         """Prefill the waiting requests that may join `running` decodes now.
 
         Returns whether a prefill was made, and the batch the next decode call should add. The
@@ -349,10 +366,10 @@ class BatchingEngine:
             # The shards may refuse a prompt's images: see the answer before a decode names the batch.
             running_ids = await answer
         else:
-            inflight.append((False, asyncio.create_task(answer)))
+            inflight.append((0, asyncio.create_task(answer)))
             running_ids = [e.id for e in chosen if self._sendable(e.id)]
         if not running_ids:
-            inflight.append((False, asyncio.create_task(self.client.clear(batch_id))))
+            inflight.append((0, asyncio.create_task(self.client.clear(batch_id))))
             return True, None
         return True, pb.CachedBatch(id=batch_id, request_ids=running_ids)
 
@@ -373,6 +390,8 @@ class BatchingEngine:
         self._last_answer = now
         self._set_unwarmed(resp.unwarmed_shapes)
         self._stream_tokens(resp.generations)
+        for gens in resp.next_steps:
+            self._stream_tokens(gens)
 
     def _stream_tokens(self, gens: pb.Generations) -> list[int]:
         """Stream each request's new token; returns the requests still running."""

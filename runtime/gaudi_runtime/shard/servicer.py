@@ -104,12 +104,17 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         async with self.order.turn(request.sequence):
             try:
                 batch_id, step = self.runner.decode([(b.id, list(b.request_ids)) for b in request.batches])
+                steps = [step]
+                for _ in range(1, request.steps):
+                    batch_id, step = self.runner.decode([(batch_id, step.request_ids)])
+                    steps.append(step)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.DecodeResponse(
-            generations=to_generations(step, self.rank),
+            generations=to_generations(steps[0], self.rank),
+            next_steps=[to_generations(s, self.rank) for s in steps[1:]],
             batch=pb.CachedBatch(id=batch_id, request_ids=step.request_ids),
-            forward_ns=step.forward_ns,
+            forward_ns=sum(s.forward_ns for s in steps),
             unwarmed_shapes=self.runner.unwarmed_shapes,
         )
 
