@@ -110,6 +110,9 @@ class AttentionMetadata:
     slots: torch.LongTensor  # [B, S] flat slot per input token; padding -> 0 (trash block 0)
     block_tables: torch.LongTensor | None = None  # decode: [B, nb], padded with 0
     context_lens: torch.LongTensor | None = None  # decode: [B], including the current token
+    # decode: which gathered positions each row attends to, [B, 1, 1, L]; the first layer builds it
+    # and the others reuse it (one forward pass, one metadata object).
+    decode_mask: torch.Tensor | None = None
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -182,10 +185,12 @@ class Attention(nn.Module):
         values = v_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if k_cache.dtype in FP8_KV_DTYPES:
             keys, values = keys.to(q.dtype) * self.k_scale, values.to(q.dtype) * self.v_scale
-        pos = torch.arange(length, device=q.device)
-        # Position 0 is always allowed so a padded row with context_len 0 yields finite output, not NaN.
-        mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)) | (pos.unsqueeze(0) == 0)  # [B, L]
+        if meta.decode_mask is None:
+            pos = torch.arange(length, device=q.device)
+            # Position 0 is always allowed so a padded row with context_len 0 yields finite output, not NaN.
+            mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)) | (pos.unsqueeze(0) == 0)  # [B, L]
+            meta.decode_mask = mask[:, None, None, :]
         # q [B, 1, Hq, D] -> [B, Hkv, group, D]: the group's query heads act as the query axis.
         qg = q.reshape(b, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
-        out = IMPL.decode(qg, keys, values, attn_mask=mask[:, None, None, :], scale=self.scale)
+        out = IMPL.decode(qg, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
         return out.reshape(b, 1, self.num_heads, self.head_dim).to(q.dtype)
