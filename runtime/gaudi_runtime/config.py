@@ -46,8 +46,8 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--max-batch-total-tokens", None, int, None, "KV-cache budget in tokens (default: sized from the device)."),
     ("--max-waiting-tokens", None, int, 20, "Decode steps before waiting requests are forced into the batch."),
     ("--waiting-served-ratio", None, float, 0.3, "Waiting/running ratio that allows a prefill to interrupt decoding."),
-    ("--decode-steps", None, int, 4, "Decode steps one call to the shards runs while at most 4 requests run and "
-     "none waits; their tokens stream together (1: a call per token, as in TGI)."),
+    ("--decode-steps", None, int, 4, "Decode steps one call to the shards runs while no request waits; their "
+     "tokens stream together (1: a call per token, as in TGI)."),
     ("--max-concurrent-requests", None, int, 128, "Requests in flight before new ones get 429."),
     ("--max-stop-sequences", None, int, 4, "Most stop sequences in one request."),
     ("--max-top-n-tokens", None, int, 5, "Largest top_n_tokens a request may ask for."),

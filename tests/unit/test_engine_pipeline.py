@@ -1,6 +1,6 @@
 """The router keeps the next decode step queued on the shards while one computes, and runs several
-steps per call for a small batch; what users receive is unchanged by either: each request gets
-exactly its tokens and its finish reason."""
+steps per call while no request waits; what users receive is unchanged by either: each request
+gets exactly its tokens and its finish reason."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from gaudi_runtime.config import resolve
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.proto import generate_pb2 as pb
-from gaudi_runtime.router.engine import MULTI_STEP_MAX_BATCH, PIPELINE_DEPTH, BatchingEngine
+from gaudi_runtime.router.engine import PIPELINE_DEPTH, BatchingEngine
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.types import FinishReason, StoppingParameters, ValidRequest
 from gaudi_runtime.tools.tiny_model import train_tokenizer
@@ -156,17 +156,15 @@ def test_next_step_is_queued_while_one_computes_and_each_request_gets_exactly_it
     assert shards.generated[1] <= 3 + (decode_steps - 1) + (PIPELINE_DEPTH - 1) * decode_steps
 
 
-@pytest.mark.parametrize("room", [5, 3])
-def test_one_step_per_call_while_requests_wait_or_the_batch_is_large(tokenizer, room):
-    """Several steps per call would hold back a waiting prompt's prefill, and gain little once the
-    forward pass of a large batch dwarfs a call's fixed costs."""
+def test_one_step_per_call_while_a_request_waits(tokenizer):
+    """Several steps per call would hold back a waiting prompt's prefill."""
     eos = tokenizer.eos_token_ids[0]
-    n = MULTI_STEP_MAX_BATCH + 3
+    n = 7
 
     async def run():
-        # Requests meet EOS one after another, so the batch shrinks; with KV room for `room` requests
-        # (3 blocks each) the others wait for a prefill meanwhile.
-        shards = ScriptedShards(eos, eos_at={rid: 2 * rid for rid in range(1, n + 1)}, num_blocks=room * 3)
+        # KV room for three requests (3 blocks each): the others wait for a prefill while those run,
+        # and requests meet EOS one after another, so they join one by one.
+        shards = ScriptedShards(eos, eos_at={rid: 2 * rid for rid in range(1, n + 1)}, num_blocks=3 * 3)
         engine = engine_over(shards, tokenizer, 4)
         await engine.start()
         try:
@@ -177,14 +175,11 @@ def test_one_step_per_call_while_requests_wait_or_the_batch_is_large(tokenizer, 
 
     shards, results = asyncio.run(run())
     assert [len(tokens) for tokens, _ in results] == [2 * rid for rid in range(1, n + 1)]
+    assert any(waiting for *_, waiting in shards.decodes)
     for ids, _, steps, waiting in shards.decodes:
-        if len(ids) > MULTI_STEP_MAX_BATCH or waiting:
+        if waiting:
             assert steps == 1, (ids, waiting)
-    if room > MULTI_STEP_MAX_BATCH:
-        assert any(len(ids) > MULTI_STEP_MAX_BATCH for ids, *_ in shards.decodes)
-    else:
-        assert any(waiting for *_, waiting in shards.decodes)
-    assert any(steps > 1 for *_, steps, _ in shards.decodes)  # once the batch is small and none waits
+    assert any(steps > 1 for *_, steps, _ in shards.decodes)  # once none waits
 
 
 def test_a_finished_requests_last_step_never_writes_into_blocks_a_new_request_took(tokenizer):

@@ -14,11 +14,13 @@ flight gets one more token computed, which is dropped. Its KV blocks may
 already serve a new request then: that request's prefill is made after the
 stale call, so on the shards its writes land last.
 
-A small batch with nothing waiting runs several steps per call (--decode-steps):
-at batch 1 a call's fixed costs (gRPC, messages, this loop) are a quarter of
-the step, and a call that runs four steps pays them once. Its tokens stream
-together. A call never asks a request for more tokens than it may still
-generate, so every write stays in the request's own KV blocks.
+While nothing waits, a decode call runs several steps (--decode-steps): a
+call's fixed costs (gRPC, messages, this loop, one write per stream) were a
+quarter of a batch-1 step and an eighth of a batch-16 one, and a call that
+runs four steps pays them once. Its tokens stream together. A call never asks
+a request for more tokens than it may still generate, so every write stays in
+the request's own KV blocks; once a request waits, calls run one step, so its
+prefill is held back by no more than the calls already made.
 """
 
 from __future__ import annotations
@@ -52,9 +54,6 @@ log = logging.getLogger(__name__)
 
 # Decode calls in flight: one computing on the shards, one queued behind it.
 PIPELINE_DEPTH = 2
-# Largest batch whose decode calls may run several steps: from about 16 requests the forward pass
-# dwarfs a call's fixed costs, and the steps would only delay joining requests.
-MULTI_STEP_MAX_BATCH = 4
 
 
 @dataclass
@@ -288,7 +287,7 @@ class BatchingEngine:
 
     def _steps(self, ids: list[int]) -> int:
         """Decode steps the next call runs for the running `ids` (none joining, none waiting)."""
-        if len(ids) > MULTI_STEP_MAX_BATCH or self.cfg.decode_steps <= 1:
+        if self.cfg.decode_steps <= 1:
             return 1
         left = min(self.entries[rid].req.stopping.max_new_tokens - self.entries[rid].sent for rid in ids)
         return max(1, min(self.cfg.decode_steps, left))
