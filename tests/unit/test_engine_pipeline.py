@@ -24,8 +24,13 @@ class ScriptedShards:
     """Stands in for ShardClient: runs calls in the order they were made, as numbered calls do on
     real shards, and answers TOKEN for each request, or EOS at the step `eos_at` gives it."""
 
-    def __init__(self, eos_id: int, eos_at: dict[int, int], num_blocks: int = 64):
+    def __init__(self, eos_id: int, eos_at: dict[int, int], num_blocks: int = 64, swap_answers: bool = False):
         self.eos_id, self.eos_at, self.num_blocks = eos_id, eos_at, num_blocks
+        # Answer calls in pairs, the second first (gRPC does not promise answers in call order); the
+        # n-th token of a request is then TOKEN + n, so that its order shows.
+        self.swap_answers = swap_answers
+        self.answered: set[int] = set()
+        self.made = 0
         self.blocks: dict[int, list[int]] = {}  # request id -> its KV blocks
         self.owner: dict[int, int] = {}  # block -> the request whose prefill wrote it last
         self.stale_writes: list[tuple[int, int]] = []  # (request, block another request owns) a step wrote
@@ -52,11 +57,19 @@ class ScriptedShards:
     async def close(self):
         pass
 
+    def _turn(self) -> int:
+        self.made += 1
+        return next(self._turns)
+
     async def _in_turn(self, turn: int, work):
         async with self._changed:
             await self._changed.wait_for(lambda: self._done == turn)
             result = work()
             self._done += 1
+            self._changed.notify_all()
+            if self.swap_answers and turn % 2 == 0:  # wait for the next call's answer, if it was made
+                await self._changed.wait_for(lambda: turn + 1 in self.answered or self.made == turn + 1)
+            self.answered.add(turn)
             self._changed.notify_all()
         return result
 
@@ -64,7 +77,8 @@ class ScriptedShards:
         out = []
         for rid in ids:
             self.generated[rid] = self.generated.get(rid, 0) + 1
-            out.append(self.eos_id if self.generated[rid] == self.eos_at.get(rid) else TOKEN)
+            token = TOKEN + self.generated[rid] if self.swap_answers else TOKEN
+            out.append(self.eos_id if self.generated[rid] == self.eos_at.get(rid) else token)
         return pb.Generations(request_ids=ids, token_ids=out, logprobs=[0.0] * len(ids))
 
     def _write_kv(self, ids: list[int]) -> None:
@@ -79,7 +93,7 @@ class ScriptedShards:
             self.blocks.update(blocks)
             self.owner.update({b: rid for rid, bs in blocks.items() for b in bs})
             return pb.PrefillResponse(generations=self._tokens(ids), batch=pb.CachedBatch(id=batch.id, request_ids=ids))
-        return self._in_turn(next(self._turns), answer)
+        return self._in_turn(self._turn(), answer)
 
     def decode(self, batches: list[pb.CachedBatch], steps: int = 1):
         ids = [rid for b in batches for rid in b.request_ids]
@@ -94,10 +108,10 @@ class ScriptedShards:
                 gens.append(self._tokens(ids))
             return pb.DecodeResponse(generations=gens[0], next_steps=gens[1:],
                                      batch=pb.CachedBatch(id=batches[0].id, request_ids=ids))
-        return self._in_turn(next(self._turns), answer)
+        return self._in_turn(self._turn(), answer)
 
     def clear(self, batch_id=None):
-        return self._in_turn(next(self._turns), lambda: None)
+        return self._in_turn(self._turn(), lambda: None)
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +219,23 @@ def test_a_finished_requests_last_step_never_writes_into_blocks_a_new_request_to
     assert sum(shards.generated.values()) > sum(len(tokens) for tokens, _ in results)
     # ... and each ran before the prefill of the request that took the blocks over.
     assert shards.stale_writes == []
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_tokens_stream_in_order_when_answers_arrive_out_of_order(tokenizer, decode_steps):
+    eos = tokenizer.eos_token_ids[0]
+
+    async def run():
+        shards = ScriptedShards(eos, eos_at={1: 5}, swap_answers=True)
+        engine = engine_over(shards, tokenizer, decode_steps)
+        await engine.start()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(collect(engine, request(10)),
+                                                            collect(engine, request(12))), 30)
+        finally:
+            await engine.stop()
+        return results
+
+    (first, first_end), (second, second_end) = asyncio.run(run())
+    assert first == [TOKEN + n for n in range(1, 5)] + [eos] and first_end.finish_reason == FinishReason.EOS_TOKEN
+    assert second == [TOKEN + n for n in range(1, 13)] and second_end.finish_reason == FinishReason.LENGTH

@@ -12,7 +12,9 @@ without waiting on the round trip or on this process. A call names the
 requests running when it is made; one that finishes in a step still in
 flight gets one more token computed, which is dropped. Its KV blocks may
 already serve a new request then: that request's prefill is made after the
-stale call, so on the shards its writes land last.
+stale call, so on the shards its writes land last. Answers are handled in
+the order the calls were made, whatever order they arrive in, so each
+request's tokens stream in order.
 
 While nothing waits, a decode call runs several steps (--decode-steps): a
 call's fixed costs (gRPC, messages, this loop, one write per stream) were a
@@ -31,7 +33,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass, field
 
 from gaudi_runtime.config import Config
@@ -54,6 +56,23 @@ log = logging.getLogger(__name__)
 
 # Decode calls in flight: one computing on the shards, one queued behind it.
 PIPELINE_DEPTH = 2
+
+
+@dataclass
+class Call:
+    """A call sent to the shards (`rpc`, already running) and what handles its answer, in call order."""
+
+    rpc: asyncio.Future
+    answer: Coroutine | None = None  # awaits `rpc` and streams its tokens; None: nothing to stream
+    steps: int = 0  # decode steps it runs (0: not a decode)
+
+    async def handled(self):
+        return await (self.answer if self.answer is not None else self.rpc)
+
+    def cancel(self) -> None:
+        self.rpc.cancel()
+        if self.answer is not None:
+            self.answer.close()
 
 
 @dataclass
@@ -235,11 +254,11 @@ class BatchingEngine:
         """Prefill waiting requests and decode them, with the requests that join them, until none runs."""
         batch_id: int | None = None  # the shards' batch, and its requests, once every call made has run
         resident: list[int] = []
-        inflight: deque[tuple[int, asyncio.Task]] = deque()  # (decode steps, 0 if none; the answer), in call order
+        inflight: deque[Call] = deque()  # in call order
         waiting_steps = 0
         try:
             while True:
-                while sum(steps > 0 for steps, _ in inflight) < PIPELINE_DEPTH:
+                while sum(c.steps > 0 for c in inflight) < PIPELINE_DEPTH:
                     parts = []
                     ids = [rid for rid in resident if self._sendable(rid)]
                     if ids:
@@ -253,7 +272,7 @@ class BatchingEngine:
                     if not parts:
                         break
                     if not ids and batch_id is not None:  # none of the old batch runs on: the joined one replaces it
-                        inflight.append((0, asyncio.create_task(self.client.clear(batch_id))))
+                        inflight.append(Call(asyncio.ensure_future(self.client.clear(batch_id))))
                     steps = self._steps(ids) if ids and len(parts) == 1 and not self.waiting else 1
                     batch_id, resident = parts[0].id, [rid for b in parts for rid in b.request_ids]
                     for rid in resident:
@@ -261,18 +280,18 @@ class BatchingEngine:
                             self.entries[rid].sent += steps
                     self._set_batch_metric(len(resident))
                     # The call is made (numbered) here, before anything else the loop sends.
-                    call = self.client.decode(parts, steps)
-                    inflight.append((steps, asyncio.create_task(self._decode(parts, call, time.monotonic()))))
+                    rpc = asyncio.ensure_future(self.client.decode(parts, steps))
+                    inflight.append(Call(rpc, self._decode(parts, rpc, time.monotonic()), steps))
                 if not inflight:
                     if batch_id is not None:
                         await self.client.clear(batch_id)
                     return
-                steps, answer = inflight.popleft()
-                await answer
-                waiting_steps += steps
+                call = inflight.popleft()
+                await call.handled()
+                waiting_steps += call.steps
         finally:
-            for _, answer in inflight:  # only after a failure: let no call outlive the loop that made it
-                answer.cancel()
+            for call in inflight:  # only after a failure: let no call outlive the loop that made it
+                call.cancel()
 
     def _sendable(self, rid: int) -> bool:
         """Whether the next decode call computes a token for `rid` (a cancelled request leaves here)."""
@@ -316,8 +335,8 @@ class BatchingEngine:
             e.sent = 1
         return chosen
 
-    def _make_prefill(self, chosen: list[Entry]) -> tuple[int, Awaitable[list[int]]]:
-        """Make the prefill call now; returns its batch id and what streams its answer (the running ids)."""
+    def _make_prefill(self, chosen: list[Entry]) -> tuple[int, Call]:
+        """Make the prefill call now; returns its batch id and the call, whose answer gives the running ids."""
         requests = []
         for e in chosen:
             s = e.req.sampling
@@ -330,8 +349,8 @@ class BatchingEngine:
                     frequency_penalty=s.frequency_penalty, watermark=s.watermark),
             ))
         batch_id = next(self._batch_ids)
-        call = self.client.prefill(pb.Batch(id=batch_id, requests=requests))
-        return batch_id, self._answer_prefill(chosen, call, time.monotonic())
+        rpc = asyncio.ensure_future(self.client.prefill(pb.Batch(id=batch_id, requests=requests)))
+        return batch_id, Call(rpc, self._answer_prefill(chosen, rpc, time.monotonic()))
 
     async def _answer_prefill(self, chosen: list[Entry], call: Awaitable[pb.PrefillResponse],
                               made: float) -> list[int]:
@@ -349,7 +368,7 @@ class BatchingEngine:
         return self._stream_tokens(resp.generations)
 
     async def _join(self, running: int, waiting_steps: int,
-                    inflight: deque[tuple[int, asyncio.Task]]) -> tuple[bool, pb.CachedBatch | None]:
+                    inflight: deque[Call]) -> tuple[bool, pb.CachedBatch | None]:
         """Prefill the waiting requests that may join `running` decodes now.
 
         Returns whether a prefill was made, and the batch the next decode call should add. The
@@ -360,15 +379,18 @@ class BatchingEngine:
         chosen = self._take_waiting(running, join_min_size(running, waiting_steps, oldest, self.cfg))
         if not chosen:
             return False, None
-        batch_id, answer = self._make_prefill(chosen)
+        batch_id, call = self._make_prefill(chosen)
         if any(e.req.images for e in chosen):
             # The shards may refuse a prompt's images: see the answer before a decode names the batch.
-            running_ids = await answer
+            # The calls made before it are handled first, to keep each request's tokens in order.
+            while inflight:
+                await inflight.popleft().handled()
+            running_ids = await call.handled()
         else:
-            inflight.append((0, asyncio.create_task(answer)))
+            inflight.append(call)
             running_ids = [e.id for e in chosen if self._sendable(e.id)]
         if not running_ids:
-            inflight.append((0, asyncio.create_task(self.client.clear(batch_id))))
+            inflight.append(Call(asyncio.ensure_future(self.client.clear(batch_id))))
             return True, None
         return True, pb.CachedBatch(id=batch_id, request_ids=running_ids)
 
