@@ -102,7 +102,6 @@ class RotaryEmbedding(nn.Module):
         # attention_scaling is 1.0 for all supported types; cast like transformers does (cos.to(x.dtype)).
         self.register_buffer("cos", freqs.cos().to(dtype).to(device), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype).to(device), persistent=False)
-        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,11 +109,10 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # Every layer of a forward pass gets the same `positions` tensor: look its rows up once. The
-        # cache holds that tensor, so a later pass's tensor can never be taken for it.
-        if self._rows is None or self._rows[0] is not positions:
-            self._rows = (positions, self.cos[positions].unsqueeze(-2), self.sin[positions].unsqueeze(-2))
-        _, cos, sin = self._rows  # [..., 1, D/2]
+        # Looked up per layer, not cached across layers: a device graph captured on a cache hit would
+        # bake in the rows of the positions it was captured with.
+        cos = self.cos[positions].unsqueeze(-2)  # [..., 1, D/2]
+        sin = self.sin[positions].unsqueeze(-2)
         # q and k rotated as one tensor: half the small operators a decode step runs per layer.
         heads = q.shape[-2]
         both = self._rotate(torch.cat((q, k), dim=-2), cos, sin)
