@@ -104,8 +104,8 @@ def measure(model, token_ids: list[list[int]], qc: QuantConfig, device_name: str
 def _rank_main(rank: int, a: argparse.Namespace, measure_path: str, token_ids: list[list[int]],
                rendezvous: dict[str, str] | None = None) -> None:
     from gaudi_runtime.device import select_device
+    from gaudi_runtime.distributed import join_process_group, leave_process_group
     from gaudi_runtime.models import load_model
-    from gaudi_runtime.shard.server import join_process_group
 
     world = a.num_shard
     if rendezvous:  # a spawned rank: its own environment, so the caller's is left as it was
@@ -114,9 +114,20 @@ def _rank_main(rank: int, a: argparse.Namespace, measure_path: str, token_ids: l
     if backend.name == "cpu" and world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     group = join_process_group(backend.distributed_backend, rank, world)
-    model = load_model(a.model_id, getattr(torch, a.dtype), backend.torch_device, rank, world, group)
-    path = measure(model, token_ids, load_quant_config(measure_path), backend.name, backend.torch_device, rank,
-                   world)
+    try:
+        model = load_model(a.model_id, getattr(torch, a.dtype), backend.torch_device, rank, world, group)
+        path = measure(model, token_ids, load_quant_config(measure_path), backend.name, backend.torch_device,
+                       rank, world)
+    finally:
+        leave_process_group(group)
+    if rendezvous:
+        # A spawned rank whose work is written leaves without interpreter teardown: on CPU that
+        # teardown aborted about one rank in four ("terminate called without an active exception",
+        # from a thread torch leaves behind), which failed the whole run after the work was done.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if path is not None:
         log.info("rank %d/%d: statistics written to %s", rank, world, path)
 

@@ -6,44 +6,21 @@ import asyncio
 import logging
 import os
 import signal
-from datetime import timedelta
 
 import grpc
 import torch
 
 from gaudi_runtime.config import Config
 from gaudi_runtime.device import select_device
+from gaudi_runtime.distributed import join_process_group, leave_process_group
 from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
 from gaudi_runtime.shard.runner import ModelRunner
 from gaudi_runtime.shard.servicer import ShardServicer
 
 log = logging.getLogger(__name__)
 
-JOIN_TIMEOUT_S = float(os.environ.get("GAUDI_SERVE_JOIN_TIMEOUT_S", "120"))
-
-
 def uds_path(cfg: Config, rank: int) -> str:
     return f"{cfg.shard_uds_path}-{rank}"
-
-
-def join_process_group(backend: str, rank: int, world_size: int):
-    """Joins torch.distributed; a rank that cannot join fails with a clear message instead of hanging."""
-    if world_size == 1:
-        return None
-    import torch.distributed as dist
-
-    try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=JOIN_TIMEOUT_S))
-    except Exception as e:  # noqa: BLE001 - any failure to join is fatal, with context
-        # c10d appends a C++ stack trace to its messages: the first line is the one that says why.
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise SystemExit(
-            f"shard {rank}/{world_size}: could not join the {backend} process group at "
-            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {JOIN_TIMEOUT_S:.0f}s "
-            f"(GAUDI_SERVE_JOIN_TIMEOUT_S): {why}"
-        ) from e
-    return dist.group.WORLD
 
 
 def cpu_threads(world_size: int, environ=None) -> int | None:
@@ -86,6 +63,7 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=1)
+    leave_process_group(group)
 
 
 def main(cfg: Config, model_dir: str, rank: int, world_size: int) -> None:
