@@ -21,8 +21,9 @@ TOKEN = 40  # what the scripted shards generate, until a request's scripted EOS
 
 
 class ScriptedShards:
-    """Stands in for ShardClient: runs calls in the order they were made, as numbered calls do on
-    real shards, and answers TOKEN for each request, or EOS at the step `eos_at` gives it."""
+    """Stands in for ShardClient: runs calls (a decode of one or more steps) in the order they were
+    made, as numbered calls do on real shards, and answers TOKEN for each request and step, or EOS at
+    the step `eos_at` gives it."""
 
     def __init__(self, eos_id: int, eos_at: dict[int, int], num_blocks: int = 64, swap_answers: bool = False):
         self.eos_id, self.eos_at, self.num_blocks = eos_id, eos_at, num_blocks
