@@ -120,6 +120,8 @@ def _rank_main(rank: int, a: argparse.Namespace, measure_path: str, token_ids: l
                        rank, world)
     finally:
         leave_process_group(group)
+    if path is not None:
+        log.info("rank %d/%d: statistics written to %s", rank, world, path)
     if rendezvous:
         # A spawned rank whose work is written leaves without interpreter teardown: on CPU that
         # teardown aborted about one rank in four ("terminate called without an active exception",
@@ -128,8 +130,6 @@ def _rank_main(rank: int, a: argparse.Namespace, measure_path: str, token_ids: l
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    if path is not None:
-        log.info("rank %d/%d: statistics written to %s", rank, world, path)
 
 
 def _free_port() -> int:

@@ -19,6 +19,7 @@ from gaudi_runtime.shard.servicer import ShardServicer
 
 log = logging.getLogger(__name__)
 
+
 def uds_path(cfg: Config, rank: int) -> str:
     return f"{cfg.shard_uds_path}-{rank}"
 
