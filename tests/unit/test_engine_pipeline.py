@@ -125,11 +125,21 @@ def request(max_new_tokens: int) -> ValidRequest:
                         stopping=StoppingParameters(max_new_tokens=max_new_tokens))
 
 
-def engine_over(shards: ScriptedShards, tokenizer, decode_steps: int = 4) -> BatchingEngine:
+def serve(shards: ScriptedShards, tokenizer, max_new_tokens: list[int], decode_steps: int = 4):
+    """Run one request per entry of `max_new_tokens`, all at once, through an engine over `shards`;
+    returns each request's (token ids, end)."""
     engine = BatchingEngine(resolve(None, {"MODEL_ID": "unused", "DECODE_STEPS": str(decode_steps)}), shards,
                             tokenizer)
     shards.engine = engine
-    return engine
+
+    async def run():
+        await engine.start()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(collect(engine, request(n)) for n in max_new_tokens)), 30)
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
 
 
 async def collect(engine: BatchingEngine, req: ValidRequest):
@@ -143,19 +153,8 @@ async def collect(engine: BatchingEngine, req: ValidRequest):
 @pytest.mark.parametrize("decode_steps", [1, 4])
 def test_next_step_is_queued_while_one_computes_and_each_request_gets_exactly_its_tokens(tokenizer, decode_steps):
     eos = tokenizer.eos_token_ids[0]
-
-    async def run():
-        shards = ScriptedShards(eos, eos_at={1: 3})  # request 1 meets EOS at its 3rd token
-        engine = engine_over(shards, tokenizer, decode_steps)
-        await engine.start()
-        try:
-            results = await asyncio.wait_for(asyncio.gather(collect(engine, request(10)),
-                                                            collect(engine, request(6))), 30)
-        finally:
-            await engine.stop()
-        return shards, results
-
-    shards, ((eos_tokens, eos_end), (len_tokens, len_end)) = asyncio.run(run())
+    shards = ScriptedShards(eos, eos_at={1: 3})  # request 1 meets EOS at its 3rd token
+    (eos_tokens, eos_end), (len_tokens, len_end) = serve(shards, tokenizer, [10, 6], decode_steps)
     assert eos_tokens == [TOKEN, TOKEN, eos] and eos_end.finish_reason == FinishReason.EOS_TOKEN
     assert len_tokens == [TOKEN] * 6 and len_end.finish_reason == FinishReason.LENGTH
     assert eos_end.generated_tokens == 3 and len_end.generated_tokens == 6
@@ -176,19 +175,10 @@ def test_one_step_per_call_while_a_request_waits(tokenizer):
     eos = tokenizer.eos_token_ids[0]
     n = 7
 
-    async def run():
-        # KV room for three requests (3 blocks each): the others wait for a prefill while those run,
-        # and requests meet EOS one after another, so they join one by one.
-        shards = ScriptedShards(eos, eos_at={rid: 2 * rid for rid in range(1, n + 1)}, num_blocks=3 * 3)
-        engine = engine_over(shards, tokenizer, 4)
-        await engine.start()
-        try:
-            results = await asyncio.wait_for(asyncio.gather(*(collect(engine, request(40)) for _ in range(n))), 30)
-        finally:
-            await engine.stop()
-        return shards, results
-
-    shards, results = asyncio.run(run())
+    # KV room for three requests (3 blocks each): the others wait for a prefill while those run,
+    # and requests meet EOS one after another, so they join one by one.
+    shards = ScriptedShards(eos, eos_at={rid: 2 * rid for rid in range(1, n + 1)}, num_blocks=3 * 3)
+    results = serve(shards, tokenizer, [40] * n)
     assert [len(tokens) for tokens, _ in results] == [2 * rid for rid in range(1, n + 1)]
     assert any(waiting for *_, waiting in shards.decodes)
     for ids, _, steps, waiting in shards.decodes:
@@ -201,18 +191,8 @@ def test_a_finished_requests_last_step_never_writes_into_blocks_a_new_request_to
     """With room for two requests' blocks, each new request takes the blocks of one that met EOS
     while a decode naming it was still queued; that stale step must run before the new prefill."""
     eos = tokenizer.eos_token_ids[0]
-
-    async def run():
-        shards = ScriptedShards(eos, eos_at={rid: 2 + rid % 3 for rid in range(1, 9)}, num_blocks=2)
-        engine = engine_over(shards, tokenizer)
-        await engine.start()
-        try:
-            results = await asyncio.wait_for(asyncio.gather(*(collect(engine, request(12)) for _ in range(8))), 30)
-        finally:
-            await engine.stop()
-        return shards, results
-
-    shards, results = asyncio.run(run())
+    shards = ScriptedShards(eos, eos_at={rid: 2 + rid % 3 for rid in range(1, 9)}, num_blocks=2)
+    results = serve(shards, tokenizer, [12] * 8)
     assert [len(tokens) for tokens, _ in results] == [2 + rid % 3 for rid in range(1, 9)]
     assert all(end.finish_reason == FinishReason.EOS_TOKEN for _, end in results)
     assert len(set(shards.owner)) == 2 and len(shards.blocks) == 8  # the blocks were taken over, again and again
@@ -225,18 +205,7 @@ def test_a_finished_requests_last_step_never_writes_into_blocks_a_new_request_to
 @pytest.mark.parametrize("decode_steps", [1, 4])
 def test_tokens_stream_in_order_when_answers_arrive_out_of_order(tokenizer, decode_steps):
     eos = tokenizer.eos_token_ids[0]
-
-    async def run():
-        shards = ScriptedShards(eos, eos_at={1: 5}, swap_answers=True)
-        engine = engine_over(shards, tokenizer, decode_steps)
-        await engine.start()
-        try:
-            results = await asyncio.wait_for(asyncio.gather(collect(engine, request(10)),
-                                                            collect(engine, request(12))), 30)
-        finally:
-            await engine.stop()
-        return results
-
-    (first, first_end), (second, second_end) = asyncio.run(run())
+    shards = ScriptedShards(eos, eos_at={1: 5}, swap_answers=True)
+    (first, first_end), (second, second_end) = serve(shards, tokenizer, [10, 12], decode_steps)
     assert first == [TOKEN + n for n in range(1, 5)] + [eos] and first_end.finish_reason == FinishReason.EOS_TOKEN
     assert second == [TOKEN + n for n in range(1, 13)] and second_end.finish_reason == FinishReason.LENGTH
