@@ -15,6 +15,7 @@ class SamplingParameters:
     top_p: float = 1.0  # 1.0 = off
     typical_p: float = 1.0  # 1.0 = off
     repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
+    frequency_penalty: float = 0.0  # OpenAI's: minus penalty x count of the token so far
+    presence_penalty: float = 0.0  # OpenAI's: minus penalty once the token has appeared
     seed: int = 0
     watermark: bool = False
