@@ -17,8 +17,7 @@ def _internal_config() -> tuple[Config, str]:
     return Config(**json.loads(os.environ[CONFIG_ENV])), os.environ[MODEL_DIR_ENV]
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gaudi-serve", description="LLM serving runtime for Intel Gaudi")
     sub = parser.add_subparsers(dest="command", required=True)
     launch = sub.add_parser("launch", help="serve a model: shards + router (TGI-compatible flags)")
@@ -27,63 +26,82 @@ def main(argv: list[str] | None = None) -> int:
     shard = sub.add_parser("shard", help="(internal) one model shard, started by launch")
     shard.add_argument("--rank", type=int, required=True)
     shard.add_argument("--world-size", type=int, required=True)
-    sub.add_parser("tiny-model", help="write a tiny random model for demos and tests", add_help=False)
-    sub.add_parser("benchmark", help="static-batching latency/throughput of the shards per batch size",
-                   add_help=False)
-    sub.add_parser("loadtest", help="load generator for a TGI or OpenAI endpoint (TTFT, ITL, throughput)",
-                   add_help=False)
-    sub.add_parser("calibrate", help="measure FP8 statistics (INC layout) for QUANT_CONFIG", add_help=False)
+    for name, text in TOOLS.items():
+        sub.add_parser(name, help=text, add_help=False)  # each tool parses its own flags
+    return parser
 
-    if argv[:1] == ["tiny-model"]:
-        from gaudi_runtime.tools.tiny_model import main as tiny
 
-        tiny(argv[1:])
-        return 0
-    if argv[:1] == ["benchmark"]:
-        from gaudi_runtime.bench.benchmark import main as benchmark
+# Tools with their own argument parsers: `gaudi-serve NAME ...` hands them the rest of the line.
+TOOLS = {
+    "tiny-model": "write a tiny random model for demos and tests",
+    "benchmark": "static-batching latency/throughput of the shards per batch size",
+    "loadtest": "load generator for a TGI or OpenAI endpoint (TTFT, ITL, throughput)",
+    "calibrate": "measure FP8 statistics (INC layout) for QUANT_CONFIG",
+}
 
-        return benchmark(argv[1:])
-    if argv[:1] == ["calibrate"]:
-        from gaudi_runtime.quant.calibrate import main as calibrate
 
-        return calibrate(argv[1:])
-    if argv[:1] == ["loadtest"]:
-        from gaudi_runtime.bench.loadtest import main as loadtest
+def _run_tool(name: str, argv: list[str]) -> int:
+    if name == "tiny-model":
+        from gaudi_runtime.tools.tiny_model import main as tool
+    elif name == "benchmark":
+        from gaudi_runtime.bench.benchmark import main as tool
+    elif name == "calibrate":
+        from gaudi_runtime.quant.calibrate import main as tool
+    else:
+        from gaudi_runtime.bench.loadtest import main as tool
+    return tool(argv) or 0
 
-        return loadtest(argv[1:])
-    args = parser.parse_args(argv)
-    if args.command == "launch":
-        try:
-            cfg = resolve(args)
-            from gaudi_runtime.quant.config import check_quant_config
 
-            check_quant_config(cfg)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        logs.setup(cfg.log_level, cfg.json_output, "launcher")
-        from gaudi_runtime import launcher
+def _run_launch(args: argparse.Namespace) -> int:
+    try:
+        cfg = resolve(args)
+        from gaudi_runtime.quant.config import check_quant_config
 
-        try:
-            return launcher.main(cfg)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        check_quant_config(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logs.setup(cfg.log_level, cfg.json_output, "launcher")
+    from gaudi_runtime import launcher
+
+    try:
+        return launcher.main(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run_shard(rank: int, world_size: int) -> int:
     cfg, model_dir = _internal_config()
-    if args.command == "shard":
-        logs.setup(cfg.log_level, cfg.json_output, f"shard-{args.rank}")
-        from gaudi_runtime.shard import server
+    logs.setup(cfg.log_level, cfg.json_output, f"shard-{rank}")
+    from gaudi_runtime.shard import server
 
-        try:
-            server.main(cfg, model_dir, args.rank, args.world_size)
-        except ConfigError as e:  # found only once the model is built (e.g. QUANT_CONFIG naming no layer)
-            print(f"error: shard {args.rank}: {e}", file=sys.stderr)
-            return 2
-        return 0
+    try:
+        server.main(cfg, model_dir, rank, world_size)
+    except ConfigError as e:  # found only once the model is built (e.g. QUANT_CONFIG naming no layer)
+        print(f"error: shard {rank}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_router() -> int:
+    cfg, model_dir = _internal_config()
     logs.setup(cfg.log_level, cfg.json_output, "router")
     from gaudi_runtime.router import main as router_main
 
     return router_main.main(cfg, model_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] and argv[0] in TOOLS:
+        return _run_tool(argv[0], argv[1:])
+    args = _parser().parse_args(argv)
+    if args.command == "launch":
+        return _run_launch(args)
+    if args.command == "shard":
+        return _run_shard(args.rank, args.world_size)
+    return _run_router()
 
 
 if __name__ == "__main__":

@@ -171,6 +171,10 @@ class Config:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
+    def shard_socket(self, rank: int) -> str:
+        """The unix socket shard `rank` serves gRPC on (the router and the offline API connect to it)."""
+        return f"{self.shard_uds_path}-{rank}"
+
     @classmethod
     def from_json(cls, s: str) -> Config:
         return cls(**json.loads(s))
@@ -229,6 +233,21 @@ def resolve(args: argparse.Namespace | None = None, environ: dict[str, str] | No
 def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     if not v["model_id"]:
         raise ConfigError("--model-id is required (a local directory or a hub id)")
+    _derive_token_limits(v)
+    _derive_batching(v)
+    _derive_device(v)
+    _derive_shards(v, device_count)
+    _derive_quantization(v)
+    _derive_knobs(v)
+    origins = v["cors_allow_origin"]
+    v["cors_allow_origin"] = [o.strip() for o in origins.split(",") if o.strip()] if origins else []
+    v["model_name"] = v["model_name"] or v["model_id"]
+    v["log_level"] = str(v["log_level"]).lower()
+    return Config(**v)
+
+
+def _derive_token_limits(v: dict[str, object]) -> None:
+    """Input, total and prefill token limits, with TGI's defaults and its older --max-input-length alias."""
     if v["max_input_length"] is not None:
         if v["max_input_tokens"] is not None and v["max_input_tokens"] != v["max_input_length"]:
             raise ConfigError("--max-input-tokens and --max-input-length disagree; give one")
@@ -255,6 +274,9 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     bt = v["max_batch_total_tokens"]
     if bt is not None and bt < total:
         raise ConfigError(f"--max-batch-total-tokens ({bt}) must be >= --max-total-tokens ({total})")
+
+
+def _derive_batching(v: dict[str, object]) -> None:
     for name in ("max_concurrent_requests", "max_client_batch_size", "max_waiting_tokens", "decode_steps"):
         if v[name] < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
@@ -265,6 +287,9 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
         v["max_batch_size"] = max(v["batch_bucket_size"], min(256, v["max_concurrent_requests"]))
     if v["max_batch_size"] < 1:
         raise ConfigError("--max-batch-size must be positive")
+
+
+def _derive_device(v: dict[str, object]) -> None:
     if not 0 < v["memory_fraction"] <= 1:
         raise ConfigError("--memory-fraction must be in (0, 1]")
     if v["dtype"] not in ("bfloat16", "float16", "float32"):
@@ -275,6 +300,9 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
         v["block_size"] = 128 if v["device"] == "hpu" else 16
     if v["block_size"] < 1:
         raise ConfigError("--block-size must be positive")
+
+
+def _derive_shards(v: dict[str, object], device_count: Callable[[str], int]) -> None:
     sharded, num = v["sharded"], v["num_shard"]
     if sharded is False and num not in (None, 1):
         raise ConfigError(f"--sharded false contradicts --num-shard {num}")
@@ -290,13 +318,6 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     v["sharded"] = v["num_shard"] > 1
     if v["num_shard"] < 1:
         raise ConfigError("--num-shard must be positive")
-    _derive_quantization(v)
-    _derive_knobs(v)
-    origins = v["cors_allow_origin"]
-    v["cors_allow_origin"] = [o.strip() for o in origins.split(",") if o.strip()] if origins else []
-    v["model_name"] = v["model_name"] or v["model_id"]
-    v["log_level"] = str(v["log_level"]).lower()
-    return Config(**v)
 
 
 def _derive_quantization(v: dict[str, object]) -> None:

@@ -197,9 +197,8 @@ def render(report: dict) -> str:
 
 async def run(cfg: Config, args, on_step=None) -> dict:
     from gaudi_runtime.router.client import ShardClient
-    from gaudi_runtime.shard.server import uds_path
 
-    client = ShardClient([uds_path(cfg, r) for r in range(cfg.num_shard)], numbered=False)
+    client = ShardClient([cfg.shard_socket(r) for r in range(cfg.num_shard)], numbered=False)
     await client.connect(args.connect_timeout, alive=getattr(args, "_alive", lambda: True))
     try:
         if not args.skip_warmup:
@@ -276,42 +275,33 @@ def add_server_arguments(group) -> None:
         group.add_argument(flag, default=None, help=f"{help_} [env: {env}] [default: {shown}]")
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+def _checked_config(a: argparse.Namespace) -> Config:
+    """The benchmark's flags checked and resolved into a runtime Config; ConfigError names the flag."""
     a.batch_size = a.batch_size or [1, 2, 4, 8]
     for name in ("sequence_length", "decode_length", "runs"):
         if getattr(a, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
-            return 2
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     if a.warmups < 0 or min(a.batch_size) < 1:
-        print("error: --warmups must be >= 0 and --batch-size >= 1", file=sys.stderr)
-        return 2
+        raise ConfigError("--warmups must be >= 0 and --batch-size >= 1")
     derive_flags(a)
-    try:
-        cfg = resolve(a)
-        if "LOG_LEVEL" not in os.environ:  # the shards' info logs would interleave with the progress bar
-            cfg = dataclasses.replace(cfg, log_level="warning")
-        check_fits(cfg, a.batch_size, a.sequence_length, a.decode_length)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from gaudi_runtime import launcher
+    cfg = resolve(a)
+    if "LOG_LEVEL" not in os.environ:  # the shards' info logs would interleave with the progress bar
+        cfg = dataclasses.replace(cfg, log_level="warning")
+    check_fits(cfg, a.batch_size, a.sequence_length, a.decode_length)
+    return cfg
 
-    procs = []
-    if not a.attach:
-        try:
-            model_dir = launcher.resolve_model_dir(cfg)
-            launcher.check_model(model_dir)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        procs = launcher.spawn_shards(cfg, model_dir)
-        a._alive = lambda: all(p.poll() is None for _, p in procs)
-    from tqdm import tqdm
 
-    bars: dict[str, tqdm] = {}
+class _Progress:
+    """Progress bars on stderr: the shards' warmup, then the benchmark's runs."""
 
-    def on_step(kind: str, n: int, total: int | None) -> None:
+    def __init__(self, a: argparse.Namespace):
+        self.a = a
+        self.bars = {}
+
+    def __call__(self, kind: str, n: int, total: int | None) -> None:
+        from tqdm import tqdm
+
+        a, bars = self.a, self.bars
         if kind == "warmup":
             if "warmup" not in bars:
                 bars["warmup"] = tqdm(total=total, desc="shard warmup", unit="shape", disable=a.no_progress,
@@ -326,8 +316,30 @@ def main(argv: list[str] | None = None) -> int:
                                disable=a.no_progress, file=sys.stderr)
         bars["run"].update(n)
 
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    from gaudi_runtime import launcher
+
+    procs = []
     try:
-        report = asyncio.run(run(cfg, a, on_step))
+        cfg = _checked_config(a)
+        if not a.attach:
+            model_dir = launcher.resolve_model_dir(cfg)
+            launcher.check_model(model_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not a.attach:
+        procs = launcher.spawn_shards(cfg, model_dir)
+        a._alive = lambda: all(p.poll() is None for _, p in procs)
+    progress = _Progress(a)
+    try:
+        report = asyncio.run(run(cfg, a, progress))
     except Exception as e:  # noqa: BLE001 - one line for the user, not a traceback
         from gaudi_runtime.router.client import ShardError
 
@@ -336,8 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        for bar in bars.values():
-            bar.close()
+        progress.close()
         if procs:
             launcher.stop_all(procs)
     print(render(report))

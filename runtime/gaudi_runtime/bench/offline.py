@@ -20,12 +20,11 @@ from gaudi_runtime.router.client import ShardClient
 from gaudi_runtime.router.engine import BatchingEngine
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.types import StoppingParameters, ValidRequest
-from gaudi_runtime.shard.server import uds_path
 
 
 async def run(cfg, model_dir: str, prompts: int, input_len: int, output_len: int) -> dict:
     tokenizer = RouterTokenizer.load(model_dir, cfg)
-    client = ShardClient([uds_path(cfg, r) for r in range(cfg.num_shard)])
+    client = ShardClient([cfg.shard_socket(r) for r in range(cfg.num_shard)])
     engine = BatchingEngine(cfg, client, tokenizer)
     await engine.start()
     rng = random.Random(0)

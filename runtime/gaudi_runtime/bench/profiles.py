@@ -49,9 +49,6 @@ class LengthDist:
     params: tuple = ()
     cap: int | None = None
 
-    def with_cap(self, cap: int | None) -> LengthDist:
-        return LengthDist(self.spec, self.kind, self.params, cap)
-
     def _raw(self, rng: random.Random) -> float:
         k, p = self.kind, self.params
         if k == "constant":

@@ -3,8 +3,8 @@
 With glibc's defaults every block above the mmap threshold (128 KiB at first) is a fresh
 ``mmap`` and every free above the trim threshold gives memory back to the kernel. A decode
 step allocates and frees megabytes per layer (the gathered KV blocks, the MLP activations),
-so each step then pays page faults and the kernel's zeroing of every page it touches: on
-the reference model a batch-16 decode step took 26 ms instead of 10 (docs/performance.md).
+so each step then pays page faults and the kernel's zeroing of every page it touches
+(docs/performance.md has what that cost on the reference model).
 Raising both thresholds keeps those blocks in the heap, reused from one step to the next.
 The price is that the process keeps its peak heap instead of shrinking after a burst.
 """

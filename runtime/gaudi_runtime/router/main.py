@@ -18,7 +18,6 @@ from gaudi_runtime.router.server import build_app
 from gaudi_runtime.router.state import STATE
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.tracing import make_tracer
-from gaudi_runtime.shard.server import uds_path
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +26,7 @@ FAIL_EXIT_DELAY_S = float(os.environ.get("GAUDI_SERVE_FAIL_EXIT_DELAY_S", "2"))
 
 async def serve(cfg: Config, model_dir: str) -> int:
     tokenizer = RouterTokenizer.load(model_dir, cfg)
-    client = ShardClient([uds_path(cfg, r) for r in range(cfg.num_shard)])
+    client = ShardClient([cfg.shard_socket(r) for r in range(cfg.num_shard)])
     metrics = Metrics()
     engine = BatchingEngine(cfg, client, tokenizer, metrics)
     app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg))

@@ -49,6 +49,25 @@ def chat_template_from(path: str) -> str:
     return template
 
 
+def _fast_tokenizer_class(path: Path):
+    """The tokenizer class named by tokenizer_config.json, as AutoTokenizer would pick it.
+
+    AutoTokenizer reads the model's config through transformers' configuration module, which
+    imports torch; the router never needs torch, and importing it costs seconds at every start.
+    """
+    import transformers
+
+    try:
+        name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class") or ""
+    except (OSError, ValueError, AttributeError):
+        name = ""
+    for candidate in (name if name.endswith("Fast") else f"{name}Fast", name):
+        cls = getattr(transformers, candidate, None) if candidate.endswith(("Tokenizer", "TokenizerFast")) else None
+        if cls is not None:
+            return cls
+    return transformers.PreTrainedTokenizerFast
+
+
 class RouterTokenizer:
     def __init__(self, hf_tokenizer: Any | None, *, skip_tokenizer: bool = False,
                  eos_token_ids: list[int] | None = None, bos_token_id: int | None = None):
@@ -67,12 +86,10 @@ class RouterTokenizer:
 
     @classmethod
     def load(cls, path: str, config: Config) -> RouterTokenizer:
-        from transformers import AutoTokenizer
-
         p = Path(path)
         hf = None
         try:
-            hf = AutoTokenizer.from_pretrained(path, use_fast=True, revision=config.revision)
+            hf = _fast_tokenizer_class(p).from_pretrained(path, revision=config.revision)
         except Exception:
             if not config.skip_tokenizer_in_tgi:
                 raise

@@ -1,0 +1,137 @@
+"""The shape the code keeps: short functions, no import cycles, a router process without torch.
+
+These are checks a contributor meets when a change breaks the layering the design relies on
+(docs/design.md, "Runtime map"): they read the source, they do not run it.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {"gaudi_runtime": ROOT / "runtime" / "gaudi_runtime", "gaudi_operator": ROOT / "operator" / "gaudi_operator"}
+MAX_FUNCTION_LINES = 60
+
+
+def _sources():
+    for package, root in PACKAGES.items():
+        for path in sorted(root.rglob("*.py")):
+            if "_pb2" in path.name:  # generated protobuf code
+                continue
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            yield ".".join((package, *parts)), path, path.name == "__init__.py"
+
+
+def _known_modules() -> set[str]:
+    return {name for name, _, _ in _sources()} | {
+        f"gaudi_runtime.proto.{p.stem}" for p in (PACKAGES["gaudi_runtime"] / "proto").glob("*_pb2*.py")}
+
+
+def _imports(module: str, is_package: bool, tree: ast.AST, known: set[str]) -> set[str]:
+    """Every module of ours that `module` imports, at top level or inside a function."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return {m for m in found if m in known and m != module}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for module, path, _ in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{module}.{node.name}: {lines} lines")
+    assert not long, "functions over 60 lines:\n" + "\n".join(long)
+
+
+def test_no_import_cycles_between_modules():
+    known = _known_modules()
+    graph = {module: _imports(module, is_pkg, ast.parse(path.read_text()), known)
+             for module, path, is_pkg in _sources()}
+    assert not _cycles(graph), f"import cycles: {_cycles(graph)}"
+
+
+def test_models_do_not_import_the_router():
+    known = _known_modules()
+    offenders = {}
+    for module, path, is_pkg in _sources():
+        if module.startswith("gaudi_runtime.models"):
+            bad = {m for m in _imports(module, is_pkg, ast.parse(path.read_text()), known)
+                   if m.startswith("gaudi_runtime.router")}
+            if bad:
+                offenders[module] = sorted(bad)
+    assert not offenders
+
+
+def test_the_router_process_loads_neither_torch_nor_model_code(tmp_path):
+    """The router only speaks HTTP and the shards' proto: importing its entry module and loading
+    a tokenizer must not pull torch (seconds at every start) or the shard side into the process."""
+    (tmp_path / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "hello": 1}, "unk_token": "<unk>"},
+        "pre_tokenizer": {"type": "Whitespace"}, "added_tokens": [], "normalizer": None,
+        "post_processor": None, "decoder": None, "truncation": None, "padding": None}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    probe = (
+        "import json, sys\n"
+        "import gaudi_runtime.router.main\n"
+        "from gaudi_runtime.config import Config\n"
+        "from gaudi_runtime.router.tokenizer import RouterTokenizer\n"
+        f"tok = RouterTokenizer.load({str(tmp_path)!r}, Config(model_id='m'))\n"
+        "assert tok.encode('hello', add_special_tokens=False) == [1]\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    loaded = json.loads(out.stdout)
+    assert "torch" not in loaded
+    shard_side = [m for m in loaded if m.startswith("gaudi_runtime.")
+                  and m.split(".")[1] in ("shard", "models", "layers", "device", "quant")]
+    assert not shard_side
