@@ -4,7 +4,7 @@
 * every InferenceService field, its type, default, constraints and description, and the CEL
   validation rules, from the CRD's openAPIV3Schema (crds/inferenceservices.gaudiserve.io.yaml);
 * every runtime flag and environment variable from gaudi_runtime.config (FLAGS, ENV_ONLY);
-* every operator flag (gaudi_operator.cli) and GAUDI_OPERATOR_* variable (gaudi_operator.handlers).
+* every operator flag (gaudi_operator.cli) and GAUDI_OPERATOR_* variable (gaudi_operator.config).
 
     python hack/gen-config-doc.py           # print
     python hack/gen-config-doc.py --write   # rewrite docs/configuration.md
@@ -16,6 +16,7 @@ tests/unit/test_examples.py checks that the committed file equals this output.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -148,6 +149,7 @@ def runtime_section() -> list[str]:
 
 def operator_section() -> list[str]:
     from gaudi_operator import cli
+    from gaudi_operator.config import OperatorConfig
 
     # The parser reads a few defaults from the environment: document the built-in ones.
     saved = {k: os.environ.pop(k) for k in ("LOG_LEVEL", "LOG_FORMAT", "LIVENESS_ENDPOINT") if k in os.environ}
@@ -166,10 +168,8 @@ def operator_section() -> list[str]:
         env = re.search(r"\[env: ([A-Z_]+)", action.help or "")
         rows.append([", ".join(f"`{o}`" for o in action.option_strings), f"`{env.group(1)}`" if env else "",
                      "" if default is None or default is False else _code(default), _cell(help_)])
-    handlers = (ROOT / "operator" / "gaudi_operator" / "handlers.py").read_text()
-    env_rows = [[f"`{name}`", _code(default)]
-                for name, default in re.findall(r'os\.environ\.get\("(GAUDI_OPERATOR_[A-Z_]+)", "([^"]*)"\)',
-                                                handlers)]
+    env_rows = [[f"`{f.metadata['env']}`", _code(f"{f.default:g}" if isinstance(f.default, float) else f.default)]
+                for f in dataclasses.fields(OperatorConfig)]
     out = ["## Operator (`gaudi-operator`)", ""]
     out += _table(["flag", "env", "default", "description"], rows)
     out += ["", "Tuning variables read by the operator at start:", ""]

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 
 import kopf
+
+from . import handlers  # noqa: F401  (importing registers the handlers with Kopf)
+from .config import OperatorConfig
 
 LOG_FORMATS = {"plain": kopf.LogFormat.PLAIN, "full": kopf.LogFormat.FULL, "json": kopf.LogFormat.JSON}
 
@@ -38,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    config = OperatorConfig.from_env()
     if args.resync_seconds is not None:
-        os.environ["GAUDI_OPERATOR_RESYNC_SECONDS"] = str(args.resync_seconds)
+        config = dataclasses.replace(config, resync_seconds=args.resync_seconds)
     namespaces = args.namespace
     if not namespaces and not args.all_namespaces and os.environ.get("WATCH_NAMESPACES"):
         namespaces = [n.strip() for n in os.environ["WATCH_NAMESPACES"].split(",") if n.strip()]
@@ -48,8 +53,6 @@ def main(argv: list[str] | None = None) -> int:
                    log_format=LOG_FORMATS[args.log_format])
     logging.getLogger().setLevel(args.log_level.upper())
 
-    from . import handlers  # noqa: F401  (registers the handlers; reads the env above)
-
     kopf.run(
         standalone=not args.peering,
         peering_name=args.peering,
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         namespaces=namespaces or (),
         clusterwide=not namespaces,
         liveness_endpoint=args.liveness,
+        memo=kopf.Memo(config=config),  # handlers.startup reads it
     )
     return 0
 

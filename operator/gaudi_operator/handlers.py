@@ -1,35 +1,39 @@
-"""Kopf handlers: thin triggers around one idempotent `reconcile(namespace, name)`.
+"""Kopf handlers: thin triggers around one idempotent pass per InferenceService.
 
-Triggers: create/update/resume of an InferenceService, any event of a child
-(Deployment, Service, PodDisruptionBudget) or pod carrying our labels, and a
-resync timer that also polls warmup progress of warming pods. Runs for the
-same object are serialized; a trigger arriving during a run causes one more
-run after it, never a pile-up.
+The pass (`reconcile`) goes one way through the data and never back: read the
+object, render its children, apply them, observe what the cluster made of them,
+report the status. Triggers: create/update/resume of an InferenceService, any
+event of a child (Deployment, Service, PodDisruptionBudget) or pod carrying
+our labels, and a resync timer that also polls warmup progress of warming pods.
+Runs for the same object are serialized; a trigger arriving during a run causes
+one more run after it, never a pile-up.
+
+Operator-wide state (the `OperatorConfig`, the `Reconciler`, the resync task)
+lives in Kopf's memo, which Kopf hands to every handler.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import logging
-import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import kopf
 
 from . import kube
-from .render import ISVC_LABEL, MANAGED_BY, render
+from .config import OperatorConfig
+from .render import ISVC_LABEL, MANAGED_BY, Rendered, render
 from .spec import FIELD_MANAGER, GROUP, PLURAL, RUNTIME_PORT, VERSION, SpecError, parse_spec
-from .status import compute_status, status_patch
+from .status import Observed, compute_status, invalid_spec_status, status_patch
 
 log = logging.getLogger(__name__)
 
-RESYNC_SECONDS = float(os.environ.get("GAUDI_OPERATOR_RESYNC_SECONDS", "15"))
-CLUSTER_DOMAIN = os.environ.get("GAUDI_OPERATOR_CLUSTER_DOMAIN", "cluster.local")
-WARMUP_CONCURRENCY = int(os.environ.get("GAUDI_OPERATOR_WARMUP_CONCURRENCY", "8"))
-WARMUP_TIMEOUT = float(os.environ.get("GAUDI_OPERATOR_WARMUP_TIMEOUT", "2"))
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, ISVC_LABEL: kopf.PRESENT}
 WARNING_PHASES = ("Degraded", "Failed")
+# Every kind the operator renders, and the pods: their events trigger a pass of the owner.
 CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"),
                    ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "pods")]
 
@@ -38,57 +42,68 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-async def reconcile(namespace: str, name: str) -> dict[str, Any] | None:
-    """Render + apply the children, observe them, patch the status if it changed. Idempotent."""
+async def reconcile(namespace: str, name: str, config: OperatorConfig) -> dict[str, Any] | None:
+    """Read, render, apply, observe, report. Returns the status computed, None when the object is gone."""
     body = await kube.get("InferenceService", namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None  # gone or going: the children follow through their ownerReferences
     try:
-        spec, spec_error = parse_spec(body.get("spec")), None
+        spec = parse_spec(body.get("spec"))
     except SpecError as exc:
-        spec, spec_error = None, str(exc)
+        return await _report(body, invalid_spec_status(body, str(exc), now=_now()))
+    rendered = render(body, spec, cluster_domain=config.cluster_domain)
+    live = await _apply(rendered, namespace, name)
+    observed = await _observe(namespace, name, live, config)
+    return await _report(body, compute_status(body, spec, rendered, observed, now=_now()))
 
-    deployment = None
-    if spec is not None:
-        children = render(body, spec)
-        for child in children:
-            live = await kube.apply(child)
-            if child["kind"] == "Deployment":
-                deployment = live
-        if not any(c["kind"] == "PodDisruptionBudget" for c in children):
-            await kube.delete("PodDisruptionBudget", namespace, name)
 
+async def _apply(rendered: Rendered, namespace: str, name: str) -> dict[str, dict[str, Any]]:
+    """Server-side apply every child, delete the optional ones this spec does not want; kind -> live object."""
+    live = {}
+    for child in rendered.children:
+        live[child["kind"]] = await kube.apply(child)
+    for kind in rendered.unwanted:
+        await kube.delete(kind, namespace, name)
+    return live
+
+
+async def _observe(namespace: str, name: str, live: dict[str, dict[str, Any]], config: OperatorConfig) -> Observed:
     pods = await kube.list_pods(namespace, f"{ISVC_LABEL}={name}")
-    warmup = await kube.fetch_warmup(pods, RUNTIME_PORT, concurrency=WARMUP_CONCURRENCY, timeout=WARMUP_TIMEOUT)
-    new = compute_status(body, spec, deployment, pods, warmup, now=_now(), spec_error=spec_error,
-                         cluster_domain=CLUSTER_DOMAIN)
-    old = body.get("status") or {}
+    warmup = await kube.fetch_warmup(pods, RUNTIME_PORT, concurrency=config.warmup_concurrency,
+                                     timeout=config.warmup_timeout)
+    return Observed(deployment=live.get("Deployment"), pods=pods, warmup=warmup)
+
+
+async def _report(body: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+    """Patch the status if a managed key changed; an Event when the phase changed."""
+    meta, old = body["metadata"], body.get("status") or {}
     patch = status_patch(old, new)
-    if patch:
-        if await kube.patch_status(namespace, name, patch) is None:
-            return None
-        if new.get("phase") != old.get("phase"):
-            ready = next(c for c in new["conditions"] if c["type"] == "Ready")
-            etype = "Warning" if new["phase"] in WARNING_PHASES else "Normal"
-            await kube.post_event(body, etype, new["phase"], ready["message"])
+    if not patch:
+        return new
+    if await kube.patch_status(meta["namespace"], meta["name"], patch) is None:
+        return None
+    if new.get("phase") != old.get("phase"):
+        ready = next(c for c in new["conditions"] if c["type"] == "Ready")
+        etype = "Warning" if new["phase"] in WARNING_PHASES else "Normal"
+        await kube.post_event(body, etype, new["phase"], ready["message"])
     return new
 
 
 class Reconciler:
-    """Serializes runs per object and coalesces triggers that arrive during a run."""
+    """Serializes runs of `reconcile_one` per object and coalesces triggers that arrive during a run."""
 
-    def __init__(self) -> None:
+    def __init__(self, reconcile_one: Callable[[str, str], Awaitable[dict[str, Any] | None]]) -> None:
+        self._reconcile_one = reconcile_one
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._pending: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.known: set[tuple[str, str]] = set()
 
     async def run(self, namespace: str, name: str) -> dict[str, Any] | None:
         key = (namespace, name)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             self._pending.discard(key)
-            return await reconcile(namespace, name)
+            return await self._reconcile_one(namespace, name)
 
     def trigger(self, namespace: str, name: str) -> None:
         """Schedule a run in the background (no-op if one is already waiting)."""
@@ -108,12 +123,29 @@ class Reconciler:
                         namespace, name, exc)
 
 
-reconciler = Reconciler()
-_resync_task: asyncio.Task[None] | None = None
+@kopf.index(GROUP, VERSION, PLURAL)
+def inference_services(namespace: str, name: str, **_: Any) -> dict[str, str]:
+    """Names of the watched InferenceServices by namespace: the resync's work list.
+
+    Kopf keeps it current (a deleted object drops out) without the finalizer that a
+    Kopf timer would put on every object, so a deletion never waits for the operator.
+    """
+    return {namespace: name}
+
+
+async def _resync_loop(reconciler: Reconciler, index: kopf.Index[str, str], interval: float) -> None:
+    """Periodic pass over every known object: repairs drift, polls warmup progress."""
+    while True:
+        await asyncio.sleep(interval)
+        for namespace, name in sorted((ns, n) for ns, names in index.items() for n in names):
+            reconciler.trigger(namespace, name)
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, inference_services: kopf.Index[str, str],
+                  **_: Any) -> None:
+    # `gaudi-operator` passes its OperatorConfig in the memo; embedded without one, read the environment.
+    config = memo.get("config") or OperatorConfig.from_env()
     # Kopf's bookkeeping lives in annotations, never in our status; no finalizer (no delete handler).
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -123,17 +155,18 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Server-side filtering: watch only our children and their pods, not every pod in the cluster.
     for key in CHILD_RESOURCES:
         settings.watching.label_selectors[key] = f"app.kubernetes.io/managed-by={MANAGED_BY}"
-    settings.watching.server_timeout = int(os.environ.get("GAUDI_OPERATOR_WATCH_TIMEOUT", "300"))
+    settings.watching.server_timeout = config.watch_timeout
     kube.configure()
-    global _resync_task
-    _resync_task = asyncio.get_running_loop().create_task(_resync_loop())
-    log.info("gaudi-serve operator started (field manager %s, resync %ss)", FIELD_MANAGER, RESYNC_SECONDS)
+    memo.reconciler = Reconciler(functools.partial(reconcile, config=config))
+    memo.resync = asyncio.get_running_loop().create_task(
+        _resync_loop(memo.reconciler, inference_services, config.resync_seconds))
+    log.info("gaudi-serve operator started (field manager %s, resync %ss)", FIELD_MANAGER, config.resync_seconds)
 
 
 @kopf.on.cleanup()
-async def cleanup(**_: Any) -> None:
-    if _resync_task is not None:
-        _resync_task.cancel()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    if memo.get("resync") is not None:
+        memo.resync.cancel()
 
 
 @kopf.on.login()
@@ -145,53 +178,21 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-async def on_change(namespace: str, name: str, **_: Any) -> None:
+async def on_change(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     try:
-        await reconciler.run(namespace, name)
+        await memo.reconciler.run(namespace, name)
     except kube.NotFound:
         return
     except Exception as exc:
         raise kopf.TemporaryError(f"reconcile failed: {exc}", delay=5) from exc
 
 
-@kopf.on.event(GROUP, VERSION, PLURAL)
-async def track(type: str | None, namespace: str, name: str, **_: Any) -> None:
-    """Keep the set of objects to resync (no finalizer: Kopf timers would need one)."""
-    if type == "DELETED":
-        reconciler.known.discard((namespace, name))
-    else:
-        reconciler.known.add((namespace, name))
-
-
-async def _resync_loop() -> None:
-    """Periodic reconcile of every known object: repairs drift, polls warmup progress."""
-    while True:
-        await asyncio.sleep(RESYNC_SECONDS)
-        for namespace, name in sorted(reconciler.known):
-            reconciler.trigger(namespace, name)
-
-
-def _owner_event(body: kopf.Body, namespace: str | None, **_: Any) -> None:
+async def on_child(body: kopf.Body, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """A child or pod changed: a pass of its owner, named by our label (pods carry no ownerReference to it)."""
     owner = (body.get("metadata", {}).get("labels") or {}).get(ISVC_LABEL)
     if owner and namespace:
-        reconciler.trigger(namespace, owner)
+        memo.reconciler.trigger(namespace, owner)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
-async def on_deployment(body: kopf.Body, namespace: str | None, **_: Any) -> None:
-    _owner_event(body, namespace)
-
-
-@kopf.on.event("", "v1", "services", labels=CHILD_LABELS)
-async def on_service(body: kopf.Body, namespace: str | None, **_: Any) -> None:
-    _owner_event(body, namespace)
-
-
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
-async def on_pdb(body: kopf.Body, namespace: str | None, **_: Any) -> None:
-    _owner_event(body, namespace)
-
-
-@kopf.on.event("", "v1", "pods", labels=CHILD_LABELS)
-async def on_pod(body: kopf.Body, namespace: str | None, **_: Any) -> None:
-    _owner_event(body, namespace)
+for _resource in CHILD_RESOURCES:
+    kopf.on.event(*_resource, labels=CHILD_LABELS)(on_child)

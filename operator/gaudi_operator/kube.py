@@ -42,16 +42,14 @@ class NotFound(Exception):
     pass
 
 
-def configure(client: kubernetes.client.ApiClient | None = None) -> None:
-    """Use `client`, or load the in-cluster config, else the kubeconfig ($KUBECONFIG)."""
+def configure() -> None:
+    """Load the in-cluster config, else the kubeconfig ($KUBECONFIG): the same sources Kopf logs in with."""
     global _client
-    if client is None:
-        try:
-            kubernetes.config.load_incluster_config()
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-        client = kubernetes.client.ApiClient()
-    _client = client
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    _client = kubernetes.client.ApiClient()
 
 
 def _api() -> kubernetes.client.ApiClient:

@@ -1,9 +1,11 @@
 """InferenceService -> child manifests (pure: no I/O, no clock).
 
-`render(body)` returns the Deployment, the Service and, when replicas > 1, the
-PodDisruptionBudget, each a plain dict ready for server-side apply. Only the
-fields the operator owns are set, so other field managers (HPA through the
-scale subresource, GitOps tools, admission webhooks) keep theirs.
+`render(body, spec)` returns a `Rendered`: the Deployment, the Service and,
+when replicas > 1, the PodDisruptionBudget, each a plain dict ready for
+server-side apply, plus the facts the status reports about them (template
+hash, selector, URL), so nothing downstream renders again. Only the fields the
+operator owns are set, so other field managers (HPA through the scale
+subresource, GitOps tools, admission webhooks) keep theirs.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from .spec import API_VERSION, KIND, RUNTIME_PORT, InferenceServiceSpec, parse_spec
+import kopf
+
+from .spec import RUNTIME_PORT, InferenceServiceSpec, parse_spec
 
 APP_NAME = "gaudi-serve"
 MANAGED_BY = "gaudi-serve-operator"
@@ -23,12 +28,24 @@ CONTAINER = "runtime"
 GAUDI_RESOURCE = "habana.ai/gaudi"
 DATA_DIR = "/data"
 QUANT_DIR = "/etc/gaudi-serve/quant"
+# Kinds a spec may or may not want; the reconcile deletes the ones a render left out.
+OPTIONAL_KINDS = ("PodDisruptionBudget",)
 
 __all__ = [
-    "CONTAINER", "GAUDI_RESOURCE", "ISVC_LABEL", "MANAGED_BY", "TEMPLATE_HASH_LABEL",
-    "labels", "render", "render_deployment", "render_pdb", "render_service", "selector_labels",
-    "selector_string", "service_url",
+    "CONTAINER", "GAUDI_RESOURCE", "ISVC_LABEL", "MANAGED_BY", "OPTIONAL_KINDS", "TEMPLATE_HASH_LABEL",
+    "Rendered", "labels", "pod_template", "render", "selector_labels", "selector_string",
 ]
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """One render of an InferenceService: what to apply, what to remove, and what status reports."""
+
+    children: list[dict[str, Any]]
+    unwanted: tuple[str, ...]  # optional kinds this spec does not want (named like the object)
+    template_hash: str  # label of the pods that run the current template
+    selector: str  # label selector of the pods, for the scale subresource
+    url: str  # the Service's in-cluster address
 
 
 def labels(name: str) -> dict[str, str]:
@@ -48,31 +65,15 @@ def selector_string(name: str) -> str:
     return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
 
 
-def service_url(name: str, namespace: str, spec: InferenceServiceSpec, cluster_domain: str = "cluster.local") -> str:
+def service_url(name: str, namespace: str, spec: InferenceServiceSpec, cluster_domain: str) -> str:
     port = "" if spec.service.port == 80 else f":{spec.service.port}"
     return f"http://{name}.{namespace}.svc.{cluster_domain}{port}"
 
 
-def owner_reference(body: dict[str, Any]) -> dict[str, Any]:
+def _metadata(body: dict[str, Any]) -> dict[str, Any]:
+    """Children are named like their InferenceService and live in its namespace."""
     meta = body["metadata"]
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def _metadata(body: dict[str, Any], name: str | None = None) -> dict[str, Any]:
-    meta = body["metadata"]
-    return {
-        "name": name or meta["name"],
-        "namespace": meta["namespace"],
-        "labels": labels(meta["name"]),
-        "ownerReferences": [owner_reference(body)],
-    }
+    return {"name": meta["name"], "namespace": meta["namespace"], "labels": labels(meta["name"])}
 
 
 def _bool(v: bool) -> str:
@@ -324,10 +325,27 @@ def render_pdb(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, An
     }
 
 
-def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None) -> list[dict[str, Any]]:
-    """All children of an InferenceService `body` (metadata needs name, namespace, uid)."""
+def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
+           cluster_domain: str = "cluster.local") -> Rendered:
+    """All children of an InferenceService `body`.
+
+    `body` needs apiVersion, kind and metadata name, namespace and uid: the children's
+    owner reference is built from them.
+    """
     spec = spec or parse_spec(body.get("spec"))
-    children = [render_deployment(body, spec), render_service(body, spec)]
+    meta = body["metadata"]
+    deployment = render_deployment(body, spec)
+    children = [deployment, render_service(body, spec)]
     if spec.replicas > 1:
         children.append(render_pdb(body, spec))
-    return children
+    # Controller reference: garbage collection removes the children with their owner, and
+    # blockOwnerDeletion keeps a foreground delete waiting for them.
+    kopf.append_owner_reference(children, owner=body, controller=True, block_owner_deletion=True)
+    kinds = {c["kind"] for c in children}
+    return Rendered(
+        children=children,
+        unwanted=tuple(k for k in OPTIONAL_KINDS if k not in kinds),
+        template_hash=deployment["spec"]["template"]["metadata"]["labels"][TEMPLATE_HASH_LABEL],
+        selector=selector_string(meta["name"]),
+        url=service_url(meta["name"], meta["namespace"], spec, cluster_domain),
+    )

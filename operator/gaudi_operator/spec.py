@@ -16,8 +16,6 @@ from pydantic.alias_generators import to_camel
 
 GROUP = "gaudiserve.io"
 VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "InferenceService"
 PLURAL = "inferenceservices"
 FIELD_MANAGER = "gaudi-serve-operator"
 
@@ -31,7 +29,7 @@ SECONDS_PER_SHAPE_GRAPHS = 15
 SECONDS_PER_SHAPE_EAGER = 3
 
 __all__ = [
-    "ALLOWED_SHARDS", "API_VERSION", "FIELD_MANAGER", "GROUP", "KIND", "PLURAL", "RUNTIME_PORT",
+    "ALLOWED_SHARDS", "FIELD_MANAGER", "GROUP", "PLURAL", "RUNTIME_PORT",
     "VERSION", "InferenceServiceSpec", "SpecError", "parse_spec",
 ]
 

@@ -1,8 +1,13 @@
-"""Children + pods + runtime warmup progress -> InferenceService status (pure).
+"""What the operator observed -> InferenceService status (pure).
 
-`compute_status` is a function of what the operator observed and of `now`
-(used only for a condition's lastTransitionTime, and only when that
-condition's status flips), so the same observation gives the same status and
+One direction through the facts: the pods and the Deployment become a `Fleet`
+(counted once), the fleet gives the three conditions, and the phase is read
+off the conditions, so a phase can never disagree with the conditions it
+summarizes. What the status says about the children themselves (template hash,
+selector, URL) comes from the same `Rendered` the reconcile applied.
+
+`now` is used only for a condition's lastTransitionTime, and only when that
+condition's status flips, so the same observation gives the same status and
 the operator can patch only on change.
 """
 
@@ -10,12 +15,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, pod_template, selector_string, service_url
+from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, Rendered, selector_string
 from .spec import InferenceServiceSpec
 
-PHASES = ("Pending", "Loading", "WarmingUp", "Ready", "Degraded", "Failed")
 MANAGED_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "selector",
                 "url", "readySummary", "warmupSummary", "warmup", "conditions")
 
@@ -28,32 +32,52 @@ PROBLEM_ORDER = (
 )
 # Problems that leave a pod unable to ever serve without a change by the user.
 FATAL_REASONS = frozenset(PROBLEM_ORDER) - {"Unschedulable"}
+# Without a problem, the Ready condition's reason names how far the pods got.
+PHASE_OF_READY_REASON = {"AllReplicasReady": "Ready", "WarmingUp": "WarmingUp", "Loading": "Loading"}
 
 _DOWNLOAD_RE = re.compile(
     r"RepositoryNotFound|GatedRepo|RevisionNotFound|EntryNotFound|LocalEntryNotFound|HfHubHTTPError"
     r"|40[134] Client Error|failed to download|download failed|could not download", re.I)
 _OOM_RE = re.compile(r"out of memory|\bOOM\b|RESOURCE_EXHAUSTED|failed to allocate", re.I)
 
-__all__ = ["MANAGED_KEYS", "PHASES", "PodState", "compute_status", "pod_state", "status_patch"]
+__all__ = ["MANAGED_KEYS", "Observed", "compute_status", "invalid_spec_status", "phase_of", "status_patch"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Problem:
     reason: str
     message: str
 
 
-@dataclass
+@dataclass(frozen=True)
+class Observed:
+    """What the reconcile read back after applying: the live Deployment, the pods, their warmup.
+
+    `warmup` maps pod name -> the `warmup` object of that pod's /health answer.
+    """
+
+    deployment: dict[str, Any] | None = None
+    pods: list[dict[str, Any]] = field(default_factory=list)
+    warmup: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class Condition(NamedTuple):
+    """A condition before it is stamped with its transition time (see `_stamp`)."""
+
+    status: bool
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
 class PodState:
     name: str
-    terminating: bool = False
-    ready: bool = False
-    running: bool = False
-    updated: bool = False
-    warmup: dict[str, Any] | None = None
-    problem: Problem | None = None
-    restarts: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    terminating: bool
+    ready: bool
+    running: bool
+    updated: bool  # runs the current pod template
+    warmup: dict[str, Any] | None  # progress of a pod still warming up
+    problem: Problem | None
 
 
 def _crash_problem(pod: str, cs: dict[str, Any]) -> Problem:
@@ -76,50 +100,40 @@ def _crash_problem(pod: str, cs: dict[str, Any]) -> Problem:
                                        f"restarts: {restarts}){detail}")
 
 
-def pod_state(pod: dict[str, Any], current_hash: str | None, shards: int,
-              warmup: dict[str, Any] | None = None) -> PodState:
-    meta, st = pod.get("metadata") or {}, pod.get("status") or {}
-    name = meta.get("name", "?")
-    state = PodState(name=name)
-    state.terminating = bool(meta.get("deletionTimestamp"))
-    state.updated = current_hash is not None and (meta.get("labels") or {}).get(TEMPLATE_HASH_LABEL) == current_hash
-    conds = {c.get("type"): c for c in st.get("conditions") or []}
-    state.ready = (conds.get("Ready") or {}).get("status") == "True"
-    statuses = list(st.get("initContainerStatuses") or []) + list(st.get("containerStatuses") or [])
-    state.restarts = sum(cs.get("restartCount", 0) for cs in statuses)
-    state.running = st.get("phase") == "Running" and any("running" in (cs.get("state") or {}) for cs in statuses)
-    sched = conds.get("PodScheduled") or {}
+def _pod_problem(name: str, st: dict[str, Any], statuses: list[dict[str, Any]], shards: int) -> Problem | None:
+    """The first thing that keeps this pod from serving, as the kubelet and the scheduler report it."""
     if st.get("phase") == "Failed":
-        state.problem = Problem("PodFailed", f"pod {name}: {st.get('reason') or 'Failed'}: {st.get('message', '')}".rstrip(": "))
-    elif sched.get("status") == "False" and sched.get("reason") == "Unschedulable":
+        return Problem("PodFailed", f"pod {name}: {st.get('reason') or 'Failed'}: {st.get('message', '')}".rstrip(": "))
+    sched = next((c for c in st.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
+    if sched.get("status") == "False" and sched.get("reason") == "Unschedulable":
         msg = sched.get("message") or "no node fits the pod"
         if GAUDI_RESOURCE in msg:
             msg = f"not enough {GAUDI_RESOURCE} on any node ({shards} per replica): {msg}"
-        state.problem = Problem("Unschedulable", f"pod {name}: {msg}")
-    else:
-        for cs in statuses:
-            waiting = (cs.get("state") or {}).get("waiting") or {}
-            reason = waiting.get("reason")
-            if reason == "CrashLoopBackOff":
-                state.problem = _crash_problem(name, cs)
-            elif reason in IMAGE_PULL_REASONS or reason in CONTAINER_CONFIG_REASONS:
-                state.problem = Problem(reason, f"pod {name}: {waiting.get('message') or reason}")
-            if state.problem:
-                break
-    if warmup and not state.ready and int(warmup.get("total") or 0) > 0:
-        state.warmup = warmup
-    return state
+        return Problem("Unschedulable", f"pod {name}: {msg}")
+    for cs in statuses:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason")
+        if reason == "CrashLoopBackOff":
+            return _crash_problem(name, cs)
+        if reason in IMAGE_PULL_REASONS or reason in CONTAINER_CONFIG_REASONS:
+            return Problem(reason, f"pod {name}: {waiting.get('message') or reason}")
+    return None
 
 
-def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int | None,
-               previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
-    status = "True" if ok else "False"
-    prev = previous.get(ctype) or {}
-    since = prev.get("lastTransitionTime") if prev.get("status") == status and prev.get("lastTransitionTime") else now
-    cond = {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
-    if generation is not None:
-        cond["observedGeneration"] = generation
-    return cond
+def pod_state(pod: dict[str, Any], template_hash: str, shards: int, warmup: dict[str, Any] | None) -> PodState:
+    meta, st = pod.get("metadata") or {}, pod.get("status") or {}
+    name = meta.get("name", "?")
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+    statuses = list(st.get("initContainerStatuses") or []) + list(st.get("containerStatuses") or [])
+    return PodState(
+        name=name,
+        terminating=bool(meta.get("deletionTimestamp")),
+        ready=ready,
+        running=st.get("phase") == "Running" and any("running" in (cs.get("state") or {}) for cs in statuses),
+        updated=(meta.get("labels") or {}).get(TEMPLATE_HASH_LABEL) == template_hash,
+        warmup=warmup if warmup and not ready and int(warmup.get("total") or 0) > 0 else None,
+        problem=_pod_problem(name, st, statuses, shards),
+    )
 
 
 def _deployment_rolling(dep: dict[str, Any] | None) -> bool:
@@ -137,138 +151,190 @@ def _deployment_problem(dep: dict[str, Any] | None) -> Problem | None:
     return None
 
 
-def compute_status(
-    body: dict[str, Any],
-    spec: InferenceServiceSpec | None,
-    deployment: dict[str, Any] | None,
-    pods: list[dict[str, Any]],
-    warmup: dict[str, dict[str, Any]] | None = None,
-    *,
-    now: str,
-    spec_error: str | None = None,
-    cluster_domain: str = "cluster.local",
-) -> dict[str, Any]:
-    """The status of an InferenceService from its observed children and pods.
+@dataclass(frozen=True)
+class Fleet:
+    """The facts every condition reads, counted once over the pods that are not terminating."""
 
-    `warmup` maps pod name -> the `warmup` object of that pod's /health answer.
-    `spec_error` (with `spec` None) reports a spec the operator could not read.
-    """
-    meta = body.get("metadata") or {}
-    name, namespace, generation = meta.get("name", ""), meta.get("namespace", ""), meta.get("generation")
-    previous = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
-    warmup = warmup or {}
+    desired: int
+    active: list[PodState]
+    problems: list[Problem]  # most telling first
+    rolling: bool  # pods with an old template, or the Deployment has not observed its spec yet
 
-    def cond(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
-        return _condition(ctype, ok, reason, message, generation, previous, now)
+    @property
+    def ready(self) -> int:
+        return sum(s.ready for s in self.active)
 
-    status: dict[str, Any] = {"observedGeneration": generation, "selector": selector_string(name)}
-    if spec is None:
-        msg = spec_error or "the spec cannot be read"
-        status.update(phase="Failed", replicas=0, readyReplicas=0, updatedReplicas=0, readySummary="0/?",
-                      conditions=[cond("Ready", False, "InvalidSpec", msg),
-                                  cond("Progressing", False, "InvalidSpec", msg),
-                                  cond("Degraded", True, "InvalidSpec", msg)])
-        return status
+    @property
+    def updated(self) -> int:
+        return sum(s.updated for s in self.active)
 
-    desired = spec.replicas
-    current_hash = pod_template(body, spec)["metadata"]["labels"][TEMPLATE_HASH_LABEL]
-    states = [pod_state(p, current_hash, spec.shards, warmup.get((p.get("metadata") or {}).get("name", "")))
-              for p in pods]
+    @property
+    def problem(self) -> Problem | None:
+        return self.problems[0] if self.problems else None
+
+    @property
+    def serving(self) -> bool:
+        return self.desired > 0 and self.ready >= self.desired
+
+    @property
+    def warming(self) -> list[PodState]:
+        return [s for s in self.active if s.warmup and s.running]
+
+    @property
+    def stage(self) -> str | None:
+        """How far the pods that are not ready got: WarmingUp wins over Loading (weights)."""
+        if self.warming:
+            return "WarmingUp"
+        if any(s.running and not s.ready and not s.warmup for s in self.active):
+            return "Loading"
+        return None
+
+
+def observe_fleet(spec: InferenceServiceSpec, template_hash: str, observed: Observed) -> Fleet:
+    states = [pod_state(p, template_hash, spec.shards, observed.warmup.get((p.get("metadata") or {}).get("name", "")))
+              for p in observed.pods]
     active = [s for s in states if not s.terminating]
-    ready = sum(s.ready for s in active)
-    updated = sum(s.updated for s in active)
-    old = len(active) - updated
-    warming = [s for s in active if s.warmup and s.running]
-    loading = [s for s in active if s.running and not s.ready and not s.warmup]
     problems = [s.problem for s in active if s.problem]
-    dep_problem = _deployment_problem(deployment)
+    dep_problem = _deployment_problem(observed.deployment)
     if dep_problem:
         problems.append(dep_problem)
     problems.sort(key=lambda p: PROBLEM_ORDER.index(p.reason))
-    problem = problems[0] if problems else None
+    old = any(not s.updated for s in active)
+    return Fleet(desired=spec.replicas, active=active, problems=problems,
+                 rolling=spec.replicas > 0 and (_deployment_rolling(observed.deployment) or old))
 
-    least = min(warming, key=lambda s: (s.warmup["done"] / max(1, s.warmup["total"]), s.name), default=None)
-    warm = None
-    if least is not None:
-        warm = {"done": int(least.warmup.get("done") or 0), "total": int(least.warmup["total"]), "pod": least.name}
-        if least.warmup.get("phase"):
-            warm["phase"] = str(least.warmup["phase"])
 
-    rolling = desired > 0 and (_deployment_rolling(deployment) or old > 0)
-    scaling = len(active) != desired
-    serving = desired > 0 and ready >= desired
+def _warmup_progress(fleet: Fleet) -> dict[str, Any] | None:
+    """The least advanced warming pod: the one the service waits for."""
+    least = min(fleet.warming, key=lambda s: (s.warmup["done"] / max(1, s.warmup["total"]), s.name), default=None)
+    if least is None:
+        return None
+    warm = {"done": int(least.warmup.get("done") or 0), "total": int(least.warmup["total"]), "pod": least.name}
+    if least.warmup.get("phase"):
+        warm["phase"] = str(least.warmup["phase"])
+    return warm
 
-    if problem and ready == 0 and desired > 0 and problem.reason in FATAL_REASONS:
-        phase = "Failed"
-    elif problem and desired > 0:
-        phase = "Degraded"
-    elif serving:
-        phase = "Ready"
-    elif warming:
-        phase = "WarmingUp"
-    elif loading:
-        phase = "Loading"
-    else:
-        phase = "Pending"
 
-    summary = f"{ready}/{desired} replicas ready"
+def _summary(fleet: Fleet, warm: dict[str, Any] | None) -> str:
+    summary = f"{fleet.ready}/{fleet.desired} replicas ready"
     if warm:
         summary += f"; warmup {warm['done']}/{warm['total']} shapes"
-    if problems and len(problems) > 1:
-        summary += f"; {len(problems)} problems"
+    if len(fleet.problems) > 1:
+        summary += f"; {len(fleet.problems)} problems"
+    return summary
 
-    if desired == 0:
-        ready_reason = "ScaledToZero"
-    elif serving:
-        ready_reason = "AllReplicasReady"
+
+def _ready(fleet: Fleet, summary: str) -> Condition:
+    problem = fleet.problem
+    message = summary + (f"; {problem.message}" if problem else "")
+    if fleet.desired == 0:
+        reason = "ScaledToZero"
+    elif fleet.serving:
+        reason = "AllReplicasReady"
     elif problem:
-        ready_reason = problem.reason
-    elif warming:
-        ready_reason = "WarmingUp"
-    elif loading:
-        ready_reason = "Loading"
-    elif rolling and active:
-        ready_reason = "RollingOut"
+        reason = problem.reason
+    elif fleet.stage:
+        reason = fleet.stage
+    elif fleet.rolling and fleet.active:
+        reason = "RollingOut"
     else:
-        ready_reason = "Pending"
-    ready_msg = summary + (f"; {problem.message}" if problem else "")
+        reason = "Pending"
+    return Condition(fleet.serving, reason, message)
 
+
+def _progressing(fleet: Fleet, summary: str) -> Condition:
+    problem, active, desired = fleet.problem, len(fleet.active), fleet.desired
     if desired == 0 and not active:
-        prog = (False, "ScaledToZero", "scaled to zero replicas")
-    elif problem and problem.reason == "ProgressDeadlineExceeded":
-        prog = (False, problem.reason, problem.message)
-    elif rolling:
-        prog = (True, "RollingOut", f"{updated}/{desired} replicas updated, {old} old; {summary}")
-    elif scaling:
-        prog = (True, "Scaling", f"{len(active)} replicas, want {desired}")
-    elif warming:
-        prog = (True, "WarmingUp", summary)
-    elif loading:
-        prog = (True, "Loading", summary)
-    elif ready < desired and problem:
-        prog = (False, problem.reason, f"stalled: {problem.message}")  # nothing moves until it is fixed
-    elif ready < desired:
-        prog = (True, "Pending", summary)
-    else:
-        prog = (False, "RolloutComplete", f"{ready}/{desired} replicas ready and up to date")
+        return Condition(False, "ScaledToZero", "scaled to zero replicas")
+    if problem and problem.reason == "ProgressDeadlineExceeded":
+        return Condition(False, problem.reason, problem.message)
+    if fleet.rolling:
+        return Condition(True, "RollingOut",
+                         f"{fleet.updated}/{desired} replicas updated, {active - fleet.updated} old; {summary}")
+    if active != desired:
+        return Condition(True, "Scaling", f"{active} replicas, want {desired}")
+    if fleet.stage:
+        return Condition(True, fleet.stage, summary)
+    if fleet.ready < desired and problem:
+        return Condition(False, problem.reason, f"stalled: {problem.message}")  # nothing moves until it is fixed
+    if fleet.ready < desired:
+        return Condition(True, "Pending", summary)
+    return Condition(False, "RolloutComplete", f"{fleet.ready}/{desired} replicas ready and up to date")
 
-    degraded = (True, problem.reason, problem.message) if problem else (False, "AsExpected", "no problem observed")
 
-    status.update(
-        phase=phase,
-        replicas=len(active),
-        readyReplicas=ready,
-        updatedReplicas=updated,
-        url=service_url(name, namespace, spec, cluster_domain),
-        readySummary=f"{ready}/{desired}",
-        conditions=[cond("Ready", serving, ready_reason, ready_msg),
-                    cond("Progressing", *prog),
-                    cond("Degraded", *degraded)],
-    )
+def _degraded(fleet: Fleet) -> Condition:
+    if fleet.problem:
+        return Condition(True, fleet.problem.reason, fleet.problem.message)
+    return Condition(False, "AsExpected", "no problem observed")
+
+
+def phase_of(conditions: dict[str, Condition], ready_replicas: int) -> str:
+    """The one-word summary of the conditions that `kubectl get` shows."""
+    ready, degraded = conditions["Ready"], conditions["Degraded"]
+    if ready.reason == "ScaledToZero":
+        return "Pending"  # nothing is wanted, so nothing can be degraded or on its way
+    if degraded.status:
+        return "Failed" if degraded.reason in FATAL_REASONS and ready_replicas == 0 else "Degraded"
+    return PHASE_OF_READY_REASON.get(ready.reason, "Pending")
+
+
+def _stamp(body: dict[str, Any], conditions: dict[str, Condition], now: str) -> list[dict[str, Any]]:
+    """metav1.Conditions; a condition keeps its lastTransitionTime unless its status flips."""
+    generation = (body.get("metadata") or {}).get("generation")
+    previous = {c.get("type"): c for c in (body.get("status") or {}).get("conditions") or []}
+    out = []
+    for ctype, cond in conditions.items():
+        status = "True" if cond.status else "False"
+        prev = previous.get(ctype) or {}
+        since = prev.get("lastTransitionTime") if prev.get("status") == status else None
+        stamped = {"type": ctype, "status": status, "reason": cond.reason, "message": cond.message,
+                   "lastTransitionTime": since or now}
+        if generation is not None:
+            stamped["observedGeneration"] = generation
+        out.append(stamped)
+    return out
+
+
+def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: Rendered, observed: Observed,
+                   *, now: str) -> dict[str, Any]:
+    """The status of an InferenceService whose children were rendered as `rendered` and observed as `observed`."""
+    fleet = observe_fleet(spec, rendered.template_hash, observed)
+    warm = _warmup_progress(fleet)
+    summary = _summary(fleet, warm)
+    conditions = {"Ready": _ready(fleet, summary), "Progressing": _progressing(fleet, summary),
+                  "Degraded": _degraded(fleet)}
+    status: dict[str, Any] = {
+        "observedGeneration": (body.get("metadata") or {}).get("generation"),
+        "selector": rendered.selector,
+        "phase": phase_of(conditions, fleet.ready),
+        "replicas": len(fleet.active),
+        "readyReplicas": fleet.ready,
+        "updatedReplicas": fleet.updated,
+        "url": rendered.url,
+        "readySummary": f"{fleet.ready}/{fleet.desired}",
+        "conditions": _stamp(body, conditions, now),
+    }
     if warm:
         status["warmup"] = warm
         status["warmupSummary"] = f"{warm['done']}/{warm['total']}"
     return status
+
+
+def invalid_spec_status(body: dict[str, Any], message: str, *, now: str) -> dict[str, Any]:
+    """The status of an InferenceService whose spec the operator cannot read: nothing was rendered."""
+    meta = body.get("metadata") or {}
+    invalid = Condition(False, "InvalidSpec", message)
+    conditions = {"Ready": invalid, "Progressing": invalid, "Degraded": Condition(True, "InvalidSpec", message)}
+    return {
+        "observedGeneration": meta.get("generation"),
+        "selector": selector_string(meta.get("name", "")),
+        "phase": phase_of(conditions, 0),
+        "replicas": 0,
+        "readyReplicas": 0,
+        "updatedReplicas": 0,
+        "readySummary": "0/?",
+        "conditions": _stamp(body, conditions, now),
+    }
 
 
 def status_patch(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:

@@ -224,6 +224,16 @@ def test_unschedulable_pod_degrades(cluster: tuple[ThreadedEmulator, _Errors]) -
     assert warnings[0]["reason"] == "Degraded"
 
 
+def test_resync_repairs_a_status_edited_by_hand(cluster: tuple[ThreadedEmulator, _Errors]) -> None:
+    """A status edit changes neither the spec nor a child, so only the periodic resync sees it."""
+    emu, _ = cluster
+    phase = wait_for(lambda: _get(emu, ISVC, "llama")["status"]["phase"], what="status")
+    emu.patch(*ISVC, NS, "llama", {"status": {"phase": "Bogus", "readySummary": "9/9"}}, sub="status")
+    st = wait_for(lambda: (s := _get(emu, ISVC, "llama")["status"])["phase"] != "Bogus" and s,
+                  what="status repaired by the resync")
+    assert st["phase"] == phase and st["readySummary"] != "9/9"
+
+
 def test_delete_is_clean(cluster: tuple[ThreadedEmulator, _Errors]) -> None:
     emu, errors = cluster
     wait_for(lambda: _get(emu, DEPLOY, "big"), what="deployment")

@@ -27,7 +27,7 @@ import yaml
 
 from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template, render
 from gaudi_operator.spec import parse_spec
-from gaudi_operator.status import compute_status
+from gaudi_operator.status import Observed, compute_status, invalid_spec_status
 from gaudi_runtime import config as runtime_config
 from tests.unit.test_operator_crd import admit
 
@@ -89,7 +89,7 @@ def test_inference_services_are_admitted_and_render_valid_children(name: str, do
     spec = parse_spec(defaulted["spec"])
     body = copy.deepcopy(defaulted)
     body["metadata"].update(namespace="ml", uid="00000000-0000-0000-0000-000000000000", generation=1)
-    for child in render(body, spec):
+    for child in render(body, spec).children:
         kubernetes_validate.validate(copy.deepcopy(child), K8S_VERSION, strict=True)
     assert name == f"{doc['metadata']['name']}.yaml", "one InferenceService per file, named after it"
 
@@ -200,8 +200,10 @@ def _pod(name: str, *, ready: bool = False, running: bool = True, hash_: str = C
 
 def _observed(body: dict[str, Any], pods: list[dict[str, Any]], warmup: dict[str, Any] | None = None,
               **kw: Any) -> dict[str, Any]:
-    spec = None if kw.get("spec_error") else parse_spec(body["spec"])
-    return body | {"status": compute_status(body, spec, None, pods, warmup or {}, now=NOW, **kw)}
+    if kw.get("spec_error"):
+        return body | {"status": invalid_spec_status(body, kw["spec_error"], now=NOW)}
+    spec = parse_spec(body["spec"])
+    return body | {"status": compute_status(body, spec, render(body, spec), Observed(None, pods, warmup or {}), now=NOW)}
 
 
 UNSCHEDULABLE = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",

@@ -13,11 +13,13 @@ import pytest
 from aiohttp import web
 
 from gaudi_operator import cli, handlers, kube
+from gaudi_operator.config import OperatorConfig
 from gaudi_operator.render import TEMPLATE_HASH_LABEL
 
 ISVC = {"apiVersion": "gaudiserve.io/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": "llama", "namespace": "ml", "uid": "u", "generation": 1},
         "spec": {"model": {"id": "m"}, "replicas": 1}}
+CONFIG = OperatorConfig()
 
 
 class FakeKube:
@@ -81,51 +83,51 @@ def _pod(f: FakeKube, ready: bool) -> dict[str, Any]:
 
 
 async def test_status_patched_only_on_change_and_events_only_on_phase_change(fake: FakeKube) -> None:
-    await handlers.reconcile("ml", "llama")
+    await handlers.reconcile("ml", "llama", CONFIG)
     assert [c["kind"] for c in fake.applied] == ["Deployment", "Service"]
     assert fake.deleted == [("PodDisruptionBudget", "ml", "llama")]  # none wanted at 1 replica
     assert len(fake.status_patches) == 1 and fake.body["status"]["phase"] == "Pending"
     assert [e[1] for e in fake.events] == ["Pending"]
 
-    await handlers.reconcile("ml", "llama")  # nothing changed
+    await handlers.reconcile("ml", "llama", CONFIG)  # nothing changed
     assert len(fake.status_patches) == 1 and len(fake.events) == 1
 
     fake.pods = [_pod(fake, ready=False)]
     fake.warmup = {"llama-0": {"done": 1, "total": 4}}
-    await handlers.reconcile("ml", "llama")
+    await handlers.reconcile("ml", "llama", CONFIG)
     assert fake.body["status"]["phase"] == "WarmingUp" and [e[1] for e in fake.events][-1] == "WarmingUp"
 
     fake.warmup = {"llama-0": {"done": 3, "total": 4}}  # progress: a patch, but no event
-    await handlers.reconcile("ml", "llama")
+    await handlers.reconcile("ml", "llama", CONFIG)
     assert len(fake.status_patches) == 3 and len(fake.events) == 2
     assert fake.body["status"]["warmupSummary"] == "3/4"
 
     fake.pods = [_pod(fake, ready=True)]
     fake.warmup = {}
-    await handlers.reconcile("ml", "llama")
+    await handlers.reconcile("ml", "llama", CONFIG)
     assert fake.body["status"]["phase"] == "Ready" and "warmup" not in fake.body["status"]
     assert fake.events[-1][:2] == ("Normal", "Ready")
 
 
 async def test_gone_or_deleting_object_is_left_alone(fake: FakeKube) -> None:
     fake.body = None
-    assert await handlers.reconcile("ml", "llama") is None
+    assert await handlers.reconcile("ml", "llama", CONFIG) is None
     fake.body = copy.deepcopy(ISVC)
     fake.body["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    assert await handlers.reconcile("ml", "llama") is None
+    assert await handlers.reconcile("ml", "llama", CONFIG) is None
     assert fake.applied == [] and fake.status_patches == []
 
 
 async def test_invalid_spec_is_reported_not_applied(fake: FakeKube) -> None:
     assert fake.body is not None
     fake.body["spec"]["shards"] = 3
-    await handlers.reconcile("ml", "llama")
+    await handlers.reconcile("ml", "llama", CONFIG)
     assert fake.applied == []
     assert fake.body["status"]["phase"] == "Failed"
     assert fake.events == [("Warning", "Failed", "spec.shards must be one of 1, 2, 4 or 8 (Gaudi cards per replica)")]
 
 
-async def test_reconciler_coalesces_triggers(fake: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_reconciler_coalesces_triggers(fake: FakeKube) -> None:
     calls = 0
     gate = asyncio.Event()
 
@@ -134,8 +136,7 @@ async def test_reconciler_coalesces_triggers(fake: FakeKube, monkeypatch: pytest
         calls += 1
         await gate.wait()
 
-    monkeypatch.setattr(handlers, "reconcile", slow)
-    r = handlers.Reconciler()
+    r = handlers.Reconciler(slow)
     for _ in range(5):
         r.trigger("ml", "llama")
     await asyncio.sleep(0)  # let the first run start
@@ -265,3 +266,26 @@ def test_cli_namespaces_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WATCH_NAMESPACES", "a, b")
     cli.main([])
     assert got["namespaces"] == ["a", "b"] and got["clusterwide"] is False
+
+
+def test_cli_hands_its_config_to_the_handlers_and_leaves_the_environment_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+    import os
+
+    import kopf
+    monkeypatch.setattr(logging.root, "level", logging.root.level)
+    got: dict[str, Any] = {}
+    monkeypatch.setattr(kopf, "run", lambda **kw: got.update(kw))
+    monkeypatch.setattr(kopf, "configure", lambda **kw: None)
+    monkeypatch.delenv("GAUDI_OPERATOR_RESYNC_SECONDS", raising=False)
+    monkeypatch.setenv("GAUDI_OPERATOR_CLUSTER_DOMAIN", "k.local")
+    cli.main(["--resync-seconds", "3"])
+    assert got["memo"].config == OperatorConfig(resync_seconds=3.0, cluster_domain="k.local")
+    assert "GAUDI_OPERATOR_RESYNC_SECONDS" not in os.environ
+
+
+def test_config_from_the_environment_names_a_bad_variable() -> None:
+    assert OperatorConfig.from_env({"GAUDI_OPERATOR_WARMUP_CONCURRENCY": "3"}).warmup_concurrency == 3
+    with pytest.raises(ValueError, match="GAUDI_OPERATOR_WARMUP_TIMEOUT='soon' is not a float"):
+        OperatorConfig.from_env({"GAUDI_OPERATOR_WARMUP_TIMEOUT": "soon"})

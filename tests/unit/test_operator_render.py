@@ -24,7 +24,7 @@ def body(**spec: Any) -> dict[str, Any]:
 
 
 def children(**spec: Any) -> dict[str, dict[str, Any]]:
-    return {c["kind"]: c for c in render(body(**spec))}
+    return {c["kind"]: c for c in render(body(**spec)).children}
 
 
 def pod_spec(**spec: Any) -> dict[str, Any]:
@@ -218,7 +218,7 @@ def test_scheduling_fields_and_pod_template_overrides() -> None:
 
 def test_template_hash_tracks_the_pod_template_only() -> None:
     def h(b: dict[str, Any]) -> str:
-        return render(b)[0]["spec"]["template"]["metadata"]["labels"][TEMPLATE_HASH_LABEL]
+        return render(b).children[0]["spec"]["template"]["metadata"]["labels"][TEMPLATE_HASH_LABEL]
     base = body()
     same = copy.deepcopy(base)
     same["status"] = {"phase": "Ready"}
@@ -255,7 +255,7 @@ FULL = dict(
 
 @pytest.mark.parametrize("spec", [{}, FULL], ids=["minimal", "full"])
 def test_children_validate_against_kubernetes_openapi(spec: dict[str, Any]) -> None:
-    for child in render(body(**spec)):
+    for child in render(body(**spec)).children:
         # strict: unknown fields are errors too.
         kubernetes_validate.validate(copy.deepcopy(child), K8S_VERSION, strict=True)
 
@@ -271,7 +271,7 @@ def test_children_round_trip_through_kubernetes_client_models() -> None:
             self.data = json.dumps(data)
 
     models = {"Deployment": "V1Deployment", "Service": "V1Service", "PodDisruptionBudget": "V1PodDisruptionBudget"}
-    for child in render(body(**FULL)):
+    for child in render(body(**FULL)).children:
         model = api.deserialize(_Rsp(child).data, models[child["kind"]], "application/json")
         assert api.sanitize_for_serialization(model) == child
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template
-from gaudi_operator.spec import parse_spec
-from gaudi_operator.status import compute_status, status_patch
+from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template, render
+from gaudi_operator.spec import InferenceServiceSpec, parse_spec
+from gaudi_operator.status import Observed, compute_status, invalid_spec_status, status_patch
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -21,6 +21,13 @@ def body(replicas: int = 2, shards: int = 2, status: dict[str, Any] | None = Non
     if status is not None:
         b["status"] = status
     return b
+
+
+def compute(b: dict[str, Any], spec: InferenceServiceSpec, dep: dict[str, Any] | None, pods: list[dict[str, Any]],
+            warmup: dict[str, Any] | None = None, *, now: str, cluster_domain: str = "cluster.local") -> dict[str, Any]:
+    """The status of `b` as the reconcile computes it: from the same render it applied."""
+    rendered = render(b, spec, cluster_domain=cluster_domain)
+    return compute_status(b, spec, rendered, Observed(dep, pods, warmup or {}), now=now)
 
 
 CURRENT = pod_template(body(), parse_spec(body()["spec"]))["metadata"]["labels"][TEMPLATE_HASH_LABEL]
@@ -116,6 +123,9 @@ CASES = [
      ("True", "AllReplicasReady"), ("False", "RolloutComplete"), ("False", "AsExpected"), None),
     ("scaled to zero", 0, [], {}, "Pending", ("False", "ScaledToZero"), ("False", "ScaledToZero"),
      ("False", "AsExpected"), None),
+    # The phase agrees with the Ready condition: nothing is wanted, so a pod not yet removed is not "WarmingUp".
+    ("scaled to zero, a pod not yet removed", 0, [pod("a")], {"a": {"done": 1, "total": 4}}, "Pending",
+     ("False", "ScaledToZero"), ("True", "Scaling"), ("False", "AsExpected"), None),
     ("evicted pod", 1, [pod("a", running=False) | {"status": {"phase": "Failed", "reason": "Evicted",
                                                              "message": "low on ephemeral-storage"}}], {},
      "Failed", ("False", "PodFailed"), ("False", "PodFailed"), ("True", "PodFailed"), "Evicted"),
@@ -129,7 +139,7 @@ def test_status_table(name: str, replicas: int, pods: list[dict[str, Any]], warm
                       fragment: str | None) -> None:
     b = body(replicas=replicas)
     dep = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1}}
-    st = compute_status(b, parse_spec(b["spec"]), dep, pods, warmup, now=NOW)
+    st = compute(b, parse_spec(b["spec"]), dep, pods, warmup, now=NOW)
     assert (st["phase"], cond(st, "Ready"), cond(st, "Progressing"), cond(st, "Degraded")) == \
         (phase, ready, progressing, degraded)
     if fragment:
@@ -141,36 +151,36 @@ def test_status_table(name: str, replicas: int, pods: list[dict[str, Any]], warm
 def test_counts_url_selector_and_summaries() -> None:
     b = body(replicas=3)
     pods = [ready_pod("a"), ready_pod("b", hash_="old"), pod("c"), ready_pod("d", deleting=True)]
-    st = compute_status(b, parse_spec(b["spec"]), None, pods, {"c": {"done": 7, "total": 9, "phase": "prefill"}},
-                        now=NOW)
+    st = compute(b, parse_spec(b["spec"]), None, pods, {"c": {"done": 7, "total": 9, "phase": "prefill"}},
+                 now=NOW)
     assert (st["replicas"], st["readyReplicas"], st["updatedReplicas"]) == (3, 2, 2)
     assert st["readySummary"] == "2/3" and st["warmupSummary"] == "7/9"
     assert st["warmup"] == {"done": 7, "total": 9, "phase": "prefill", "pod": "c"}
     assert st["url"] == "http://llama.ml.svc.cluster.local"
     assert st["selector"] == "app.kubernetes.io/name=gaudi-serve,gaudiserve.io/inference-service=llama"
     b2 = body(service={"port": 8000})
-    assert compute_status(b2, parse_spec(b2["spec"]), None, [], now=NOW, cluster_domain="k.local")["url"] == \
+    assert compute(b2, parse_spec(b2["spec"]), None, [], now=NOW, cluster_domain="k.local")["url"] == \
         "http://llama.ml.svc.k.local:8000"
 
 
 def test_least_advanced_pod_is_reported() -> None:
     b = body(replicas=3)
     warm = {"a": {"done": 30, "total": 40}, "b": {"done": 2, "total": 10}, "c": {"done": 9, "total": 40}}
-    st = compute_status(b, parse_spec(b["spec"]), None, [pod("a"), pod("b"), pod("c")], warm, now=NOW)
+    st = compute(b, parse_spec(b["spec"]), None, [pod("a"), pod("b"), pod("c")], warm, now=NOW)
     assert st["warmup"]["pod"] == "b" and st["warmupSummary"] == "2/10"
 
 
 def test_warmup_of_unknown_or_ready_pods_is_ignored() -> None:
     b = body(replicas=1)
-    st = compute_status(b, parse_spec(b["spec"]), None, [ready_pod("a")], {"a": {"done": 1, "total": 2},
-                                                                            "ghost": {"done": 0, "total": 5}}, now=NOW)
+    st = compute(b, parse_spec(b["spec"]), None, [ready_pod("a")], {"a": {"done": 1, "total": 2},
+                                                                     "ghost": {"done": 0, "total": 5}}, now=NOW)
     assert "warmup" not in st and st["phase"] == "Ready"
 
 
 def test_unobserved_deployment_generation_is_a_rollout() -> None:
     b = body(replicas=1)
     dep = {"metadata": {"generation": 4}, "status": {"observedGeneration": 3}}
-    st = compute_status(b, parse_spec(b["spec"]), dep, [ready_pod("a")], now=NOW)
+    st = compute(b, parse_spec(b["spec"]), dep, [ready_pod("a")], now=NOW)
     assert cond(st, "Progressing") == ("True", "RollingOut")
 
 
@@ -179,14 +189,14 @@ def test_progress_deadline_exceeded() -> None:
     dep = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "conditions": [
         {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
          "message": 'ReplicaSet "llama-5d9" has timed out progressing.'}]}}
-    st = compute_status(b, parse_spec(b["spec"]), dep, [pod("a")], now=NOW)
+    st = compute(b, parse_spec(b["spec"]), dep, [pod("a")], now=NOW)
     assert st["phase"] == "Failed"
     assert cond(st, "Progressing") == ("False", "ProgressDeadlineExceeded")
     assert cond(st, "Degraded") == ("True", "ProgressDeadlineExceeded")
 
 
 def test_invalid_spec_fails_with_reason() -> None:
-    st = compute_status(body(), None, None, [], now=NOW, spec_error="spec.shards must be one of 1, 2, 4 or 8")
+    st = invalid_spec_status(body(), "spec.shards must be one of 1, 2, 4 or 8", now=NOW)
     assert st["phase"] == "Failed"
     assert cond(st, "Ready") == ("False", "InvalidSpec") and cond(st, "Degraded") == ("True", "InvalidSpec")
     assert "spec.shards" in msg(st, "Ready")
@@ -194,7 +204,7 @@ def test_invalid_spec_fails_with_reason() -> None:
 
 def test_most_telling_problem_wins() -> None:
     b = body(replicas=2)
-    st = compute_status(b, parse_spec(b["spec"]), None, [unschedulable("a"), crashing("b", "boom")], now=NOW)
+    st = compute(b, parse_spec(b["spec"]), None, [unschedulable("a"), crashing("b", "boom")], now=NOW)
     assert cond(st, "Degraded") == ("True", "CrashLoopBackOff")
     assert "2 problems" in msg(st, "Ready")
 
@@ -203,8 +213,8 @@ def test_same_observation_same_status_and_no_patch() -> None:
     b = body(replicas=2)
     spec = parse_spec(b["spec"])
     pods = [ready_pod("a"), pod("b")]
-    first = compute_status(b, spec, None, pods, {"b": {"done": 1, "total": 4}}, now=NOW)
-    again = compute_status(body(replicas=2, status=first), spec, None, pods, {"b": {"done": 1, "total": 4}}, now=LATER)
+    first = compute(b, spec, None, pods, {"b": {"done": 1, "total": 4}}, now=NOW)
+    again = compute(body(replicas=2, status=first), spec, None, pods, {"b": {"done": 1, "total": 4}}, now=LATER)
     assert again == first  # lastTransitionTime kept: nothing flipped
     assert status_patch(first, again) == {}
 
@@ -212,8 +222,8 @@ def test_same_observation_same_status_and_no_patch() -> None:
 def test_transition_times_move_only_on_flips() -> None:
     b = body(replicas=1)
     spec = parse_spec(b["spec"])
-    warming = compute_status(b, spec, None, [pod("a")], {"a": {"done": 1, "total": 4}}, now=NOW)
-    ready = compute_status(body(replicas=1, status=warming), spec, None, [ready_pod("a")], now=LATER)
+    warming = compute(b, spec, None, [pod("a")], {"a": {"done": 1, "total": 4}}, now=NOW)
+    ready = compute(body(replicas=1, status=warming), spec, None, [ready_pod("a")], now=LATER)
     times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
     assert times == {"Ready": LATER, "Progressing": LATER, "Degraded": NOW}
     patch = status_patch(warming, ready)
@@ -230,5 +240,5 @@ def test_pure_inputs_not_mutated() -> None:
     b = body(replicas=2, status={"conditions": []})
     pods = [ready_pod("a"), crashing("b", "x")]
     snapshot = copy.deepcopy((b, pods))
-    compute_status(b, parse_spec(b["spec"]), None, pods, {}, now=NOW)
+    compute(b, parse_spec(b["spec"]), None, pods, {}, now=NOW)
     assert (b, pods) == snapshot
