@@ -537,6 +537,18 @@ async def test_openai_temperature_zero_is_greedy(fake_server):
         assert fake_server.engine.finished[-1].sampling.do_sample is sample, body
 
 
+async def test_openai_extensions_are_accepted_and_penalties_reach_the_engine(fake_server):
+    body = {"messages": [{"role": "user", "content": "hello", "name": "ann"}], "max_tokens": 2, "temperature": 0,
+            "presence_penalty": 1.5, "frequency_penalty": 0.5, "logit_bias": {"5": 1}, "user": "u",
+            "parallel_tool_calls": False, "a_field_from_the_future": {"x": 1}}
+    status, b, _ = await call(fake_server.url, "/v1/chat/completions", body)
+    assert status == 200, b
+    s = fake_server.engine.finished[-1].sampling
+    assert (s.presence_penalty, s.generated_frequency_penalty, s.frequency_penalty) == (1.5, 0.5, 0.0)
+    status, b, _ = await call(fake_server.url, "/v1/chat/completions", {**body, "presence_penalty": -3})
+    assert_error(status, b, 422, "validation", "`presence_penalty` must be >= -2.0 and <= 2.0")
+
+
 async def test_chat_errors(fake_server):
     url = fake_server.url
     for body, message in [

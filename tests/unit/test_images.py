@@ -198,9 +198,14 @@ def test_start_needs_max_input_tokens_for_an_image():
     check_image_budget(small, {"architectures": ["LlamaForCausalLM"]})  # text models have no image budget
 
 
-def test_chat_image_url_parts_become_markdown():
-    from gaudi_runtime.router.openai_api import _messages
+def _messages(body: dict, images_allowed: bool = False) -> list[dict]:
+    from gaudi_runtime.router.openai_validation import chat_messages
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
 
+    return chat_messages(parse_request(ChatCompletionRequest, body).messages, images_allowed=images_allowed)
+
+
+def test_chat_image_url_parts_become_markdown():
     body = {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]}
     assert _messages(body, images_allowed=True)[0]["content"] == "see ![](data:image/png;base64,AA)"

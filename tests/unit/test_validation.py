@@ -189,3 +189,90 @@ def test_parse_json_body_errors(raw, message):
 
 def test_parse_json_body_ok():
     assert parse_json_body('{"inputs": "東京"}'.encode()) == {"inputs": "東京"}
+
+
+# --- the request models: what a body may hold, and how a broken one is named -----------------------
+
+def test_unknown_fields_are_ignored_and_null_is_absent():
+    # Clients send extensions (vLLM's, newer TGI's) and null for every unset parameter.
+    r = validate_generate({"inputs": "a b", "parameters": {"details": None, "stop": None, "some_new_knob": 3},
+                           "extra": True}, cfg(), TOK).request
+    assert r.details is False and r.stopping.stop_sequences == ()
+
+
+def test_json_numbers_are_typed_as_tgi_does():
+    assert ok({"max_new_tokens": 5.0}).request.stopping.max_new_tokens == 5  # JSON has one number type
+    assert ok({"temperature": 1}).request.sampling.temperature == 1.0
+    for params, message in [({"max_new_tokens": "5"}, "`max_new_tokens`: expected an integer"),
+                            ({"max_new_tokens": True}, "`max_new_tokens`: expected an integer"),
+                            ({"temperature": True}, "`temperature`: expected a number"),
+                            ({"temperature": float("nan")}, "`temperature`: expected a finite number"),
+                            ({"stop": ["a", 1]}, "`stop` must be a string or a list of strings"),
+                            ({"grammar": {"type": "yaml", "value": ""}}, "`grammar.type`: expected 'json' or 'regex'")]:
+        assert message in bad(params), params
+
+
+def _openai(model, body: dict, tokenizer=TOK, config=None):
+    from gaudi_runtime.router.openai_validation import completion_requests
+    from gaudi_runtime.router.request_models import parse_request
+
+    return completion_requests(parse_request(model, body), config or cfg(), tokenizer)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "a", "presence_penalty": 2.5}, "`presence_penalty` must be >= -2.0 and <= 2.0. Given: 2.5"),
+    ({"prompt": "a", "frequency_penalty": "high"}, "`frequency_penalty`: expected a number"),
+    ({"prompt": "a", "temperature": -0.5}, "`temperature` must be >= 0.0"),
+    ({"prompt": "a", "stream_options": {"include_usage": "yes"}}, "`stream_options.include_usage`: expected a boolean"),
+    ({"prompt": [], "max_tokens": 1}, "`prompt` must be a string, a non-empty list of strings, or a list of token ids"),
+    ({"prompt": "a", "logprobs": -1}, "`logprobs` must be >= 0"),
+    ({"prompt": "a", "max_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+    ({"prompt": "a", "best_of": 2}, "`best_of` != 1 is not supported on this endpoint"),
+])
+def test_completion_errors_name_the_field(body, message):
+    from gaudi_runtime.router.request_models import CompletionRequest
+
+    with pytest.raises(ValidationError) as e:
+        _openai(CompletionRequest, body)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"messages": [{"role": "user"}, {"content": "x"}]}, "missing field `role` in `messages[1]`"),
+    ({"messages": [{"role": "user", "content": 5}]}, "`messages[0].content` must be a string or a list of text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}]},
+     "`messages[0].content[0].image_url` must be an object with a string `url`, or a URL"),
+    ({"messages": [{"role": "user"}], "tool_choice": {"type": "function", "function": {}}},
+     "missing field `name` in `tool_choice.function`"),
+    ({"messages": [{"role": "user"}], "tool_choice": "sometimes"}, "`tool_choice` must be `none`, `auto`, `required`"),
+    ({"messages": [{"role": "user"}], "top_logprobs": 1.5}, "`top_logprobs`: expected an integer"),
+])
+def test_chat_errors_name_the_field(body, message):
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
+
+    with pytest.raises(ValidationError) as e:
+        parse_request(ChatCompletionRequest, body)
+    assert message in str(e.value)
+
+
+def test_openai_penalties_keep_openais_meaning():
+    from gaudi_runtime.router.request_models import CompletionRequest
+
+    (r,) = _openai(CompletionRequest, {"prompt": "a b", "frequency_penalty": 0.5, "presence_penalty": -1,
+                                       "logit_bias": {"1": 5}, "user": "u"})
+    s = r.sampling
+    assert (s.generated_frequency_penalty, s.presence_penalty, s.frequency_penalty) == (0.5, -1.0, 0.0)
+    # TGI's own frequency_penalty (over the prompt too) is the /generate parameter
+    s = ok({"frequency_penalty": 0.5}).request.sampling
+    assert (s.generated_frequency_penalty, s.presence_penalty, s.frequency_penalty) == (0.0, 0.0, 0.5)
+
+
+def test_every_route_body_has_a_json_schema():
+    from gaudi_runtime.router.routes import ROUTES
+
+    bodies = {m for r in ROUTES for m in r.bodies}
+    assert {m.__name__ for m in bodies} == {"GenerateRequest", "CompletionRequest", "ChatCompletionRequest",
+                                            "TokenizeRequest"}
+    for model in bodies:
+        schema = model.model_json_schema()
+        assert schema["type"] == "object" and schema["properties"], model

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gaudi_runtime/proto/generate.proto\x12\x17gaudi_serve.generate.v1\"\r\n\x0bInfoRequest\"\xe6\x01\n\x0cInfoResponse\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\x14\n\x0c\x64\x65tails_json\x18\n \x01(\t\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"I\n\x11\x43learCacheRequest\x12\x15\n\x08\x62\x61tch_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x42\x0b\n\t_batch_id\"\x14\n\x12\x43learCacheResponse\"\x0f\n\rWarmupRequest\"<\n\x0eWarmupProgress\x12\x0c\n\x04\x64one\x18\x01 \x01(\r\x12\r\n\x05total\x18\x02 \x01(\r\x12\r\n\x05phase\x18\x03 \x01(\t\"\xcd\x01\n\x1aNextTokenChooserParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\twatermark\x18\t \x01(\x08\"\xc1\x01\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12G\n\nparameters\x18\x03 \x01(\x0b\x32\x33.gaudi_serve.generate.v1.NextTokenChooserParameters\x12\x14\n\x0ctop_n_tokens\x18\x04 \x01(\r\x12\x0e\n\x06\x62locks\x18\x05 \x03(\r\x12\x18\n\x10prefill_logprobs\x18\x06 \x01(\x08\x12\x0e\n\x06images\x18\x07 \x03(\x0c\"G\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x32\n\x08requests\x18\x02 \x03(\x0b\x32 .gaudi_serve.generate.v1.Request\".\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"7\n\x0fPrefillLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb8\x01\n\x0bGenerations\x12\x13\n\x0brequest_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\r\n\x05top_n\x18\x04 \x01(\r\x12\x0f\n\x07top_ids\x18\x05 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x12\x39\n\x07prefill\x18\x07 \x03(\x0b\x32(.gaudi_serve.generate.v1.PrefillLogprobs\"Q\n\x0ePrefillRequest\x12-\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1e.gaudi_serve.generate.v1.Batch\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"\xae\x01\n\x0fPrefillResponse\x12\x39\n\x0bgenerations\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.Generations\x12\x33\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x17\n\x0funwarmed_shapes\x18\x04 \x01(\x04\"g\n\rDecodeRequest\x12\x35\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\r\n\x05steps\x18\x03 \x01(\r\"\xe7\x01\n\x0e\x44\x65\x63odeResponse\x12\x39\n\x0bgenerations\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.Generations\x12\x33\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x17\n\x0funwarmed_shapes\x18\x04 \x01(\x04\x12\x38\n\nnext_steps\x18\x05 \x03(\x0b\x32$.gaudi_serve.generate.v1.Generations\"M\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x10\n\x08sequence\x18\x03 \x01(\x04\"J\n\x13\x46ilterBatchResponse\x12\x33\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch2\xa7\x06\n\x15TextGenerationService\x12S\n\x04Info\x12$.gaudi_serve.generate.v1.InfoRequest\x1a%.gaudi_serve.generate.v1.InfoResponse\x12Y\n\x06Health\x12&.gaudi_serve.generate.v1.HealthRequest\x1a\'.gaudi_serve.generate.v1.HealthResponse\x12w\n\x10ServiceDiscovery\x12\x30.gaudi_serve.generate.v1.ServiceDiscoveryRequest\x1a\x31.gaudi_serve.generate.v1.ServiceDiscoveryResponse\x12\x65\n\nClearCache\x12*.gaudi_serve.generate.v1.ClearCacheRequest\x1a+.gaudi_serve.generate.v1.ClearCacheResponse\x12[\n\x06Warmup\x12&.gaudi_serve.generate.v1.WarmupRequest\x1a\'.gaudi_serve.generate.v1.WarmupProgress0\x01\x12\\\n\x07Prefill\x12\'.gaudi_serve.generate.v1.PrefillRequest\x1a(.gaudi_serve.generate.v1.PrefillResponse\x12Y\n\x06\x44\x65\x63ode\x12&.gaudi_serve.generate.v1.DecodeRequest\x1a\'.gaudi_serve.generate.v1.DecodeResponse\x12h\n\x0b\x46ilterBatch\x12+.gaudi_serve.generate.v1.FilterBatchRequest\x1a,.gaudi_serve.generate.v1.FilterBatchResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gaudi_runtime/proto/generate.proto\x12\x17gaudi_serve.generate.v1\"\r\n\x0bInfoRequest\"\xe6\x01\n\x0cInfoResponse\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x1f\n\x17max_position_embeddings\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\x14\n\x0c\x64\x65tails_json\x18\n \x01(\t\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"I\n\x11\x43learCacheRequest\x12\x15\n\x08\x62\x61tch_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x42\x0b\n\t_batch_id\"\x14\n\x12\x43learCacheResponse\"\x0f\n\rWarmupRequest\"<\n\x0eWarmupProgress\x12\x0c\n\x04\x64one\x18\x01 \x01(\r\x12\r\n\x05total\x18\x02 \x01(\r\x12\r\n\x05phase\x18\x03 \x01(\t\"\x8c\x02\n\x1aNextTokenChooserParameters\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\ttypical_p\x18\x04 \x01(\x02\x12\x11\n\tdo_sample\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x11\n\twatermark\x18\t \x01(\x08\x12#\n\x1bgenerated_frequency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\"\xc1\x01\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12G\n\nparameters\x18\x03 \x01(\x0b\x32\x33.gaudi_serve.generate.v1.NextTokenChooserParameters\x12\x14\n\x0ctop_n_tokens\x18\x04 \x01(\r\x12\x0e\n\x06\x62locks\x18\x05 \x03(\r\x12\x18\n\x10prefill_logprobs\x18\x06 \x01(\x08\x12\x0e\n\x06images\x18\x07 \x03(\x0c\"G\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x32\n\x08requests\x18\x02 \x03(\x0b\x32 .gaudi_serve.generate.v1.Request\".\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\"7\n\x0fPrefillLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xb8\x01\n\x0bGenerations\x12\x13\n\x0brequest_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\r\n\x05top_n\x18\x04 \x01(\r\x12\x0f\n\x07top_ids\x18\x05 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x12\x39\n\x07prefill\x18\x07 \x03(\x0b\x32(.gaudi_serve.generate.v1.PrefillLogprobs\"Q\n\x0ePrefillRequest\x12-\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x1e.gaudi_serve.generate.v1.Batch\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"\xae\x01\n\x0fPrefillResponse\x12\x39\n\x0bgenerations\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.Generations\x12\x33\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x17\n\x0funwarmed_shapes\x18\x04 \x01(\x04\"g\n\rDecodeRequest\x12\x35\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\r\n\x05steps\x18\x03 \x01(\r\"\xe7\x01\n\x0e\x44\x65\x63odeResponse\x12\x39\n\x0bgenerations\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.Generations\x12\x33\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch\x12\x12\n\nforward_ns\x18\x03 \x01(\x04\x12\x17\n\x0funwarmed_shapes\x18\x04 \x01(\x04\x12\x38\n\nnext_steps\x18\x05 \x03(\x0b\x32$.gaudi_serve.generate.v1.Generations\"M\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x10\n\x08sequence\x18\x03 \x01(\x04\"J\n\x13\x46ilterBatchResponse\x12\x33\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32$.gaudi_serve.generate.v1.CachedBatch2\xa7\x06\n\x15TextGenerationService\x12S\n\x04Info\x12$.gaudi_serve.generate.v1.InfoRequest\x1a%.gaudi_serve.generate.v1.InfoResponse\x12Y\n\x06Health\x12&.gaudi_serve.generate.v1.HealthRequest\x1a\'.gaudi_serve.generate.v1.HealthResponse\x12w\n\x10ServiceDiscovery\x12\x30.gaudi_serve.generate.v1.ServiceDiscoveryRequest\x1a\x31.gaudi_serve.generate.v1.ServiceDiscoveryResponse\x12\x65\n\nClearCache\x12*.gaudi_serve.generate.v1.ClearCacheRequest\x1a+.gaudi_serve.generate.v1.ClearCacheResponse\x12[\n\x06Warmup\x12&.gaudi_serve.generate.v1.WarmupRequest\x1a\'.gaudi_serve.generate.v1.WarmupProgress0\x01\x12\\\n\x07Prefill\x12\'.gaudi_serve.generate.v1.PrefillRequest\x1a(.gaudi_serve.generate.v1.PrefillResponse\x12Y\n\x06\x44\x65\x63ode\x12&.gaudi_serve.generate.v1.DecodeRequest\x1a\'.gaudi_serve.generate.v1.DecodeResponse\x12h\n\x0b\x46ilterBatch\x12+.gaudi_serve.generate.v1.FilterBatchRequest\x1a,.gaudi_serve.generate.v1.FilterBatchResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,29 +52,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WARMUPPROGRESS']._serialized_start=529
   _globals['_WARMUPPROGRESS']._serialized_end=589
   _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_start=592
-  _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_end=797
-  _globals['_REQUEST']._serialized_start=800
-  _globals['_REQUEST']._serialized_end=993
-  _globals['_BATCH']._serialized_start=995
-  _globals['_BATCH']._serialized_end=1066
-  _globals['_CACHEDBATCH']._serialized_start=1068
-  _globals['_CACHEDBATCH']._serialized_end=1114
-  _globals['_PREFILLLOGPROBS']._serialized_start=1116
-  _globals['_PREFILLLOGPROBS']._serialized_end=1171
-  _globals['_GENERATIONS']._serialized_start=1174
-  _globals['_GENERATIONS']._serialized_end=1358
-  _globals['_PREFILLREQUEST']._serialized_start=1360
-  _globals['_PREFILLREQUEST']._serialized_end=1441
-  _globals['_PREFILLRESPONSE']._serialized_start=1444
-  _globals['_PREFILLRESPONSE']._serialized_end=1618
-  _globals['_DECODEREQUEST']._serialized_start=1620
-  _globals['_DECODEREQUEST']._serialized_end=1723
-  _globals['_DECODERESPONSE']._serialized_start=1726
-  _globals['_DECODERESPONSE']._serialized_end=1957
-  _globals['_FILTERBATCHREQUEST']._serialized_start=1959
-  _globals['_FILTERBATCHREQUEST']._serialized_end=2036
-  _globals['_FILTERBATCHRESPONSE']._serialized_start=2038
-  _globals['_FILTERBATCHRESPONSE']._serialized_end=2112
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=2115
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=2922
+  _globals['_NEXTTOKENCHOOSERPARAMETERS']._serialized_end=860
+  _globals['_REQUEST']._serialized_start=863
+  _globals['_REQUEST']._serialized_end=1056
+  _globals['_BATCH']._serialized_start=1058
+  _globals['_BATCH']._serialized_end=1129
+  _globals['_CACHEDBATCH']._serialized_start=1131
+  _globals['_CACHEDBATCH']._serialized_end=1177
+  _globals['_PREFILLLOGPROBS']._serialized_start=1179
+  _globals['_PREFILLLOGPROBS']._serialized_end=1234
+  _globals['_GENERATIONS']._serialized_start=1237
+  _globals['_GENERATIONS']._serialized_end=1421
+  _globals['_PREFILLREQUEST']._serialized_start=1423
+  _globals['_PREFILLREQUEST']._serialized_end=1504
+  _globals['_PREFILLRESPONSE']._serialized_start=1507
+  _globals['_PREFILLRESPONSE']._serialized_end=1681
+  _globals['_DECODEREQUEST']._serialized_start=1683
+  _globals['_DECODEREQUEST']._serialized_end=1786
+  _globals['_DECODERESPONSE']._serialized_start=1789
+  _globals['_DECODERESPONSE']._serialized_end=2020
+  _globals['_FILTERBATCHREQUEST']._serialized_start=2022
+  _globals['_FILTERBATCHREQUEST']._serialized_end=2099
+  _globals['_FILTERBATCHRESPONSE']._serialized_start=2101
+  _globals['_FILTERBATCHRESPONSE']._serialized_end=2175
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=2178
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=2985
 # @@protoc_insertion_point(module_scope)

@@ -346,7 +346,7 @@ class BatchingEngine:
                 parameters=pb.NextTokenChooserParameters(
                     temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
                     do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,
-                    frequency_penalty=s.frequency_penalty, watermark=s.watermark),
+                    frequency_penalty=s.frequency_penalty, generated_frequency_penalty=s.generated_frequency_penalty, presence_penalty=s.presence_penalty, watermark=s.watermark),
             ))
         batch_id = next(self._batch_ids)
         rpc = asyncio.ensure_future(self.client.prefill(pb.Batch(id=batch_id, requests=requests)))

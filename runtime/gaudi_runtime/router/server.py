@@ -1,4 +1,4 @@
-"""The router's aiohttp application: routes, API key, CORS, error bodies.
+"""The router's aiohttp application: API key, CORS, error bodies, and the routes of `routes`.
 
     app = build_app(config, engine, tokenizer, metrics=metrics)
     runner = web.AppRunner(app, handler_cancellation=True)   # see `start`
@@ -16,9 +16,9 @@ import logging
 from aiohttp import web
 
 from gaudi_runtime.config import Config
-from gaudi_runtime.router import openai_api, tgi_api
 from gaudi_runtime.router.errors import UnhealthyError, ValidationError, error_response, json_error
 from gaudi_runtime.router.metrics import Metrics
+from gaudi_runtime.router.routes import add_routes
 from gaudi_runtime.router.state import STATE, AppState
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.types import Engine, GenerationError, OverloadedError
@@ -103,19 +103,7 @@ def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
 
         app.on_response_prepare.append(add_cors)
 
-    r = app.router
-    r.add_post("/generate", tgi_api.handle_generate)
-    r.add_post("/generate_stream", tgi_api.handle_generate_stream)
-    r.add_post("/", tgi_api.handle_compat)
-    r.add_post("/invocations", tgi_api.handle_invocations)
-    r.add_post("/tokenize", tgi_api.handle_tokenize)
-    r.add_post("/v1/completions", openai_api.handle_completions)
-    r.add_post("/v1/chat/completions", openai_api.handle_chat)
-    r.add_get("/info", tgi_api.handle_info)
-    r.add_get("/health", tgi_api.handle_health)
-    r.add_get("/ping", tgi_api.handle_ping)
-    r.add_get("/metrics", tgi_api.handle_metrics)
-    r.add_get("/v1/models", openai_api.handle_models)
+    add_routes(app)
     return app
 
 
