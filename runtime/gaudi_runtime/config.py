@@ -52,6 +52,8 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--max-stop-sequences", None, int, 4, "Most stop sequences in one request."),
     ("--max-top-n-tokens", None, int, 5, "Largest top_n_tokens a request may ask for."),
     ("--max-best-of", None, int, 2, "Largest best_of a request may ask for."),
+    ("--max-n", None, int, 16, "Most choices (OpenAI's n) one /v1 request may ask for; each is a sequence of its "
+     "own, sampled with its own seed."),
     ("--max-client-batch-size", None, int, 4, "Most prompts in one /generate or /v1/completions body."),
     ("--hostname", None, str, "0.0.0.0", "Address the HTTP server listens on."),
     ("--port", None, int, 80, "Port the HTTP server listens on."),
@@ -71,7 +73,12 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--tokenizer-config-path", None, str, None, "A tokenizer_config.json whose chat_template replaces the model's."),
     ("--otlp-endpoint", None, str, None, "OTLP/HTTP collector (e.g. http://collector:4318) receiving request traces."),
     ("--otlp-service-name", None, str, "text-generation-inference.router", "service.name of the exported traces."),
-    ("--disable-grammar-support", None, _bool, False, "Refuse grammar / response_format requests (always the case here)."),
+    ("--disable-grammar-support", None, _bool, False, "Refuse constrained generation: grammar, response_format, "
+     "guided_*, and tool_choice required or named get a 422."),
+    ("--grammar-compile-timeout-s", None, float, 10.0, "Longest the router waits for the shards to compile a "
+     "request's grammar (a JSON schema, a regex, a tool set); past it the request gets a 422."),
+    ("--tool-call-parser", None, str, None, "Tool-call format of the model's output: llama3_json, mistral or "
+     "hermes (default: recognised from the chat template)."),
 ]
 
 # Environment-only settings (TGI and TGI-Gaudi names).
@@ -124,6 +131,7 @@ class Config:
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     max_best_of: int = 2
+    max_n: int = 16
     max_client_batch_size: int = 4
     hostname: str = "0.0.0.0"
     port: int = 80
@@ -159,6 +167,8 @@ class Config:
     otlp_endpoint: str | None = None
     otlp_service_name: str = "text-generation-inference.router"
     disable_grammar_support: bool = False
+    grammar_compile_timeout_s: float = 10.0
+    tool_call_parser: str | None = None
     prof_waitstep: int = 0
     prof_warmupstep: int = 0
     prof_step: int = 0
@@ -239,11 +249,29 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     _derive_shards(v, device_count)
     _derive_quantization(v)
     _derive_knobs(v)
+    _derive_structured_output(v)
     origins = v["cors_allow_origin"]
     v["cors_allow_origin"] = [o.strip() for o in origins.split(",") if o.strip()] if origins else []
     v["model_name"] = v["model_name"] or v["model_id"]
     v["log_level"] = str(v["log_level"]).lower()
     return Config(**v)
+
+
+# Tool-call formats the router parses (and constrains, for tool_choice required or named).
+TOOL_CALL_PARSERS = ("llama3_json", "mistral", "hermes")
+
+
+def _derive_structured_output(v: dict[str, object]) -> None:
+    """Choices (--max-n), grammar compilation and the tool-call format."""
+    if v["max_n"] < 1:
+        raise ConfigError("--max-n must be positive")
+    if not v["grammar_compile_timeout_s"] > 0:
+        raise ConfigError("--grammar-compile-timeout-s must be positive")
+    parser = v["tool_call_parser"]
+    if parser in ("", "auto"):
+        v["tool_call_parser"] = None
+    elif parser is not None and parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"--tool-call-parser {parser!r}: choose one of {', '.join(TOOL_CALL_PARSERS)}")
 
 
 def _derive_token_limits(v: dict[str, object]) -> None:

@@ -74,6 +74,11 @@ class TextGenerationServiceStub:
                 request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchRequest.SerializeToString,
                 response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchResponse.FromString,
                 _registered_method=True)
+        self.CompileGrammar = channel.unary_unary(
+                '/gaudi_serve.generate.v1.TextGenerationService/CompileGrammar',
+                request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarRequest.SerializeToString,
+                response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -132,6 +137,14 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CompileGrammar(self, request, context):
+        """Compile a grammar into the shard's cache (or say why it cannot be); runs on arrival, beside the
+        numbered calls, so a slow compilation holds back no forward pass.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +187,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.FilterBatch,
                     request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchRequest.FromString,
                     response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchResponse.SerializeToString,
+            ),
+            'CompileGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompileGrammar,
+                    request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarRequest.FromString,
+                    response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +410,33 @@ class TextGenerationService:
             '/gaudi_serve.generate.v1.TextGenerationService/FilterBatch',
             gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchRequest.SerializeToString,
             gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompileGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gaudi_serve.generate.v1.TextGenerationService/CompileGrammar',
+            gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarRequest.SerializeToString,
+            gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,

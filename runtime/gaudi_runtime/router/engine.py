@@ -343,6 +343,7 @@ class BatchingEngine:
             requests.append(pb.Request(
                 id=e.id, input_ids=e.req.input_ids, top_n_tokens=e.req.top_n_tokens, blocks=e.blocks,
                 prefill_logprobs=e.req.decoder_input_details, images=e.req.images,
+                grammar=pb.Grammar(type=e.req.grammar.kind, value=e.req.grammar.value) if e.req.grammar else None,
                 parameters=pb.NextTokenChooserParameters(
                     temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
                     do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,

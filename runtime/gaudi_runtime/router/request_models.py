@@ -104,7 +104,9 @@ class Grammar(RequestBody):
     """TGI's constrained generation: the output follows a JSON schema or a regular expression."""
 
     type: Literal["json", "regex"]
-    value: Any = Field(description="A JSON schema (type json) or a regular expression (type regex)")
+    value: Annotated[dict[str, Any] | Bool | Str,
+                     _must_be("a JSON schema (an object, or its JSON text) or a regular expression")] = Field(
+        description="A JSON schema (type json: an object, or its JSON text) or a regular expression (type regex)")
 
 
 class GenerateParameters(RequestBody):
@@ -160,6 +162,27 @@ class StreamOptions(RequestBody):
     include_usage: Bool = False
 
 
+class JSONSchemaFormat(RequestBody):
+    """`response_format.json_schema`: the schema the output must follow."""
+
+    name: Str
+    description: Str | None = None
+    schema_: Annotated[dict[str, Any] | Bool, _must_be("a JSON schema (an object)")] = Field(
+        default_factory=dict, alias="schema", description="The JSON schema (default: any JSON object)")
+    strict: Bool | None = Field(None, description="Accepted; the schema is always enforced")
+
+
+class ResponseFormat(RequestBody):
+    """`{"type": "text"}`, `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
+    "json_schema": {...}}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+GuidedJSON = Annotated[dict[str, Any] | Str, _must_be("a JSON schema (an object, or its JSON text)")]
+
+
 class OpenAIRequest(RequestBody):
     """The fields OpenAI's completion and chat requests share (and vLLM's extensions of both)."""
 
@@ -167,7 +190,7 @@ class OpenAIRequest(RequestBody):
     frequency_penalty: Penalty = Field(0.0, description="Minus penalty x times the token was generated")
     presence_penalty: Penalty = Field(0.0, description="Minus penalty once the token was generated")
     max_tokens: Int | None = Field(None, description="Default: max_total_tokens - the prompt's length")
-    n: Int = 1
+    n: PositiveInt = Field(1, description="Choices to generate, each sampled with its own seed (at most --max-n)")
     seed: Seed | None = None
     stop: StrList = Field(default_factory=list)
     stream: Bool = False
@@ -177,6 +200,11 @@ class OpenAIRequest(RequestBody):
     user: Str | None = None
     repetition_penalty: PositiveFloat | None = Field(None, description="vLLM's extension")
     ignore_eos: Bool = Field(False, description="vLLM's extension: generate past the end-of-sequence token")
+    response_format: ResponseFormat | None = None
+    guided_json: GuidedJSON | None = Field(None, description="vLLM's extension: the output follows this JSON schema")
+    guided_regex: Str | None = Field(None, description="vLLM's extension: the output matches this regex")
+    guided_choice: Annotated[list[Str], MinLen(1)] | None = Field(
+        None, description="vLLM's extension: the output is one of these strings")
 
 
 Prompt = Annotated[
@@ -189,7 +217,8 @@ class CompletionRequest(OpenAIRequest):
     """The body of /v1/completions."""
 
     prompt: Prompt
-    best_of: Int | None = None
+    best_of: PositiveInt | None = Field(
+        None, description="Sample this many sequences, return the n with the highest mean log-probability")
     echo: Bool = Field(False, description="Prepend the prompt to the generated text")
     logprobs: NonNegativeInt | None = Field(None, description="Return this many most likely tokens")
 
@@ -207,19 +236,28 @@ class ContentPart(RequestBody):
     image_url: Annotated[ImageURL | Str, _must_be("an object with a string `url`, or a URL")] | None = None
 
 
+class FunctionCall(RequestBody):
+    name: Str
+    arguments: Annotated[Str | dict[str, Any], _must_be("a string of JSON, or an object")] = "{}"
+
+
+class ToolCall(RequestBody):
+    """A call the assistant made, as the history carries it."""
+
+    id: Str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestBody):
-    """One message; fields other than `role` and `content` (`name`, `tool_calls`, ...) go to the
-    chat template as they came."""
+    """One message; fields other than these (`name`, ...) go to the chat template as they came."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Str
     content: Annotated[Str | list[ContentPart], _must_be("a string or a list of text parts")] | None = None
-
-
-class ResponseFormat(RequestBody):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls")
+    tool_call_id: Str | None = Field(None, description="A tool message: the call it answers")
 
 
 class FunctionDefinition(RequestBody):
@@ -258,10 +296,10 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: Annotated[list[ChatMessage], MinLen(1)]
     max_completion_tokens: Int | None = Field(None, description="Preferred over max_tokens")
     logprobs: Bool = False
-    top_logprobs: NonNegativeInt | None = None
-    response_format: ResponseFormat | None = None
+    top_logprobs: NonNegativeInt | None = Field(None, description="With logprobs: the most likely tokens per step")
     tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
+    tool_choice: ToolChoice | None = Field(None, description="Default: auto with tools, none without")
+    parallel_tool_calls: Bool = Field(True, description="Whether the model may call several tools in one answer")
 
 
 # --- parsing, with errors in TGI's wording ---------------------------------------------------------

@@ -130,6 +130,14 @@ class RouterTokenizer:
             return ",".join(str(i) for i in ids)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The template's text (the default one of a list of named templates), None without one."""
+        template = getattr(self.hf, "chat_template", None) if self.hf is not None else None
+        if isinstance(template, dict):
+            template = template.get("default")
+        return template if isinstance(template, str) else None
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self.hf is None or not getattr(self.hf, "chat_template", None):
             raise TokenizerError("this model's tokenizer has no chat template")

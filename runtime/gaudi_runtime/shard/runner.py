@@ -25,6 +25,7 @@ from gaudi_runtime.models import load_model
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.quant.setup import kv_cache_dtype, quantize_loaded
 from gaudi_runtime.shard.batch import ShardBatch
+from gaudi_runtime.shard.grammar import GrammarCache, GrammarRows
 from gaudi_runtime.shard.profiler import make_profiler
 from gaudi_runtime.shard.sampling import BatchSampler, SampleOutput
 
@@ -40,6 +41,7 @@ class PrefillInput:
     blocks: list[int]
     prefill_logprobs: bool
     images: list[bytes] = field(default_factory=list)  # encoded images of a multimodal prompt, in order
+    grammar: tuple[str, str] | None = None  # (kind, text) the output must follow (shard/grammar.py)
 
 
 @dataclass
@@ -106,6 +108,9 @@ class ModelRunner:
                  time.perf_counter() - t0, self.num_blocks - 1, cfg.block_size,
                  self.num_blocks * per_block / 2**20)
         self.batches: dict[int, ShardBatch] = {}
+        # Grammars compiled against the model's vocabulary (xgrammar is loaded at the first grammar).
+        self.grammars = None if cfg.disable_grammar_support else GrammarCache(model_dir, m.vocab_size,
+                                                                              m.eos_token_ids)
         # Multimodal models (Llava) preprocess their prompt images here with the model's own processor.
         self.image_processor = None
         if getattr(m, "takes_images", False):
@@ -187,6 +192,8 @@ class ModelRunner:
         dev = self.device
         last_idx = np.zeros(rows, dtype=np.int64)
         last_idx[:n] = lens - 1
+        sampler = BatchSampler([r.params for r in reqs], [r.top_n_tokens for r in reqs],
+                               [r.input_ids for r in reqs], self.model.vocab_size, dev, self._grammar_rows(reqs))
         t0 = time.perf_counter_ns()
         prefill_fn = self._prefill_fn
         if any(r.images for r in reqs):
@@ -201,10 +208,7 @@ class ModelRunner:
         if wanted:
             prefill_lp = self._prompt_logprobs(hidden, ids, lens, reqs, wanted)
 
-        sampler = BatchSampler([r.params for r in reqs], [r.top_n_tokens for r in reqs],
-                               [r.input_ids for r in reqs], self.model.vocab_size, dev)
-        out = sampler(logits)
-        self.backend.mark_step()
+        out = self._sample(sampler, logits, rows)
         self.batches[batch_id] = ShardBatch(
             id=batch_id,
             request_ids=[r.id for r in reqs],
@@ -225,6 +229,32 @@ class ModelRunner:
             nxt = torch.from_numpy(ids[i, 1:n]).to(lp.device)
             result[reqs[i].id] = [math.nan] + lp.gather(1, nxt[:, None]).squeeze(1).tolist()
         return result
+
+    def _grammar_rows(self, reqs: list[PrefillInput]) -> GrammarRows | None:
+        """A matcher per constrained request (the router had the grammar compiled; a grammar dropped
+        from the cache since is compiled again here)."""
+        if self.grammars is None or all(r.grammar is None for r in reqs):
+            if any(r.grammar is not None for r in reqs):
+                raise ValueError("grammar is not supported")
+            return None
+        try:
+            return GrammarRows.of(self.grammars, [None if r.grammar is None else self.grammars.matcher(*r.grammar)
+                                                  for r in reqs])
+        except ValueError as e:
+            raise ValueError(f"grammar: {e}") from e
+
+    def _sample(self, sampler: BatchSampler, logits: torch.Tensor, rows: int):
+        """Sample the step whose forward pass was just queued. With grammars, the matchers fill the
+        bitmask on the host meanwhile (the device is still computing `logits` on HPU and CUDA), and
+        then take the sampled tokens, which costs every rank a read-back of the step's tokens."""
+        bitmask = None
+        if sampler.grammar is not None:
+            bitmask = self.backend.upload(sampler.grammar.fill(rows))
+        out = sampler(logits, bitmask)
+        self.backend.mark_step()
+        if sampler.grammar is not None:
+            sampler.accept(out.next_ids[:len(sampler)].tolist())
+        return out
 
     # ---- decode --------------------------------------------------------
 
@@ -265,8 +295,7 @@ class ModelRunner:
         t0 = time.perf_counter_ns()
         logits = self._decode_fn(input_ids, positions, slots, tables, positions + 1)
         self.backend.mark_step()
-        out = batch.sampler(logits)
-        self.backend.mark_step()
+        out = self._sample(batch.sampler, logits, rows)
         batch.last_ids = out.next_ids[:n]
         if self.profiler is not None:
             self.profiler.step()
