@@ -14,6 +14,7 @@ xgrammar imports torch: only the shards import this module, never the router.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -110,11 +111,11 @@ class GrammarCache:
         try:
             if kind == "json":
                 # One line, `json.dumps` spacing: whitespace the model could repeat forever is not offered.
-                grammar = compiler.compile_json_schema(value, any_whitespace=False)
+                grammar = compiler.compile_json_schema(bounded_strings(value), any_whitespace=False)
             elif kind == "regex":
                 grammar = compiler.compile_regex(value)
             else:
-                grammar = compiler.compile_structural_tag(value)
+                grammar = compiler.compile_structural_tag(bounded_strings(value))
         except Exception as e:  # xgrammar raises RuntimeError (and ValueError, TypeError) on bad input
             return GrammarError(error_message(e))
         return Compiled(grammar, time.perf_counter_ns() - t0)
@@ -130,6 +131,34 @@ class GrammarCache:
             matchers[0].fill_next_token_bitmask(bitmask, indices[0])
         else:
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices)
+
+
+def bounded_strings(text: str) -> str:
+    """The schema (or structural tag) with each string's length bounds written as a pattern instead.
+
+    xgrammar's own rule for `minLength`/`maxLength` lets raw control characters into the string
+    (invalid JSON) and no escapes; its pattern rule is JSON-aware. The pattern allows what the
+    bounded rule meant to (any character but quote, backslash and controls), so every output still
+    follows the schema as given."""
+    try:
+        node = json.loads(text)
+    except ValueError:
+        return text  # xgrammar reports it
+    return json.dumps(_bound(node), ensure_ascii=False)
+
+
+def _bound(node):
+    if isinstance(node, list):
+        return [_bound(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _bound(v) for k, v in node.items()}
+    lo, hi = node.get("minLength"), node.get("maxLength")
+    if node.get("type") == "string" and "pattern" not in node and (lo is not None or hi is not None):
+        if all(v is None or isinstance(v, int) and v >= 0 for v in (lo, hi)):
+            node["pattern"] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (lo or 0, "" if hi is None else hi)
+            node.pop("minLength", None), node.pop("maxLength", None)  # in the pattern; xgrammar would ignore them
+    return node
 
 
 class GrammarRows:
