@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -108,7 +109,6 @@ def test_null_parameters_are_absent():
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"top_n_tokens": 4}, "`top_n_tokens` must be >= 0 and <= 3. Given: 4"),
     ({"watermark": True}, "`watermark` is not supported"),
-    ({"grammar": {"type": "json", "value": {}}}, "grammar is not supported"),
     ({"truncate": 0}, "`truncate` must be strictly positive and less than 10. Given: 0"),
     ({"truncate": 11}, "`truncate` must be strictly positive and less than 10. Given: 11"),
     ({"seed": -1}, "`seed`"),
@@ -227,7 +227,19 @@ def _openai(model, body: dict, tokenizer=TOK, config=None):
     ({"prompt": [], "max_tokens": 1}, "`prompt` must be a string, a non-empty list of strings, or a list of token ids"),
     ({"prompt": "a", "logprobs": -1}, "`logprobs` must be >= 0"),
     ({"prompt": "a", "max_tokens": 0}, "`max_new_tokens` must be strictly positive"),
-    ({"prompt": "a", "best_of": 2}, "`best_of` != 1 is not supported on this endpoint"),
+    ({"prompt": "a", "best_of": 3}, "`best_of` must be <= 2 (--max-best-of). Given: 3"),
+    ({"prompt": "a", "n": 3, "best_of": 2}, "`best_of` must be >= `n`. Given: best_of 2, n 3"),
+    ({"prompt": "a", "n": 17}, "`n` must be <= 16 (--max-n). Given: 17"),
+    ({"prompt": "a", "n": 0}, "`n` must be strictly positive"),
+    ({"prompt": "a", "logprobs": 4}, "`logprobs` must be <= 3 (--max-top-n-tokens). Given: 4"),
+    ({"prompt": "a", "guided_json": "{", "max_tokens": 1}, "`guided_json`: not valid JSON"),
+    ({"prompt": "a", "guided_json": {}, "guided_regex": "a", "max_tokens": 1},
+     "`guided_regex`: give only one of guided_json, guided_regex"),
+    ({"prompt": "a", "response_format": {"type": "json_schema"}, "max_tokens": 1},
+     "`response_format.json_schema` is required when `response_format.type` is json_schema"),
+    ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
+     "`response_format.json_schema.schema` must be a JSON schema (an object)"),
+    ({"prompt": "a", "guided_choice": []}, "`guided_choice` must not be empty"),
 ])
 def test_completion_errors_name_the_field(body, message):
     from gaudi_runtime.router.request_models import CompletionRequest
@@ -276,3 +288,131 @@ def test_every_route_body_has_a_json_schema():
     for model in bodies:
         schema = model.model_json_schema()
         assert schema["type"] == "object" and schema["properties"], model
+
+
+# --- constrained generation, choices, tools ---------------------------------------------------------
+
+def test_tgi_grammar_becomes_the_shards_grammar():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    g = ok({"grammar": {"type": "json", "value": schema}}).request.grammar
+    assert (g.kind, json.loads(g.value), g.field) == ("json", schema, "grammar")
+    # TGI's clients may send the schema as JSON text
+    assert ok({"grammar": {"type": "json", "value": json.dumps(schema)}}).request.grammar == g
+    g = ok({"grammar": {"type": "regex", "value": "[a-z]+"}}).request.grammar
+    assert (g.kind, g.value) == ("regex", "[a-z]+")
+    assert ok().request.grammar is None
+    # a grammar's end is the output's end, whatever ignore_eos says
+    assert not ok({"grammar": {"type": "regex", "value": "a"}, "ignore_eos": True}).request.stopping.ignore_eos_token
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"grammar": {"type": "json", "value": "{nope"}}, "`grammar.value`: not valid JSON"),
+    ({"grammar": {"type": "json", "value": "[1]"}}, "`grammar.value`: a JSON schema must be an object"),
+    ({"grammar": {"type": "regex", "value": {"a": 1}}}, "`grammar.value`: a regex grammar's value must be a string"),
+    ({"grammar": {"type": "json", "value": 5}}, "`grammar.value` must be a JSON schema"),
+    ({"grammar": {"type": "json"}}, "missing field `value` in `grammar`"),
+])
+def test_bad_grammars_name_the_field(params, message):
+    assert message in bad(params)
+
+
+def test_disabled_grammar_support_is_tgis_422():
+    off = cfg(DISABLE_GRAMMAR_SUPPORT="true")
+    assert bad({"grammar": {"type": "regex", "value": "a"}}, config=off) == "grammar is not supported"
+    from gaudi_runtime.router.request_models import CompletionRequest
+
+    for field, value in [("response_format", {"type": "json_object"}), ("guided_regex", "a"),
+                         ("guided_choice", ["a"]), ("guided_json", {})]:
+        with pytest.raises(ValidationError) as e:
+            _openai(CompletionRequest, {"prompt": "a", field: value, "max_tokens": 1}, config=off)
+        assert str(e.value) == f"`{field}`: grammar is not supported (--disable-grammar-support)"
+
+
+def test_openai_constraints_become_grammars():
+    from gaudi_runtime.router.request_models import CompletionRequest
+
+    def grammar(**fields):
+        (r,) = _openai(CompletionRequest, {"prompt": "a", "max_tokens": 1, **fields})
+        return r.grammar
+
+    assert grammar() is None and grammar(response_format={"type": "text"}) is None
+    g = grammar(response_format={"type": "json_object"})
+    assert (g.kind, json.loads(g.value), g.field) == ("json", {"type": "object"}, "response_format")
+    schema = {"type": "object", "properties": {"x": {"enum": ["a", "b"]}}}
+    g = grammar(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}})
+    assert (json.loads(g.value), g.field) == (schema, "response_format")
+    assert json.loads(grammar(guided_json=json.dumps(schema)).value) == schema
+    assert grammar(guided_regex="[0-9]+").value == "[0-9]+"
+    g = grammar(guided_choice=["yes", "no (maybe).", 'a"b'])
+    assert g.kind == "regex" and g.field == "guided_choice"
+    assert g.value == '(yes|no \\(maybe\\)\\.|a\\"b)'
+
+
+def test_n_choices_are_ordinary_requests_with_seeds_of_their_own():
+    from gaudi_runtime.router.request_models import CompletionRequest
+
+    reqs = _openai(CompletionRequest, {"prompt": ["a", "b c"], "n": 3, "seed": 7, "max_tokens": 2})
+    assert [r.inputs for r in reqs] == ["a"] * 3 + ["b c"] * 3
+    assert [r.sampling.seed for r in reqs] == [7, 8, 9] * 2  # reproducible with a client seed
+    reqs = _openai(CompletionRequest, {"prompt": "a", "n": 4, "max_tokens": 2})
+    assert len({r.sampling.seed for r in reqs}) == 4
+    # best_of: that many sequences, the n best are returned
+    assert len(_openai(CompletionRequest, {"prompt": "a", "n": 1, "best_of": 2, "max_tokens": 2})) == 2
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+HERMES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}<tool_call>"
+
+
+def _chat_tools(body: dict, template: str | None = HERMES_TEMPLATE, config=None):
+    from gaudi_runtime.router.openai_validation import chat_tools
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
+
+    return chat_tools(parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **body}),
+                      config or cfg(), template)
+
+
+@pytest.mark.parametrize("body, template, message", [
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, HERMES_TEMPLATE,
+     "`tool_choice`: no function named 'nope' in `tools`"),
+    ({"tool_choice": "required"}, HERMES_TEMPLATE, "`tool_choice`: 'required' needs `tools`"),
+    ({"tools": [TOOL]}, "{{ messages }}", "`tools`: this model's chat template does not render tools"),
+    ({"tools": [TOOL]}, "{{ messages }}{{ tools }}", "`tools`: the model's tool-call format is not one this server"),
+])
+def test_tool_errors_name_the_field(body, template, message):
+    with pytest.raises(ValidationError) as e:
+        _chat_tools(body, template)
+    assert message in str(e.value)
+
+
+def test_tool_choice_decides_rendering_and_grammar():
+    assert _chat_tools({"tools": [TOOL], "tool_choice": "none"}).tools is None
+    auto = _chat_tools({"tools": [TOOL]})
+    assert auto.tools[0]["function"]["name"] == "get_weather" and auto.grammar is None and auto.fmt == "hermes"
+    required = _chat_tools({"tools": [TOOL], "tool_choice": "required"})
+    assert required.grammar.kind == "structural_tag" and required.grammar.field == "tools"
+    tag = json.loads(required.grammar.value)["format"]
+    assert tag["type"] == "tags_with_separator" and tag["stop_after_first"] is False
+    named = _chat_tools({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert json.loads(named.grammar.value)["format"]["stop_after_first"] is True
+    single = _chat_tools({"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False})
+    assert json.loads(single.grammar.value)["format"]["stop_after_first"] is True
+    # --tool-call-parser names the format a template does not show
+    assert _chat_tools({"tools": [TOOL]}, "{{ tools }}", cfg(TOOL_CALL_PARSER="mistral")).fmt == "mistral"
+    with pytest.raises(ValidationError, match="grammar is not supported"):
+        _chat_tools({"tools": [TOOL], "tool_choice": "required"}, config=cfg(DISABLE_GRAMMAR_SUPPORT="true"))
+
+
+def test_history_tool_calls_reach_the_template_with_object_arguments():
+    from gaudi_runtime.router.openai_validation import chat_messages
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
+
+    req = parse_request(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]})
+    msgs = chat_messages(req.messages)
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert msgs[1]["content"] == "" and msgs[2]["tool_call_id"] == "c1"
