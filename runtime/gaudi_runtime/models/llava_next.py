@@ -5,7 +5,8 @@ expanded each image into as many as it has features) get the projected image
 features instead of their token embeddings; decode is the language model alone.
 Images are tiled "anyres" (transformers' LlavaNextImageProcessor): a downscaled
 whole image plus a grid of tiles, whose features are unpadded and end each row
-with the learned ``image_newline`` (router/image_tokens.py has the geometry).
+with the learned ``image_newline`` (``gaudi_runtime.image_geometry`` has the layout,
+which the router counts placeholder tokens by).
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..image_geometry import ImageGeometry, tile_count, tile_grid, unpadded_shape
 from ..layers.activation import get_activation
 from ..layers.attention import AttentionMetadata
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, TPContext
-from ..router.image_tokens import ImageGeometry, tile_count, tile_grid, unpadded_shape
 from .clip import ClipVisionConfig, ClipVisionModel, layers_needed, replicated_param
 from .llama import LlamaConfig, LlamaForCausalLM
 from .loading import load_checkpoint, materialize
