@@ -28,8 +28,8 @@ from ..layers.activation import get_activation
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.fused_qkv import FusedQKVParallelLinear
-from ..layers.layernorm import LayerNorm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, TPContext
+from ..layers.norm import LayerNorm
 from ..layers.rotary import RotaryEmbedding, rope_params_from_config
 from .loading import load_checkpoint, materialize
 

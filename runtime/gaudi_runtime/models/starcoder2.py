@@ -18,8 +18,8 @@ from torch import nn
 
 from ..layers.attention import AttentionMetadata
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ..layers.layernorm import LayerNorm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, TPContext
+from ..layers.norm import LayerNorm
 from ..layers.rotary import RotaryEmbedding
 from .gemma import GELU_TANH
 from .llama import LlamaAttention, LlamaConfig, LlamaForCausalLM
