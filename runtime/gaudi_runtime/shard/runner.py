@@ -108,7 +108,7 @@ class ModelRunner:
         self.batches: dict[int, ShardBatch] = {}
         # Multimodal models (Llava) preprocess their prompt images here with the model's own processor.
         self.image_processor = None
-        if getattr(m, "takes_images", False):
+        if m.takes_images:
             from gaudi_runtime.models.llava_next import load_image_processor
 
             self.image_processor = load_image_processor(model_dir)
