@@ -1,6 +1,6 @@
 """`gaudi-serve download` as a cold-starting pod runs it: a real process against a hub stand-in on
 loopback (HF_ENDPOINT), printing JSON lines. Whole, interrupted and resumed, corrupted and fetched
-again, refused (401), offline from a complete cache."""
+again, refused (401), offline from a complete cache; then `launch` serving the hub id offline."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.hub_standin import HubStandIn, StandInRepo
+from tests.runtime.launched import get_json, launch
 
 BIG_WEIGHTS = 24 << 20  # over huggingface_hub's 10 MiB write chunk, so an interrupted transfer leaves bytes on disk
 CHUNK = 10 << 20
@@ -192,3 +193,25 @@ def test_offline_a_snapshot_another_hub_client_completed_is_served(hub, tmp_path
     code, events, err = download(hub, tmp_path, "--model-id", "org/tiny", HF_HUB_OFFLINE="1")
     assert code == 0, err
     assert events[-1]["path"] == r.stdout.strip() and events[-1]["fetched"] == 0 and hub.requests == []
+
+
+def test_launch_serves_a_hub_id_offline_from_the_cache_and_reports_its_start(hub, tmp_path):
+    code, events, err = download(hub, tmp_path, "--model-id", "org/tiny")
+    assert code == 0, err
+    hub.requests.clear()
+    env = hub_env(hub, tmp_path, HF_HUB_OFFLINE="1", PAD_SEQUENCE_TO_MULTIPLE_OF="16", BATCH_BUCKET_SIZE="2")
+    srv = launch("org/tiny", tmp_path, "--dtype", "float32", "--max-input-tokens", "256", "--max-total-tokens", "512",
+                 "--max-batch-size", "16", env=env)
+    seen = []
+    try:
+        srv.wait_ready(on_poll=lambda code, body: seen.append(body))
+        _, info = get_json(srv.url + "/info")
+    finally:
+        srv.stop()
+    assert hub.requests == []
+    startup = info["startup_seconds"]
+    assert 0 <= startup["download"] < 60 and startup["load"] > 0 and startup["warmup"] > 0
+    assert info["quantization"] is None and info["kv_cache_dtype"] == "float32"
+    assert info["warmup_from_cache"] is None and info["recipe_cache"] is None  # no Gaudi here
+    warming = [b["warmup"] for b in seen if b.get("status") == "warming_up"]
+    assert warming and all(w["from_cache"] is None for w in warming)  # /health says it during warmup
