@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-CHUNK = 64 * 1024
+CHUNK = 1 << 20
 RECORD = web.RequestKey("record", dict)
 
 

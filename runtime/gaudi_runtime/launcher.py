@@ -147,7 +147,7 @@ def main(cfg: Config) -> int:
     try:
         model_dir = resolve_model_dir(cfg)
     except DownloadError as e:
-        log.error("--model-id %s: %s (%s)", cfg.model_id, e, e.reason)
+        log.error("--model-id %s: model download failed (%s): %s", cfg.model_id, e.reason, e)
         return e.exit_code
     # Seconds spent getting the model, shown in /info (none for a local directory).
     download_seconds = None if model_dir == cfg.model_id else time.monotonic() - t0
