@@ -262,6 +262,8 @@ def ensure_file(repo: Repo, name: str, size: int | None, progress: report.Progre
         log.warning("%s: %s; fetching it again", name, problem)
         _discard(pointer)
     meta = get_hf_file_metadata(hf_hub_url(repo.repo_id, name, revision=repo.commit))
+    if not meta.etag:
+        raise DownloadError("error", f"the hub sent no ETag for {name}: HF_ENDPOINT is not a hub-compatible server")
     size = meta.size if meta.size is not None else size
     fetched = fetch_blob(repo, name, size, meta.location, repo.storage / "blobs" / meta.etag, progress)
     # huggingface_hub links the blob into the snapshot (or copies it where links are unsupported) and records refs.
@@ -390,7 +392,8 @@ def _http_error(repo_id: str, e: Exception) -> DownloadError:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gaudi-serve download", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="gaudi-serve download", description="Fetch a model's serving files from the Hugging Face hub into the "
+                                "hub cache: resumable, checked, with progress.",
                                 epilog="JSON lines format and exit codes: docs/operations.md, \"Cold start\".")
     env = os.environ.get
     p.add_argument("--model-id", default=env("MODEL_ID"), help="Hugging Face hub id. [env: MODEL_ID]")
