@@ -139,6 +139,7 @@ class BatchingEngine:
             info = await self.client.info()
             check_context_fits(self.cfg.max_total_tokens, info.max_position_embeddings)
             self.shard_info = info
+            self.warmup_progress["from_cache"] = json.loads(info.details_json or "{}").get("warmup_from_cache")
             self.allocator = BlockAllocator(info.num_blocks)
             self.eos_ids = set(info.eos_token_ids)
             self.state = "warming_up"
@@ -152,7 +153,7 @@ class BatchingEngine:
         self._task = asyncio.create_task(self._loop(), name="batching-loop")
 
     def _on_warmup(self, done: int, total: int, phase: str) -> None:
-        self.warmup_progress = {"done": done, "total": total, "phase": phase}
+        self.warmup_progress.update(done=done, total=total, phase=phase)
         if self.metrics is not None:
             self.metrics.gaudi_serve_warmup_done.set(done)
             self.metrics.gaudi_serve_warmup_total.set(total)
@@ -199,6 +200,8 @@ class BatchingEngine:
             details = json.loads(s.details_json or "{}")
             info["warmup"] = details.get("warmup")
             info["weight_bytes_per_shard"] = details.get("weight_bytes")  # rank 0's; every rank holds ~1/N
+            for key in ("quantization", "kv_cache_dtype", "warmup_from_cache", "recipe_cache", "startup_seconds"):
+                info[key] = details.get(key)
         if self.allocator is not None:
             info["kv_blocks_free"] = self.allocator.free_count
         return info
