@@ -366,12 +366,6 @@ class ModelRunner:
                         "exponential": self.cfg.exponential_bucketing},
         }
 
-    def filter(self, batch_id: int, request_ids: list[int]) -> None:
-        b = self.batches.get(batch_id)
-        if b is None:
-            raise ValueError(f"no cached batch {batch_id}")
-        self.batches[batch_id] = b.filter(request_ids)
-
     def clear(self, batch_id: int | None) -> None:
         if batch_id is None:
             self.batches.clear()
