@@ -10,18 +10,20 @@ from typing import Any
 import torch
 
 from ..layers.linear import LazyWeight, TPContext
+from .base import CausalLMBase
 from .falcon import FalconForCausalLM
 from .gemma import GemmaForCausalLM
 from .gpt_bigcode import GPTBigCodeForCausalLM
+from .interface import CausalLM
 from .llama import LlamaForCausalLM
 from .llava_next import LlavaNextForConditionalGeneration
 from .mixtral import MixtralForCausalLM
 from .starcoder2 import Starcoder2ForCausalLM
 
 # config.json "architectures" entry -> model class (Mistral and Qwen2 are Llama config variations).
-# A model class has ``config_class.from_dict(cfg, arch)``, the constructor
-# ``(cfg, tp, dtype, device)``, ``load_weights`` and the ``CausalLM`` interface.
-SUPPORTED_ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
+# Every class is built by ``base.CausalLMBase`` from ``config_class.from_dict(cfg, arch)`` and
+# implements ``interface.CausalLM``.
+SUPPORTED_ARCHITECTURES: dict[str, type[CausalLMBase]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -32,8 +34,6 @@ SUPPORTED_ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
 }
-
-CausalLM = LlamaForCausalLM  # the interface every supported model class implements
 
 
 class UnsupportedModelError(ValueError):

@@ -156,7 +156,8 @@ def _bound(node):
     lo, hi = node.get("minLength"), node.get("maxLength")
     if node.get("type") == "string" and "pattern" not in node and (lo is not None or hi is not None):
         if all(v is None or isinstance(v, int) and v >= 0 for v in (lo, hi)):
-            node["pattern"] = '^[^"\\\\\\x00-\\x1f]{%d,%s}$' % (lo or 0, "" if hi is None else hi)
+            upper = "" if hi is None else hi
+            node["pattern"] = '^[^"\\\\\\x00-\\x1f]{' + f"{lo or 0},{upper}" + "}$"
             node.pop("minLength", None), node.pop("maxLength", None)  # in the pattern; xgrammar would ignore them
     return node
 

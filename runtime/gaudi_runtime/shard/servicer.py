@@ -126,14 +126,6 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             unwarmed_shapes=self.runner.unwarmed_shapes,
         )
 
-    async def FilterBatch(self, request, context):
-        async with self.order.turn(request.sequence):
-            try:
-                self.runner.filter(request.batch_id, list(request.request_ids))
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.FilterBatchResponse(batch=pb.CachedBatch(id=request.batch_id, request_ids=request.request_ids))
-
     async def CompileGrammar(self, request, context):
         grammars = self.runner.grammars
         if grammars is None:
