@@ -499,7 +499,9 @@ async def test_completions_errors(fake_server):
     url = fake_server.url
     for body, message in [({}, "missing field `prompt`"), ({"prompt": ""}, "`inputs` cannot be empty"),
                           ({"prompt": "x", "max_tokens": 0}, "`max_new_tokens` must be strictly positive"),
-                          ({"prompt": "x", "n": 2}, "`n` != 1"), ({"prompt": 3}, "`prompt` must be")]:
+                          ({"prompt": "x", "n": 17}, "`n` must be <= 16 (--max-n)"),
+                          ({"prompt": "x", "best_of": 3}, "`best_of` must be <= 2 (--max-best-of)"),
+                          ({"prompt": 3}, "`prompt` must be")]:
         status, b, _ = await call(url, "/v1/completions", body)
         assert_error(status, b, 422, "validation", message)
 
@@ -554,8 +556,13 @@ async def test_chat_errors(fake_server):
     for body, message in [
         ({}, "`messages`"), ({"messages": []}, "`messages`"), ({"messages": [{"content": "x"}]}, "`role`"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "text parts"),
-        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "grammar"),
-        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+         "`response_format.json_schema` is required"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "`tool_choice`: 'required' needs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "`tools`: this model's chat template does not render tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 6},
+         "`top_logprobs` must be <= 5"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "`temperature`"),
     ]:
         status, b, _ = await call(url, "/v1/chat/completions", body)
@@ -566,3 +573,34 @@ async def test_concurrent_requests(fake_server):
     prompts = [f"hello world {w}" for w in ("the", "a", "deep", "model", "token", "batch", "cache", "東京")]
     results = await asyncio.gather(*(call(fake_server.url, "/generate", {"inputs": p}) for p in prompts))
     assert [b["generated_text"] for _, b, _ in results] == prompts
+
+
+async def test_n_choices_are_gathered_in_order(fake_server):
+    body = {"prompt": ["hello", "the gaudi card"], "n": 2, "max_tokens": 3, "seed": 1}
+    status, b, _ = await call(fake_server.url, "/v1/completions", body)
+    assert status == 200, b
+    assert [c["index"] for c in b["choices"]] == [0, 1, 2, 3]
+    started = fake_server.engine.finished[-4:]
+    assert sorted(r.sampling.seed for r in started) == [1, 1, 2, 2]  # the client's seed, plus the choice's index
+    prompt_tokens = sum(len(r.input_ids) for r in started) // 2
+    assert b["usage"]["prompt_tokens"] == prompt_tokens  # each prompt counted once
+    status, events, _ = await stream(fake_server.url, "/v1/chat/completions",
+                                     {"messages": [{"role": "user", "content": "hello"}], "n": 3, "max_tokens": 2,
+                                      "stream": True})
+    assert status == 200
+    finishes = {e["choices"][0]["index"]: e["choices"][0]["finish_reason"] for e in events[:-1]
+                if e["choices"][0]["finish_reason"]}
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+
+
+async def test_disabled_grammar_support_is_tgis_422(make_server):
+    url = make_server(DISABLE_GRAMMAR_SUPPORT="true").url
+    for path, body, message in [
+        ("/generate", {"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": "a"}}},
+         "grammar is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "response_format": {"type": "json_object"}},
+         "`response_format`: grammar is not supported (--disable-grammar-support)"),
+    ]:
+        status, b, _ = await call(url, path, body)
+        assert_error(status, b, 422, "validation", message)

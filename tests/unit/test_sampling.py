@@ -647,4 +647,4 @@ def test_string_length_bounds_yield_valid_json_strings(grammars):
                            CPU, GrammarRows.of(grammars, [grammars.matcher("json", schema) for _ in range(n)]))
     for ids in _generate(sampler, 30, vocab, seed=3):
         value = json.loads(_text(tok, ids))["s"]  # strict JSON: no raw control characters
-        assert 2 <= len(value) <= 6
+        assert 2 <= len(value) <= 6 and "\ufffd" not in value  # nor a surrogate, decoded as U+FFFD

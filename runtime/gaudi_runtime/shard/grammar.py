@@ -15,6 +15,7 @@ xgrammar imports torch: only the shards import this module, never the router.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 KINDS = ("json", "regex", "structural_tag")
 _BITS = 32
@@ -65,9 +68,17 @@ class GrammarCache:
         self._compiler = None
         self._batch_matcher = None
 
+    def prepare(self) -> None:
+        """Load the grammar engine and read the vocabulary now (at warmup), so that the first
+        grammar's compilation is only that; without it, as when xgrammar is missing, grammars fail
+        when used."""
+        try:
+            self._xgr_compiler()
+        except ImportError as e:
+            log.warning("grammars cannot be served: %s", e)
+
     def _xgr_compiler(self):
-        """The compiler, built at first use: reading the vocabulary costs a moment, and a server
-        that never sees a grammar never pays it."""
+        """The compiler over the model's vocabulary, built once."""
         if self._compiler is None:
             import xgrammar as xgr
             from transformers import AutoTokenizer
@@ -138,8 +149,9 @@ def bounded_strings(text: str) -> str:
 
     xgrammar's own rule for `minLength`/`maxLength` lets raw control characters into the string
     (invalid JSON) and no escapes; its pattern rule is JSON-aware. The pattern allows what the
-    bounded rule meant to (any character but quote, backslash and controls), so every output still
-    follows the schema as given."""
+    bounded rule meant to (any character but quote, backslash and controls; not the surrogate code
+    points either, which xgrammar's character classes admit but no UTF-8 decoder takes as one
+    character), so every output still follows the schema as given."""
     try:
         node = json.loads(text)
     except ValueError:
@@ -157,7 +169,7 @@ def _bound(node):
     if node.get("type") == "string" and "pattern" not in node and (lo is not None or hi is not None):
         if all(v is None or isinstance(v, int) and v >= 0 for v in (lo, hi)):
             upper = "" if hi is None else hi
-            node["pattern"] = '^[^"\\\\\\x00-\\x1f]{' + f"{lo or 0},{upper}" + "}$"
+            node["pattern"] = '^[^"\\\\\\x00-\\x1f\\ud800-\\udfff]{' + f"{lo or 0},{upper}" + "}$"
             node.pop("minLength", None), node.pop("maxLength", None)  # in the pattern; xgrammar would ignore them
     return node
 

@@ -316,6 +316,8 @@ class ModelRunner:
     def warmup(self):
         """Run every bucket once (capturing its graph where enabled); yields (done, total, phase)."""
         cfg, dev = self.cfg, self.device
+        if self.grammars is not None:
+            self.grammars.prepare()  # the grammar engine and the vocabulary, not the first grammar's wait
         if not cfg.warmup_enabled:
             log.warning("WARMUP_ENABLED=false: no shape is compiled ahead; the first requests will be slow")
             self.warmup_summary = {"enabled": False}
