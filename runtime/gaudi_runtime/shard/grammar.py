@@ -144,14 +144,21 @@ class GrammarCache:
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, indices)
 
 
+# One JSON string character, not quote, backslash or control: a code point range per UTF-8 length
+# and lead byte, each a class of its own (xgrammar's JSON-string patterns merge the ranges of one
+# class byte by byte, which lets overlong encodings through; one range per class keeps them out).
+_JSON_CHAR = "(" + "|".join(f"[{r}]" for r in (
+    r"\x20-\x21\x23-\x5b\x5d-\x7f", r"\u0080-\u07ff", r"\u0800-\u0fff", r"\u1000-\ucfff", r"\ud000-\ud7ff",
+    r"\ue000-\uffff", r"\u{10000}-\u{3ffff}", r"\u{40000}-\u{fffff}", r"\u{100000}-\u{10ffff}")) + ")"
+
+
 def bounded_strings(text: str) -> str:
     """The schema (or structural tag) with each string's length bounds written as a pattern instead.
 
     xgrammar's own rule for `minLength`/`maxLength` lets raw control characters into the string
-    (invalid JSON) and no escapes; its pattern rule is JSON-aware. The pattern allows what the
-    bounded rule meant to (any character but quote, backslash and controls; not the surrogate code
-    points either, which xgrammar's character classes admit but no UTF-8 decoder takes as one
-    character), so every output still follows the schema as given."""
+    (invalid JSON) and no escapes; a pattern of valid characters (no quote, backslash, control,
+    surrogate or overlong encoding: what UTF-8 decoders take as one character) keeps every output
+    valid JSON that follows the schema as given."""
     try:
         node = json.loads(text)
     except ValueError:
@@ -169,7 +176,7 @@ def _bound(node):
     if node.get("type") == "string" and "pattern" not in node and (lo is not None or hi is not None):
         if all(v is None or isinstance(v, int) and v >= 0 for v in (lo, hi)):
             upper = "" if hi is None else hi
-            node["pattern"] = '^[^"\\\\\\x00-\\x1f\\ud800-\\udfff]{' + f"{lo or 0},{upper}" + "}$"
+            node["pattern"] = f"^{_JSON_CHAR}{{{lo or 0},{upper}}}$"
             node.pop("minLength", None), node.pop("maxLength", None)  # in the pattern; xgrammar would ignore them
     return node
 
