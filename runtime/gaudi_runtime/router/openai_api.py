@@ -31,6 +31,7 @@ from gaudi_runtime.router.openai_validation import (
     chat_parameters,
     chat_prompt,
     chat_request,
+    check_chat_schemas,
     completion_requests,
 )
 from gaudi_runtime.router.request_models import (
@@ -180,6 +181,7 @@ async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> we
     state = get_state(request)
     with recorded(rec):
         req = parse_request(ChatCompletionRequest, body)
+        check_chat_schemas(req, state.config)
         params = chat_parameters(req)
         prompt = chat_prompt(req, state.tokenizer, images_allowed=state.images is not None)
         images = await prompt_images(state, prompt)

@@ -22,6 +22,7 @@ from gaudi_runtime.router.request_models import (
     OpenAIRequest,
     parse_request,
 )
+from gaudi_runtime.router.schema_limits import check_json_schemas
 from gaudi_runtime.router.tokenizer import RouterTokenizer, TokenizerError
 from gaudi_runtime.router.types import ValidRequest
 from gaudi_runtime.router.validation import tokenize_input, validate_parameters, validate_with_images
@@ -67,6 +68,10 @@ def prompts(prompt: str | list[str] | list[int], config: Config,
     if isinstance(prompt, str):
         return [(prompt, tokenize_input(prompt, tokenizer))]
     if isinstance(prompt[0], int):
+        try:
+            tokenizer.check_ids(prompt)
+        except TokenizerError as e:
+            raise ValidationError(f"`prompt`: {e}") from None
         return [(tokenizer.decode(prompt), list(prompt))]
     if len(prompt) > config.max_client_batch_size:
         raise ValidationError(
@@ -76,6 +81,14 @@ def prompts(prompt: str | list[str] | list[int], config: Config,
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------------
+
+def check_chat_schemas(req: ChatCompletionRequest, config: Config) -> None:
+    """The JSON schemas a chat request carries (`response_format`, each tool's parameters), bounded
+    before the template renders or a grammar compiles them."""
+    fields = [("response_format.json_schema", None if req.response_format is None else req.response_format.json_schema)]
+    fields += [(f"tools[{i}].function.parameters", t.function.parameters) for i, t in enumerate(req.tools or [])]
+    check_json_schemas(fields, config)
+
 
 def chat_parameters(req: ChatCompletionRequest) -> GenerateParameters:
     extra = {"top_n_tokens": req.top_logprobs} if req.logprobs and req.top_logprobs else {}

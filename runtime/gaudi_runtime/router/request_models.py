@@ -84,13 +84,26 @@ Penalty = Annotated[Float, Ge(-2.0), Le(2.0)]
 TopP = Annotated[Float, Gt(0.0), Le(1.0)]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
-StrList = Annotated[list[Str], BeforeValidator(_one_is_a_list), _must_be("a string or a list of strings")]
+StrList = Annotated[list[Str], BeforeValidator(_one_is_a_list, json_schema_input_type=Str | list[Str]),
+                    _must_be("a string or a list of strings")]
+
+
+def _null_is_absent_in_schema(schema: dict[str, Any]) -> None:
+    """The JSON schema of a request model says what `_null_is_absent` accepts: null for every field
+    that may be left out."""
+    required = set(schema.get("required", ()))
+    properties = schema.get("properties", {})
+    for name, prop in list(properties.items()):
+        if name in required or {"type": "null"} in prop.get("anyOf", ()):
+            continue
+        outer = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+        properties[name] = {"anyOf": [prop, {"type": "null"}], **outer}
 
 
 class RequestBody(BaseModel):
     """Base of every request model: unknown fields ignored, null fields absent."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_null_is_absent_in_schema)
 
     @model_validator(mode="before")
     @classmethod
@@ -180,7 +193,7 @@ class OpenAIRequest(RequestBody):
 
 
 Prompt = Annotated[
-    Str | Annotated[list[Str], MinLen(1)] | Annotated[list[Int], MinLen(1)],
+    Str | Annotated[list[Str], MinLen(1)] | Annotated[list[NonNegativeInt], MinLen(1)],
     _must_be("a string, a non-empty list of strings, or a list of token ids"),
 ]
 
