@@ -78,6 +78,8 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--rope-scaling", None, str, None, "Override the model's RoPE scaling: linear or dynamic (factor from --rope-factor)."),
     ("--rope-factor", None, float, None, "RoPE scaling factor (default 1.0 with --rope-scaling; alone it implies linear)."),
     ("--tokenizer-config-path", None, str, None, "A tokenizer_config.json whose chat_template replaces the model's."),
+    ("--recipe-cache-dir", None, str, None, "Gaudi: keep Habana's compiled graph recipes under this writable "
+     "directory (PT_HPU_RECIPE_CACHE_CONFIG), keyed by what changes them, so that a restart warms up from it."),
     ("--otlp-endpoint", None, str, None, "OTLP/HTTP collector (e.g. http://collector:4318) receiving request traces."),
     ("--otlp-service-name", None, str, "text-generation-inference.router", "service.name of the exported traces."),
     ("--disable-grammar-support", None, _bool, False, "Refuse grammar / response_format requests (always the case here)."),
@@ -109,6 +111,8 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
     ("USE_FLASH_ATTENTION", _bool, True, "Fused attention (FusedSDPA on HPU, torch SDPA elsewhere); false: explicit "
      "softmax(QK^T)V."),
     ("FLASH_ATTENTION_RECOMPUTE", _bool, False, "FusedSDPA recompute mode for the first token (HPU; saves memory)."),
+    ("RECIPE_CACHE_SIZE_MB", int, 16384, "Gaudi: most megabytes of recipes each shard keeps under "
+     "--recipe-cache-dir (Habana drops the oldest beyond it)."),
     ("QUANT_CONFIG", str, None, "INC FP8 JSON (QUANTIZE mode, allowlist/blocklist, dump_stats_path); implies "
      "--quantize fp8."),
 ]
@@ -171,6 +175,8 @@ class Config:
     rope_scaling: str | None = None
     rope_factor: float | None = None
     tokenizer_config_path: str | None = None
+    recipe_cache_dir: str | None = None
+    recipe_cache_size_mb: int = 16384
     otlp_endpoint: str | None = None
     otlp_service_name: str = "text-generation-inference.router"
     disable_grammar_support: bool = False
@@ -383,6 +389,10 @@ def _derive_knobs(v: dict[str, object]) -> None:
         v["tokenizer_config_path"] = os.path.abspath(v["tokenizer_config_path"])
         if not os.path.isfile(v["tokenizer_config_path"]):
             raise ConfigError(f"--tokenizer-config-path {v['tokenizer_config_path']}: no such file")
+    if v["recipe_cache_dir"]:
+        v["recipe_cache_dir"] = os.path.abspath(v["recipe_cache_dir"])
+    if v["recipe_cache_size_mb"] < 1:
+        raise ConfigError("RECIPE_CACHE_SIZE_MB must be positive")
     for name in ("prof_waitstep", "prof_warmupstep", "prof_step"):
         if v[name] < 0:
             raise ConfigError(f"{name.upper()} must be >= 0")

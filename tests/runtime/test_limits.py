@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gaudi_runtime.config import resolve
-from gaudi_runtime.router.image_tokens import ImageGeometry
+from gaudi_runtime.image_geometry import ImageGeometry
 from gaudi_runtime.router.images import ImagePrompter
 from gaudi_runtime.router.server import build_app
 from tests.runtime.conftest import SERVER_ENV

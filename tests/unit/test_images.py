@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 
 from gaudi_runtime.config import Config, ConfigError
+from gaudi_runtime.image_geometry import ImageGeometry
 from gaudi_runtime.router.errors import ValidationError
-from gaudi_runtime.router.image_tokens import ImageGeometry
 from gaudi_runtime.router.images import (
     ImagePrompter,
     check_image_budget,

@@ -207,19 +207,3 @@ class DecodeResponse(_message.Message):
     unwarmed_shapes: int
     next_steps: _containers.RepeatedCompositeFieldContainer[Generations]
     def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., next_steps: _Optional[_Iterable[_Union[Generations, _Mapping]]] = ...) -> None: ...
-
-class FilterBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "request_ids", "sequence")
-    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    batch_id: int
-    request_ids: _containers.RepeatedScalarFieldContainer[int]
-    sequence: int
-    def __init__(self, batch_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., sequence: _Optional[int] = ...) -> None: ...
-
-class FilterBatchResponse(_message.Message):
-    __slots__ = ("batch",)
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    batch: CachedBatch
-    def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...

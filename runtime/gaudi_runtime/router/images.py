@@ -4,7 +4,7 @@ URL the router fetches (size limit, timeout, and only where `media_fetch` allows
 
 For a vision model (Llava-NeXT) each image is decoded (Pillow) to learn its size and
 replaced in the prompt text by its placeholder tokens, as many as the model makes of
-it (router/image_tokens.py); the encoded bytes go to the shards with the request.
+it (router/image_tokens.py, over gaudi_runtime/image_geometry.py); the encoded bytes go to the shards with the request.
 Every problem is a 422 naming the image. Text-only models leave markdown as text.
 """
 
@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from gaudi_runtime.config import Config, ConfigError
+from gaudi_runtime.image_geometry import ImageGeometry
 from gaudi_runtime.router.errors import ValidationError
-from gaudi_runtime.router.image_tokens import ImageGeometry, image_token_count
+from gaudi_runtime.router.image_tokens import image_token_count
 from gaudi_runtime.router.media_fetch import FetchPolicy, fetch_url
 
 # TGI's pattern: `![alt](url)`, optionally with a "title" after the URL.

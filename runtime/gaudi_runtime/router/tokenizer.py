@@ -109,9 +109,6 @@ class RouterTokenizer:
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self.special_ids
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.skip_tokenizer:
             try:

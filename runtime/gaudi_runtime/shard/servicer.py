@@ -118,11 +118,3 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             forward_ns=sum(s.forward_ns for s in steps),
             unwarmed_shapes=self.runner.unwarmed_shapes,
         )
-
-    async def FilterBatch(self, request, context):
-        async with self.order.turn(request.sequence):
-            try:
-                self.runner.filter(request.batch_id, list(request.request_ids))
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.FilterBatchResponse(batch=pb.CachedBatch(id=request.batch_id, request_ids=request.request_ids))
