@@ -357,3 +357,8 @@ def test_limits_are_checked_at_start(env, message):
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve(None, {"MODEL_ID": "m", **env})
+
+
+def test_top_k_fits_tgis_type():
+    assert "`top_k`: expected a 32-bit unsigned integer, got 4294967296" in bad({"top_k": 2**32})
+    assert ok({"top_k": 2**32 - 1}).request.sampling.top_k == 2**32 - 1

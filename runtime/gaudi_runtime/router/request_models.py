@@ -37,6 +37,7 @@ from pydantic_core import PydanticCustomError
 from gaudi_runtime.router.errors import ValidationError
 
 MAX_SEED = 2**64 - 1
+MAX_U32 = 2**32 - 1  # TGI's type of top_k, and what the shards' protocol carries
 
 
 # --- field types -------------------------------------------------------------------------------
@@ -137,7 +138,7 @@ class GenerateParameters(RequestBody):
     seed: Seed | None = None
     stop: StrList = Field(default_factory=list, validation_alias=AliasChoices("stop", "stop_sequences"))
     temperature: PositiveFloat | None = None
-    top_k: PositiveInt | None = None
+    top_k: PositiveInt | None = Field(None, json_schema_extra={"maximum": MAX_U32})  # checked by validation
     top_n_tokens: Int | None = Field(None, description="Return this many most likely tokens at each step")
     top_p: TopP | None = None
     truncate: Int | None = Field(None, description="Keep only the prompt's last tokens")

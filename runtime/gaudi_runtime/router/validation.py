@@ -17,7 +17,7 @@ from typing import Protocol
 from gaudi_runtime.config import Config
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.router.errors import ValidationError
-from gaudi_runtime.router.request_models import GenerateParameters, GenerateRequest, parse_request
+from gaudi_runtime.router.request_models import MAX_U32, GenerateParameters, GenerateRequest, parse_request
 from gaudi_runtime.router.schema_limits import check_json_schemas
 from gaudi_runtime.router.tokenizer import TokenizerError
 from gaudi_runtime.router.types import StoppingParameters, ValidRequest
@@ -137,6 +137,9 @@ def check_limits(p: GenerateParameters, config: Config, *, stream: bool) -> None
         if not 0 <= p.top_n_tokens <= config.max_top_n_tokens:
             raise ValidationError(
                 f"`top_n_tokens` must be >= 0 and <= {config.max_top_n_tokens}. Given: {p.top_n_tokens}")
+    if p.top_k is not None and p.top_k > MAX_U32:
+        raise ValidationError(f"Failed to deserialize the JSON body: `top_k`: expected a 32-bit unsigned integer, "
+                              f"got {p.top_k}")
     if p.watermark:
         raise ValidationError("`watermark` is not supported by this server")
     if p.grammar is not None:
