@@ -99,7 +99,7 @@ def test_operator_image_matches_the_chart() -> None:
     assert ("EXPOSE", str(values["health"]["port"])) in instrs
     assert ("ENTRYPOINT", '["gaudi-operator"]') in instrs
     assert "gaudi-operator" in PYPROJECT["project"]["scripts"]
-    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.\d+-slim", _text("Dockerfile.operator"), re.M)
+    assert re.search(r"^ARG PYTHON_IMAGE=docker\.io/library/python:3\.\d+-slim", _text("Dockerfile.operator"), re.M)
 
 
 def test_runtime_image_matches_the_operator() -> None:
