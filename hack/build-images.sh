@@ -13,8 +13,9 @@
 #   PYTHON_IMAGE     python:3.11-slim-bookworm    Python base of the operator and the cpu runtime;
 #                                                 when it cannot be pulled (no registry reachable),
 #                                                 hack/base-image.sh makes one from Debian's packages
-#   TORCH_CPU_INDEX  (Dockerfile's)               index the cpu runtime takes torch from; only PyPI
-#                                                 reachable: https://pypi.org/simple (CUDA torch, GBs)
+#   TORCH_CPU_INDEX  (Dockerfile's)               index the cpu runtime takes torch from (CPU-only
+#                                                 wheels); when it cannot be reached,
+#                                                 https://pypi.org/simple (torch with CUDA: 6 GB)
 #   HPU_BASE_IMAGE   (Dockerfile's)               Intel Gaudi PyTorch image of the hpu runtime
 #   ENGINE           hack/container-engine.sh     docker, podman or buildah
 #   ISOLATION        chroot                       podman/buildah: how RUN steps run (chroot or oci)
@@ -109,12 +110,25 @@ build() {  # build <image> <Dockerfile> <build-arg>...
     echo "$image"
 }
 
+# The CPU-only torch index, or PyPI's when that one cannot be reached (pip would retry it for
+# every package, then fail).
+torch_index() {
+    local index
+    index="${TORCH_CPU_INDEX:-$(sed -n 's/^ARG TORCH_CPU_INDEX=//p' Dockerfile.runtime)}"
+    if [[ -z "${TORCH_CPU_INDEX:-}" ]] && ! python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)' \
+            "$index/" >/dev/null 2>&1; then
+        echo "hack/build-images.sh: $index cannot be reached; torch comes from PyPI (with its CUDA libraries)" >&2
+        index=https://pypi.org/simple
+    fi
+    echo "$index"
+}
+
 for what in $IMAGES; do
     case "$what" in
         operator) build "$OPERATOR_IMAGE" Dockerfile.operator "PYTHON_IMAGE=$BASE" ;;
         runtime)
             args=("VARIANT=$VARIANT" "CPU_BASE_IMAGE=$BASE")
-            [[ -z "${TORCH_CPU_INDEX:-}" ]] || args+=("TORCH_CPU_INDEX=$TORCH_CPU_INDEX")
+            [[ "$VARIANT" != cpu ]] || args+=("TORCH_CPU_INDEX=$(torch_index)")
             [[ -z "${HPU_BASE_IMAGE:-}" ]] || args+=("HPU_BASE_IMAGE=$HPU_BASE_IMAGE")
             build "$RUNTIME_IMAGE" Dockerfile.runtime "${args[@]}" ;;
         *) echo "hack/build-images.sh: unknown image '$what' (operator, runtime)" >&2; exit 1 ;;

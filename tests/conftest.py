@@ -41,10 +41,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly or _BUILD:
         return
     if any(_uses_images(item) for item in session.items):
-        STORE.mkdir(parents=True, exist_ok=True)
-        log = STORE / "build.log"
-        log.write_text("")
-        _BUILD["build"] = Build(log)
+        _BUILD["build"] = Build(STORE / "build.log")
         _BUILD["build"].start()
 
 

@@ -204,6 +204,8 @@ class Build:
         self._stopping = False
 
     def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.log.write_text("")  # this session's build only
         self._thread.start()
 
     def _step(self, what: str, cmd: list[str], env: dict[str, str], timings: dict[str, float]) -> str:
