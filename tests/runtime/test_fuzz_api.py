@@ -4,7 +4,7 @@ schemathesis generates bodies for every documented route from /api-doc/openapi.j
 ones that break the schema, and checks each answer: no 500, the status and the body documented for
 it (streams event by event), no request left hanging (each has a timeout). Afterwards the server
 still serves a normal request. Bounded: a fixed number of examples per route, derandomized, so a
-CI run takes the same cases and about the same time (about a minute on two cores);
+CI run takes the same cases and about the same time;
 `GAUDI_SERVE_FUZZ_EXAMPLES=500` makes a longer hunt, with new random cases each run.
 """
 
