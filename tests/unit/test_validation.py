@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -416,3 +417,92 @@ def test_history_tool_calls_reach_the_template_with_object_arguments():
     msgs = chat_messages(req.messages)
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert msgs[1]["content"] == "" and msgs[2]["tool_call_id"] == "c1"
+
+
+# --- JSON schemas in requests: size and depth ----------------------------------------------------
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_json_depth_is_measured_without_recursion():
+    from gaudi_runtime.router.schema_limits import json_depth
+
+    assert [json_depth(v, 10) for v in (3, "x", {}, [], {"a": [1]}, [[[]]])] == [0, 0, 1, 1, 2, 3]
+    deep: list = []
+    for _ in range(100_000):  # far past Python's recursion limit
+        deep = [deep]
+    assert json_depth(deep, 32) == 33  # counting stops once past the limit
+
+
+def test_json_schema_limits_name_the_setting():
+    from gaudi_runtime.router.schema_limits import check_json_schema
+
+    check_json_schema(_nested(4), "grammar", 1000, 8)
+    check_json_schema("[a-z]+", "grammar", 1000, 8)  # a regular expression: only its size counts
+    with pytest.raises(ValidationError, match=r"`grammar` is nested more than 8 levels deep \(--max-json-schema-depth\)"):
+        check_json_schema(_nested(5), "grammar", 1000, 8)  # each level is an object and its `properties`
+    with pytest.raises(ValidationError, match=r"more than 8 levels deep"):
+        check_json_schema("[" * 5000 + "]" * 5000, "grammar", 100_000, 8)  # JSON text is parsed first
+    with pytest.raises(ValidationError, match=r"more than 8 levels deep"):
+        check_json_schema("[" * 100_000 + "]" * 100_000, "grammar", 10**6, 8)  # past the parser's recursion
+    with pytest.raises(ValidationError, match=r"`tools\[0\].function.parameters` is 1\d\d bytes, "
+                                              r"more than --max-json-schema-bytes \(100\)"):
+        check_json_schema({"enum": ["x" * 30] * 4}, "tools[0].function.parameters", 100, 8)
+
+
+def test_grammar_limits_apply_before_anything_reads_it():
+    big = {"type": "json", "value": {"enum": ["x" * 100] * 400}}
+    assert "more than --max-json-schema-bytes (32768)" in bad({"grammar": big})
+    assert "more than 32 levels deep" in bad({"grammar": {"type": "json", "value": _nested(20)}})
+    assert "more than 2 levels deep" in bad({"grammar": {"type": "json", "value": _nested(2)}},
+                                            config=cfg(MAX_JSON_SCHEMA_DEPTH="2"))
+
+
+def test_chat_schemas_are_bounded():
+    from gaudi_runtime.router.openai_validation import check_chat_schemas
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
+
+    def chat(**fields):
+        return parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], **fields})
+
+    small = cfg(MAX_JSON_SCHEMA_BYTES="200", MAX_JSON_SCHEMA_DEPTH="4")
+    check_chat_schemas(chat(response_format={"type": "json_schema", "json_schema": {"name": "a",
+                                                                                     "schema": {"type": "object"}}},
+                            tools=[{"function": {"name": "f", "parameters": {"type": "object"}}}]), small)
+    with pytest.raises(ValidationError, match=r"`response_format.json_schema.schema` is nested more than 4"):
+        check_chat_schemas(chat(response_format={"type": "json_schema", "json_schema": {"name": "a",
+                                                                                        "schema": _nested(3)}}),
+                           small)
+    with pytest.raises(ValidationError, match=r"`guided_json` is nested more than 4"):
+        check_chat_schemas(chat(guided_json=_nested(5)), small)
+    with pytest.raises(ValidationError, match=r"`tools\[1\].function.parameters` is \d+ bytes"):
+        check_chat_schemas(chat(tools=[{"function": {"name": "f"}},
+                                       {"function": {"name": "g", "parameters": {"enum": ["y" * 300]}}}]), small)
+
+
+def test_a_body_nested_past_the_parsers_limit_is_a_422():
+    with pytest.raises(ValidationError, match="nested too deeply"):
+        parse_json_body(b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MAX_REQUEST_BYTES": "0"}, "--max-request-bytes must be positive"),
+    ({"MAX_JSON_SCHEMA_DEPTH": "0"}, "--max-json-schema-depth must be positive"),
+    ({"MAX_IMAGES_PER_REQUEST": "-1"}, "--max-images-per-request must be >= 0"),
+    ({"MAX_STOP_SEQUENCES": "-1"}, "--max-stop-sequences must be >= 0"),
+    ({"MAX_BEST_OF": "0"}, "--max-best-of must be positive"),
+])
+def test_limits_are_checked_at_start(env, message):
+    from gaudi_runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(None, {"MODEL_ID": "m", **env})
+
+
+def test_top_k_fits_tgis_type():
+    assert "`top_k`: expected a 32-bit unsigned integer, got 4294967296" in bad({"top_k": 2**32})
+    assert ok({"top_k": 2**32 - 1}).request.sampling.top_k == 2**32 - 1

@@ -36,6 +36,7 @@ from gaudi_runtime.router.openai_validation import (
     chat_prompt,
     chat_requests,
     chat_tools,
+    check_chat_schemas,
     completion_requests,
 )
 from gaudi_runtime.router.request_models import (
@@ -229,6 +230,7 @@ async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> we
     state = get_state(request)
     with recorded(rec):
         req = parse_request(ChatCompletionRequest, body)
+        check_chat_schemas(req, state.config)
         params = chat_parameters(req, state.config)
         tools = chat_tools(req, state.config, state.tokenizer.chat_template)
         prompt = chat_prompt(req, state.tokenizer, tools, images_allowed=state.images is not None)

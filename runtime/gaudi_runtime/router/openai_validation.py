@@ -24,6 +24,7 @@ from gaudi_runtime.router.request_models import (
     OpenAIRequest,
     parse_request,
 )
+from gaudi_runtime.router.schema_limits import check_json_schemas
 from gaudi_runtime.router.tokenizer import RouterTokenizer, TokenizerError
 from gaudi_runtime.router.tool_calls import call_grammar, check_format, detect_format
 from gaudi_runtime.router.types import GrammarSpec, ValidRequest
@@ -104,7 +105,8 @@ def output_grammar(req: OpenAIRequest, config: Config) -> GrammarSpec | None:
 # --- /v1/completions ------------------------------------------------------------------------------
 
 def completion_requests(req: CompletionRequest, config: Config, tokenizer: RouterTokenizer) -> list[ValidRequest]:
-    """One validated request per prompt."""
+    """One validated request per prompt and choice."""
+    check_json_schemas(output_schemas(req), config)
     sequences = completion_sequences(req, config)
     extra: dict = {"return_full_text": req.echo}
     if req.logprobs:
@@ -144,6 +146,10 @@ def prompts(prompt: str | list[str] | list[int], config: Config,
     if isinstance(prompt, str):
         return [(prompt, tokenize_input(prompt, tokenizer))]
     if isinstance(prompt[0], int):
+        try:
+            tokenizer.check_ids(prompt)
+        except TokenizerError as e:
+            raise ValidationError(f"`prompt`: {e}") from None
         return [(tokenizer.decode(prompt), list(prompt))]
     if len(prompt) > config.max_client_batch_size:
         raise ValidationError(
@@ -153,6 +159,21 @@ def prompts(prompt: str | list[str] | list[int], config: Config,
 
 
 # --- /v1/chat/completions -------------------------------------------------------------------------
+
+def output_schemas(req: OpenAIRequest) -> list[tuple[str, object]]:
+    """The schemas and patterns a request's output constraint carries, by field."""
+    fmt = req.response_format.json_schema if req.response_format is not None else None
+    return [("response_format.json_schema.schema", None if fmt is None else fmt.schema_),
+            ("guided_json", req.guided_json), ("guided_regex", req.guided_regex)]
+
+
+def check_chat_schemas(req: ChatCompletionRequest, config: Config) -> None:
+    """The JSON schemas a chat request carries (`response_format`, vLLM's guided fields, each tool's
+    parameters), bounded before the template renders or a grammar compiles them."""
+    fields = output_schemas(req)
+    fields += [(f"tools[{i}].function.parameters", t.function.parameters) for i, t in enumerate(req.tools or [])]
+    check_json_schemas(fields, config)
+
 
 def chat_parameters(req: ChatCompletionRequest, config: Config) -> GenerateParameters:
     extra = {}

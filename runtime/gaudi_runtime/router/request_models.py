@@ -37,6 +37,7 @@ from pydantic_core import PydanticCustomError
 from gaudi_runtime.router.errors import ValidationError
 
 MAX_SEED = 2**64 - 1
+MAX_U32 = 2**32 - 1  # TGI's type of top_k, and what the shards' protocol carries
 
 
 # --- field types -------------------------------------------------------------------------------
@@ -84,13 +85,26 @@ Penalty = Annotated[Float, Ge(-2.0), Le(2.0)]
 TopP = Annotated[Float, Gt(0.0), Le(1.0)]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
-StrList = Annotated[list[Str], BeforeValidator(_one_is_a_list), _must_be("a string or a list of strings")]
+StrList = Annotated[list[Str], BeforeValidator(_one_is_a_list, json_schema_input_type=Str | list[Str]),
+                    _must_be("a string or a list of strings")]
+
+
+def _null_is_absent_in_schema(schema: dict[str, Any]) -> None:
+    """The JSON schema of a request model says what `_null_is_absent` accepts: null for every field
+    that may be left out."""
+    required = set(schema.get("required", ()))
+    properties = schema.get("properties", {})
+    for name, prop in list(properties.items()):
+        if name in required or {"type": "null"} in prop.get("anyOf", ()):
+            continue
+        outer = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+        properties[name] = {"anyOf": [prop, {"type": "null"}], **outer}
 
 
 class RequestBody(BaseModel):
     """Base of every request model: unknown fields ignored, null fields absent."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_null_is_absent_in_schema)
 
     @model_validator(mode="before")
     @classmethod
@@ -126,7 +140,7 @@ class GenerateParameters(RequestBody):
     seed: Seed | None = None
     stop: StrList = Field(default_factory=list, validation_alias=AliasChoices("stop", "stop_sequences"))
     temperature: PositiveFloat | None = None
-    top_k: PositiveInt | None = None
+    top_k: PositiveInt | None = Field(None, json_schema_extra={"maximum": MAX_U32})  # checked by validation
     top_n_tokens: Int | None = Field(None, description="Return this many most likely tokens at each step")
     top_p: TopP | None = None
     truncate: Int | None = Field(None, description="Keep only the prompt's last tokens")
@@ -208,7 +222,7 @@ class OpenAIRequest(RequestBody):
 
 
 Prompt = Annotated[
-    Str | Annotated[list[Str], MinLen(1)] | Annotated[list[Int], MinLen(1)],
+    Str | Annotated[list[Str], MinLen(1)] | Annotated[list[NonNegativeInt], MinLen(1)],
     _must_be("a string, a non-empty list of strings, or a list of token ids"),
 ]
 

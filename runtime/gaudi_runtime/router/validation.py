@@ -17,7 +17,14 @@ from typing import Protocol
 from gaudi_runtime.config import Config
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.router.errors import ValidationError
-from gaudi_runtime.router.request_models import GenerateParameters, GenerateRequest, Grammar, parse_request
+from gaudi_runtime.router.request_models import (
+    MAX_U32,
+    GenerateParameters,
+    GenerateRequest,
+    Grammar,
+    parse_request,
+)
+from gaudi_runtime.router.schema_limits import check_json_schemas
 from gaudi_runtime.router.tokenizer import TokenizerError
 from gaudi_runtime.router.types import GrammarSpec, StoppingParameters, ValidRequest
 
@@ -46,6 +53,8 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValidationError(f"Failed to parse the request body as JSON: {e}") from None
+    except RecursionError:
+        raise ValidationError("Failed to parse the request body as JSON: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise ValidationError("Failed to deserialize the JSON body: expected a JSON object")
     return body
@@ -127,6 +136,7 @@ def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParam
 
 def check_limits(p: GenerateParameters, config: Config, *, stream: bool) -> None:
     """What TGI checks against its launch settings, and what this server does not implement."""
+    check_json_schemas([("grammar", None if p.grammar is None else p.grammar.value)], config)
     _check_best_of(p, config, stream=stream)
     if stream and p.decoder_input_details:
         raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
@@ -139,6 +149,9 @@ def check_limits(p: GenerateParameters, config: Config, *, stream: bool) -> None
         if not 0 <= p.top_n_tokens <= config.max_top_n_tokens:
             raise ValidationError(
                 f"`top_n_tokens` must be >= 0 and <= {config.max_top_n_tokens}. Given: {p.top_n_tokens}")
+    if p.top_k is not None and p.top_k > MAX_U32:
+        raise ValidationError(f"Failed to deserialize the JSON body: `top_k`: expected a 32-bit unsigned integer, "
+                              f"got {p.top_k}")
     if p.watermark:
         raise ValidationError("`watermark` is not supported by this server")
     if p.grammar is not None and config.disable_grammar_support:
