@@ -79,8 +79,15 @@ def qwen(servers):
     return servers("qwen2")
 
 
+class _Client(OpenAI):
+    """The `openai` client, its errors showing our body (TGI's `{"error": ..., "error_type": ...}`)."""
+
+    def _make_status_error(self, err_msg, *, body, response):
+        return super()._make_status_error(f"{err_msg}: {body}", body=body, response=response)
+
+
 def openai(srv) -> OpenAI:
-    return OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=300)
+    return _Client(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=300)
 
 
 def follows(text: str, schema: dict) -> bool:

@@ -63,7 +63,7 @@ class GrammarCache:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.capacity = capacity
-        self._compiled: OrderedDict[tuple[str, str], Compiled | GrammarError] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], Compiled | str] = OrderedDict()  # str: why it failed
         self._lock = threading.Lock()
         self._compiler = None
         self._batch_matcher = None
@@ -103,21 +103,21 @@ class GrammarCache:
                 self._compiled[key] = found
                 while len(self._compiled) > self.capacity:
                     self._compiled.popitem(last=False)
-        if isinstance(found, GrammarError):
-            raise found
+        if isinstance(found, str):
+            raise GrammarError(found)  # a new one each time: a stored exception would gather tracebacks
         return found
 
     def cached(self, kind: str, value: str) -> bool:
         with self._lock:
             return (kind, value) in self._compiled
 
-    def _compile(self, kind: str, value: str) -> Compiled | GrammarError:
+    def _compile(self, kind: str, value: str) -> Compiled | str:
         if kind not in KINDS:
-            return GrammarError(f"unknown grammar type {kind!r}")
+            return f"unknown grammar type {kind!r}"
         try:
             compiler = self._xgr_compiler()
         except ImportError as e:
-            return GrammarError(f"grammar support needs the xgrammar package on the shards ({e})")
+            return f"grammar support needs the xgrammar package on the shards ({e})"
         t0 = time.perf_counter_ns()
         try:
             if kind == "json":
@@ -128,7 +128,7 @@ class GrammarCache:
             else:
                 grammar = compiler.compile_structural_tag(bounded_strings(value))
         except Exception as e:  # xgrammar raises RuntimeError (and ValueError, TypeError) on bad input
-            return GrammarError(error_message(e))
+            return error_message(e)
         return Compiled(grammar, time.perf_counter_ns() - t0)
 
     def matcher(self, kind: str, value: str):
