@@ -46,7 +46,7 @@ def _expected(field: str, message: str) -> str:
     """What the API server's answer must contain: the CEL rule's message, else the field's path."""
     if "was unexpected" in message:  # unknown fields: kubectl --validate=strict names them
         return f'unknown field "{field}.{message.split(chr(39))[1]}"'
-    return message if message.startswith("spec.") else field
+    return message if message.startswith(("spec.", "metadata.")) else field
 
 
 @pytest.mark.parametrize("name,obj,field,message", BAD, ids=[b[0] for b in BAD])
