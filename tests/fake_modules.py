@@ -24,3 +24,17 @@ def load_fake(monkeypatch, package: str, module: str):
     fake.reset()
     yield fake.RECORD
     _forget(monkeypatch, package)
+
+
+def forget(monkeypatch, package: str) -> None:
+    """Drop every imported module of `package`: the next import runs it afresh, as a new process would."""
+    _forget(monkeypatch, package)
+
+
+def importable_fake(monkeypatch, package: str):
+    """For a fixture to `yield from`: `package`'s fake importable but not yet imported, so that the code under
+    test makes the first import (as a fresh process does); afterwards nothing of it stays importable."""
+    monkeypatch.syspath_prepend(FAKES)
+    _forget(monkeypatch, package)
+    yield
+    _forget(monkeypatch, package)

@@ -1,6 +1,6 @@
 """gaudi-serve runtime: a TGI-compatible router in front of tensor-parallel shards."""
 
-__version__ = "0.1.0"
+from gaudi_runtime.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

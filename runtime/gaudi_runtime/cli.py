@@ -1,4 +1,4 @@
-"""`gaudi-serve` command line: launch, router, shard, tiny-model, benchmark, loadtest, calibrate."""
+"""`gaudi-serve` command line: launch, download, router, shard, tiny-model, benchmark, loadtest, calibrate."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
 
 # Tools with their own argument parsers: `gaudi-serve NAME ...` hands them the rest of the line.
 TOOLS = {
+    "download": "fetch a model's serving files from the Hugging Face hub into the cache (resumable, checked)",
     "tiny-model": "write a tiny random model for demos and tests",
     "benchmark": "static-batching latency/throughput of the shards per batch size",
     "loadtest": "load generator for a TGI or OpenAI endpoint (TTFT, ITL, throughput)",
@@ -41,7 +42,9 @@ TOOLS = {
 
 
 def _run_tool(name: str, argv: list[str]) -> int:
-    if name == "tiny-model":
+    if name == "download":
+        from gaudi_runtime.download import main as tool
+    elif name == "tiny-model":
         from gaudi_runtime.tools.tiny_model import main as tool
     elif name == "benchmark":
         from gaudi_runtime.bench.benchmark import main as tool

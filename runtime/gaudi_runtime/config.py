@@ -53,13 +53,22 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--max-top-n-tokens", None, int, 5, "Largest top_n_tokens a request may ask for."),
     ("--max-best-of", None, int, 2, "Largest best_of a request may ask for."),
     ("--max-client-batch-size", None, int, 4, "Most prompts in one /generate or /v1/completions body."),
+    ("--max-request-bytes", None, int, 8 * 1024 * 1024, "Largest request body in bytes; a larger one gets 413."),
+    ("--max-images-per-request", None, int, 4, "Most images one prompt may hold (vision models)."),
+    ("--max-json-schema-bytes", None, int, 32 * 1024, "Largest JSON schema or grammar a request may carry "
+     "(grammar, response_format, each tool's parameters), in bytes of compact JSON."),
+    ("--max-json-schema-depth", None, int, 32, "Deepest nesting of objects and arrays in such a JSON schema."),
+    ("--allowed-media-domains", None, str, None, "Comma-separated hosts whose image URLs the router fetches, "
+     "whatever their addresses (default: any host whose addresses are all public)."),
+    ("--disable-image-urls", None, _bool, False, "Take images only inline as data: URLs; fetch no URL."),
     ("--hostname", None, str, "0.0.0.0", "Address the HTTP server listens on."),
     ("--port", None, int, 80, "Port the HTTP server listens on."),
     ("--shard-uds-path", None, str, "/tmp/gaudi-serve-server", "Prefix of the shards' unix sockets."),
     ("--sharded", None, _bool, None, "Shard the model across cards (default: when more than one is visible)."),
     ("--num-shard", None, int, None, "Number of shards (default: every visible card; 1 on CPU or with --sharded false)."),
     ("--json-output", None, _bool, False, "Log JSON lines instead of text."),
-    ("--api-key", None, str, None, "Bearer token every route but /health, /ping and /metrics requires."),
+    ("--api-key", None, str, None, "Bearer token every route requires but /health, /ping, /metrics and the API "
+     "description (/api-doc/openapi.json, /docs)."),
     ("--cors-allow-origin", None, str, None, "Comma-separated origins allowed by CORS."),
     ("--block-size", None, int, None, "KV-cache block size in tokens (default: 128 on HPU, 16 elsewhere)."),
     ("--memory-fraction", "MEMORY_FRACTION", float, 0.9, "Share of free device memory the KV cache may take."),
@@ -69,6 +78,8 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--rope-scaling", None, str, None, "Override the model's RoPE scaling: linear or dynamic (factor from --rope-factor)."),
     ("--rope-factor", None, float, None, "RoPE scaling factor (default 1.0 with --rope-scaling; alone it implies linear)."),
     ("--tokenizer-config-path", None, str, None, "A tokenizer_config.json whose chat_template replaces the model's."),
+    ("--recipe-cache-dir", None, str, None, "Gaudi: keep Habana's compiled graph recipes under this writable "
+     "directory (PT_HPU_RECIPE_CACHE_CONFIG), keyed by what changes them, so that a restart warms up from it."),
     ("--otlp-endpoint", None, str, None, "OTLP/HTTP collector (e.g. http://collector:4318) receiving request traces."),
     ("--otlp-service-name", None, str, "text-generation-inference.router", "service.name of the exported traces."),
     ("--disable-grammar-support", None, _bool, False, "Refuse grammar / response_format requests (always the case here)."),
@@ -100,6 +111,8 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
     ("USE_FLASH_ATTENTION", _bool, True, "Fused attention (FusedSDPA on HPU, torch SDPA elsewhere); false: explicit "
      "softmax(QK^T)V."),
     ("FLASH_ATTENTION_RECOMPUTE", _bool, False, "FusedSDPA recompute mode for the first token (HPU; saves memory)."),
+    ("RECIPE_CACHE_SIZE_MB", int, 16384, "Gaudi: most megabytes of recipes each shard keeps under "
+     "--recipe-cache-dir (Habana drops the oldest beyond it)."),
     ("QUANT_CONFIG", str, None, "INC FP8 JSON (QUANTIZE mode, allowlist/blocklist, dump_stats_path); implies "
      "--quantize fp8."),
 ]
@@ -130,6 +143,12 @@ class Config:
     max_top_n_tokens: int = 5
     max_best_of: int = 2
     max_client_batch_size: int = 4
+    max_request_bytes: int = 8 * 1024 * 1024
+    max_images_per_request: int = 4
+    max_json_schema_bytes: int = 32 * 1024
+    max_json_schema_depth: int = 32
+    allowed_media_domains: list[str] | None = None
+    disable_image_urls: bool = False
     hostname: str = "0.0.0.0"
     port: int = 80
     shard_uds_path: str = "/tmp/gaudi-serve-server"
@@ -161,6 +180,8 @@ class Config:
     rope_scaling: str | None = None
     rope_factor: float | None = None
     tokenizer_config_path: str | None = None
+    recipe_cache_dir: str | None = None
+    recipe_cache_size_mb: int = 16384
     otlp_endpoint: str | None = None
     otlp_service_name: str = "text-generation-inference.router"
     disable_grammar_support: bool = False
@@ -252,6 +273,7 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     _derive_shards(v, device_count)
     _derive_quantization(v)
     _derive_knobs(v)
+    _derive_request_limits(v)
     origins = v["cors_allow_origin"]
     v["cors_allow_origin"] = [o.strip() for o in origins.split(",") if o.strip()] if origins else []
     v["model_name"] = v["model_name"] or v["model_id"]
@@ -300,6 +322,26 @@ def _derive_batching(v: dict[str, object]) -> None:
         v["max_batch_size"] = max(v["batch_bucket_size"], min(256, v["max_concurrent_requests"]))
     if v["max_batch_size"] < 1:
         raise ConfigError("--max-batch-size must be positive")
+
+
+def _derive_request_limits(v: dict[str, object]) -> None:
+    """What one request may carry, and which image URLs the router may fetch."""
+    for name in ("max_request_bytes", "max_json_schema_bytes", "max_json_schema_depth"):
+        if v[name] < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    for name in ("max_stop_sequences", "max_top_n_tokens", "max_images_per_request"):
+        if v[name] < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    if v["max_best_of"] < 1:
+        raise ConfigError("--max-best-of must be positive")
+    domains = v["allowed_media_domains"]
+    if domains is not None:
+        v["allowed_media_domains"] = [normalize_host(d) for d in domains.split(",") if d.strip()]
+
+
+def normalize_host(host: str) -> str:
+    """A host name as the router compares it: lower case, no trailing dot, no IPv6 brackets."""
+    return host.strip().lower().rstrip(".").removeprefix("[").removesuffix("]")
 
 
 def _derive_device(v: dict[str, object]) -> None:
@@ -360,6 +402,10 @@ def _derive_knobs(v: dict[str, object]) -> None:
         v["tokenizer_config_path"] = os.path.abspath(v["tokenizer_config_path"])
         if not os.path.isfile(v["tokenizer_config_path"]):
             raise ConfigError(f"--tokenizer-config-path {v['tokenizer_config_path']}: no such file")
+    if v["recipe_cache_dir"]:
+        v["recipe_cache_dir"] = os.path.abspath(v["recipe_cache_dir"])
+    if v["recipe_cache_size_mb"] < 1:
+        raise ConfigError("RECIPE_CACHE_SIZE_MB must be positive")
     for name in ("prof_waitstep", "prof_warmupstep", "prof_step"):
         if v[name] < 0:
             raise ConfigError(f"{name.upper()} must be >= 0")

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from gaudi_runtime.config import Config, ConfigError
+from gaudi_runtime.download import DOWNLOAD_SECONDS_ENV, DownloadError, ensure_snapshot
 from gaudi_runtime.router.images import check_image_budget
 
 log = logging.getLogger("gaudi_runtime.launcher")
@@ -21,18 +22,17 @@ log = logging.getLogger("gaudi_runtime.launcher")
 CONFIG_ENV = "GAUDI_SERVE_CONFIG"
 MODEL_DIR_ENV = "GAUDI_SERVE_MODEL_DIR"
 STOP_GRACE_S = 10.0
+# A shard died: how long the router has to notice (its calls fail), answer /health 503, end every
+# stream with an error event and exit by itself (after GAUDI_SERVE_FAIL_EXIT_DELAY_S) before it is stopped.
+ROUTER_REPORT_S = 5.0
 
 
 def resolve_model_dir(cfg: Config) -> str:
-    """A local directory as is; otherwise a hub snapshot (HF_TOKEN, HF_HUB_OFFLINE honoured by huggingface_hub)."""
+    """A local directory as is; otherwise a complete, checked hub snapshot, fetched as `gaudi-serve download`
+    fetches it (HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE honoured). Raises DownloadError."""
     if os.path.isdir(cfg.model_id):
         return cfg.model_id
-    from huggingface_hub import snapshot_download
-
-    return snapshot_download(
-        cfg.model_id, revision=cfg.revision, cache_dir=cfg.huggingface_hub_cache,
-        allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"],
-    )
+    return ensure_snapshot(cfg.model_id, cfg.revision, cfg.huggingface_hub_cache)["path"]
 
 
 def check_model(model_dir: str) -> None:
@@ -75,8 +75,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child_env(cfg: Config, model_dir: str) -> dict[str, str]:
+def _child_env(cfg: Config, model_dir: str, download_seconds: float | None = None) -> dict[str, str]:
     env = dict(os.environ, **{CONFIG_ENV: cfg.to_json(), MODEL_DIR_ENV: model_dir})
+    if download_seconds is not None:
+        env[DOWNLOAD_SECONDS_ENV] = f"{download_seconds:.3f}"
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", str(_free_port()))
     return env
@@ -94,8 +96,8 @@ def spawn_shards(cfg: Config, model_dir: str, env: dict[str, str] | None = None)
     ]
 
 
-def spawn(cfg: Config, model_dir: str) -> list[tuple[str, subprocess.Popen]]:
-    env = _child_env(cfg, model_dir)
+def spawn(cfg: Config, model_dir: str, download_seconds: float | None = None) -> list[tuple[str, subprocess.Popen]]:
+    env = _child_env(cfg, model_dir, download_seconds)
     procs = spawn_shards(cfg, model_dir, env)
     return procs + [("router", subprocess.Popen(_EXE + ["router"], env=env, preexec_fn=_die_with_parent))]
 
@@ -121,6 +123,18 @@ def _raise_stop(*_):
     raise _Stop
 
 
+def let_router_report(procs: list[tuple[str, subprocess.Popen]]) -> None:
+    """Give the router up to ROUTER_REPORT_S to exit on its own after a shard died, so that its
+    clients get error events and /health its 503 rather than a connection cut mid-answer."""
+    router = dict(procs).get("router")
+    if router is None:
+        return
+    try:
+        router.wait(timeout=ROUTER_REPORT_S)
+    except (subprocess.TimeoutExpired, _Stop):  # an idle router may not notice: it is stopped next
+        pass
+
+
 def supervise(procs: list[tuple[str, subprocess.Popen]]) -> int:
     """Block until a child exits or we are told to stop; then stop every child."""
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -133,6 +147,8 @@ def supervise(procs: list[tuple[str, subprocess.Popen]]) -> int:
                 code = p.poll()
                 if code is not None:
                     log.error("%s exited with code %s; stopping every process", name, code)
+                    if name != "router":
+                        let_router_report(procs)
                     return code or 1
     except _Stop:
         log.info("stop requested; shutting down")
@@ -144,9 +160,16 @@ def supervise(procs: list[tuple[str, subprocess.Popen]]) -> int:
 
 
 def main(cfg: Config) -> int:
-    model_dir = resolve_model_dir(cfg)
+    t0 = time.monotonic()
+    try:
+        model_dir = resolve_model_dir(cfg)
+    except DownloadError as e:
+        log.error("--model-id %s: model download failed (%s): %s", cfg.model_id, e.reason, e)
+        return e.exit_code
+    # Seconds spent getting the model, shown in /info (none for a local directory).
+    download_seconds = None if model_dir == cfg.model_id else time.monotonic() - t0
     check_model(model_dir)
     check_image_budget(cfg, json.loads((Path(model_dir) / "config.json").read_text()))
     log.info("effective configuration: %s", cfg.to_log_json())  # every flag and env setting, secrets masked
     log.info("launching %d shard(s) and the router for %s", cfg.num_shard, model_dir)
-    return supervise(spawn(cfg, model_dir))
+    return supervise(spawn(cfg, model_dir, download_seconds))

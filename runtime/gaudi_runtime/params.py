@@ -15,7 +15,11 @@ class SamplingParameters:
     top_p: float = 1.0  # 1.0 = off
     typical_p: float = 1.0  # 1.0 = off
     repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0  # OpenAI's: minus penalty x count of the token so far
-    presence_penalty: float = 0.0  # OpenAI's: minus penalty once the token has appeared
+    # TGI's: minus penalty x count / length, over the prompt and the generated tokens (TGI's routes)
+    frequency_penalty: float = 0.0
+    # OpenAI's, over the generated tokens only (the OpenAI routes): minus penalty x times generated...
+    generated_frequency_penalty: float = 0.0
+    # ...and minus penalty once the token has been generated
+    presence_penalty: float = 0.0
     seed: int = 0
     watermark: bool = False

@@ -56,7 +56,7 @@ class FakeEngine:
         return 0
 
     def _token(self, tid: int, text: str, logprob: float) -> Token:
-        return Token(tid, text, logprob, self.tokenizer.is_special(tid))
+        return Token(tid, text, logprob, tid in self.tokenizer.special_ids)
 
     async def generate(self, request: ValidRequest):
         text = request.inputs
@@ -72,7 +72,7 @@ class FakeEngine:
         endless = "ENDLESS" in text or request.stopping.ignore_eos_token
         slow = "SLOW" in text
         tok = self.tokenizer
-        source = [t for t in request.input_ids if not tok.is_special(t)] or list(request.input_ids)
+        source = [t for t in request.input_ids if t not in tok.special_ids] or list(request.input_ids)
         eos = tok.eos_token_id
         detok = IncrementalDetokenizer(tok, prompt_ids=request.input_ids)
         stop = StopSequenceMatcher(request.stopping.stop_sequences)
@@ -81,7 +81,7 @@ class FakeEngine:
         logprob = -((s.seed % 7) + 1) / 10 if s.do_sample else -0.25
         prefill = []
         if request.decoder_input_details:
-            prefill = [Token(t, tok.decode([t]), float("nan") if i == 0 else -1.0, tok.is_special(t))
+            prefill = [Token(t, tok.decode([t]), float("nan") if i == 0 else -1.0, t in tok.special_ids)
                        for i, t in enumerate(request.input_ids)]
         t0 = time.monotonic()
         done = False
@@ -108,7 +108,8 @@ class FakeEngine:
                 if finish is not None:
                     piece += detok.flush()
                     end = GenerationEnd(
-                        finish_reason=finish, generated_text=detok.final_text(), generated_tokens=i + 1,
+                        finish_reason=finish, generated_text=tok.decode(detok.token_ids, skip_special_tokens=True),
+                        generated_tokens=i + 1,
                         seed=s.seed if s.do_sample else None, prefill=prefill,
                         queue_time=0.001, inference_time=time.monotonic() - t0)
                 tops = [self._token(t, tok.decode([t]), logprob - 0.1 * k)

@@ -311,24 +311,50 @@ async def test_engine_errors_map_to_status_codes(fake_server):
     assert status == 200 and b["generated_text"] == "hello"
 
 
-async def test_unhealthy_engine(make_server):
-    s = make_server()
+# A body each route takes, to show that the rule does not depend on what is asked.
+ROUTE_BODIES = {"/generate": {"inputs": "hello"}, "/generate_stream": {"inputs": "hello"}, "/": {"inputs": "hello"},
+                "/invocations": {"inputs": "hello"}, "/tokenize": {"inputs": "hello"},
+                "/v1/completions": {"prompt": "hello"},
+                "/v1/chat/completions": {"messages": [{"role": "user", "content": "hello"}]}}
+
+
+async def _walk_routes(url: str) -> dict[str, tuple[int, object]]:
+    from gaudi_runtime.router.routes import ROUTES
+
+    out = {}
+    for r in ROUTES:
+        path = r.path.replace("{name}", "swagger-ui.css")
+        status, body, _ = await call(url, path, ROUTE_BODIES.get(r.path), method=r.method)
+        out[r.path] = (status, body, r.open)
+    return out
+
+
+async def test_until_ready_every_route_but_the_open_ones_answers_503_with_the_warmup(make_server):
+    """One readiness rule for the whole route table: a client probing /v1/models or /info learns
+    that the server is warming up, as one sending /generate does."""
+    s = make_server(API_KEY="k")
     s.engine.healthy = False
-    s.engine.health_body = {"status": "warming_up", "warmup": {"done": 3, "total": 10}}
-    status, body, _ = await call(s.url, "/health", method="GET")
-    assert status == 503 and body == {"status": "warming_up", "warmup": {"done": 3, "total": 10}}
-    status, body, _ = await call(s.url, "/generate", {"inputs": "hello"})
-    assert_error(status, body, 503, "unhealthy", "warming_up")
-    status, body, _ = await call(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
-    assert_error(status, body, 503, "unhealthy")
-    status, _, _ = await call(s.url, "/ping", method="GET")
-    assert status == 200
+    s.engine.health_body = {"status": "warming_up", "warmup": {"done": 3, "total": 10, "phase": "prefill"}}
+    async with aiohttp.ClientSession() as session:
+        async with session.get(s.url + "/v1/models") as r:
+            assert r.status == 401  # the key is checked first: an unknown caller learns nothing more
+    s.config.api_key = None
+    seen = await _walk_routes(s.url)
+    for path, (status, body, is_open) in seen.items():
+        if is_open:
+            assert status == (503 if path == "/health" else 200), (path, status, body)
+            continue
+        assert status == 503, (path, status, body)
+        assert body == {"error": "the server cannot serve requests yet (warming_up)", "error_type": "unhealthy",
+                        "warmup": {"done": 3, "total": 10, "phase": "prefill"}}, (path, body)
+    assert seen["/health"][1] == {"status": "warming_up", "warmup": {"done": 3, "total": 10, "phase": "prefill"}}
+    s.engine.health_body = {"status": "failed", "error": "shard 1 died"}  # failed: the same 503, no progress
+    status, body, _ = await call(s.url, "/info", method="GET")
+    assert_error(status, body, 503, "unhealthy", "failed")
     s.engine.healthy = True
     s.engine.health_body = {"status": "ready"}
-    status, body, _ = await call(s.url, "/health", method="GET")
-    assert status == 200 and body == {"status": "ready"}
-    status, body, _ = await call(s.url, "/generate", {"inputs": "hello"})
-    assert status == 200
+    seen = await _walk_routes(s.url)
+    assert all(status == 200 for status, _, _ in seen.values()), seen
 
 
 # --- other TGI routes ----------------------------------------------------------------------
@@ -535,6 +561,18 @@ async def test_openai_temperature_zero_is_greedy(fake_server):
                                   {"messages": msgs, "max_tokens": 2, **body})
         assert status == 200
         assert fake_server.engine.finished[-1].sampling.do_sample is sample, body
+
+
+async def test_openai_extensions_are_accepted_and_penalties_reach_the_engine(fake_server):
+    body = {"messages": [{"role": "user", "content": "hello", "name": "ann"}], "max_tokens": 2, "temperature": 0,
+            "presence_penalty": 1.5, "frequency_penalty": 0.5, "logit_bias": {"5": 1}, "user": "u",
+            "parallel_tool_calls": False, "a_field_from_the_future": {"x": 1}}
+    status, b, _ = await call(fake_server.url, "/v1/chat/completions", body)
+    assert status == 200, b
+    s = fake_server.engine.finished[-1].sampling
+    assert (s.presence_penalty, s.generated_frequency_penalty, s.frequency_penalty) == (1.5, 0.5, 0.0)
+    status, b, _ = await call(fake_server.url, "/v1/chat/completions", {**body, "presence_penalty": -3})
+    assert_error(status, b, 422, "validation", "`presence_penalty` must be >= -2.0 and <= 2.0")
 
 
 async def test_chat_errors(fake_server):

@@ -11,13 +11,8 @@ import itertools
 
 import pytest
 
-from gaudi_runtime.router.image_tokens import (
-    ImageGeometry,
-    best_resolution,
-    image_token_count,
-    tile_count,
-    tile_grid,
-)
+from gaudi_runtime.image_geometry import ImageGeometry, best_resolution, tile_count, tile_grid
+from gaudi_runtime.router.image_tokens import image_token_count
 
 LLAVA_16 = {"vision_config": {"image_size": 336, "patch_size": 14},
             "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]}

@@ -335,6 +335,70 @@ def test_frequency_penalty_semantics():
     assert out.next_ids.item() == 2
 
 
+def test_openai_penalties_count_generated_tokens_only():
+    logits = torch.tensor([[1.0, 0.9, 0.8, 0.7, 0.0]])
+    p = SamplingParameters(generated_frequency_penalty=0.25, presence_penalty=0.5)
+    s = make([p], prompts=[[0, 0, 0]], top_n=[5], vocab=5)
+    out = s(logits)
+    # OpenAI: logit -= frequency * n + presence * (n > 0), n = times generated; the prompt does not count
+    assert torch.allclose(full_logprobs(out), torch.log_softmax(logits, -1), atol=1e-6)
+    assert out.next_ids.item() == 0
+    for expected_n, want in [([1, 0, 0, 0, 0], 1), ([1, 1, 0, 0, 0], 2)]:
+        out = s(logits)
+        n = torch.tensor([expected_n], dtype=torch.float32)
+        expected = logits - 0.25 * n - 0.5 * (n > 0).float()
+        assert torch.allclose(full_logprobs(out), torch.log_softmax(expected, -1), atol=1e-6)
+        assert out.next_ids.item() == want
+    assert s.generated_counts[0].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert s.counts is None  # no penalty over the prompt: its counts are not kept
+
+
+def test_high_presence_penalty_forbids_repeats_in_greedy_decoding():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    plain = make([SamplingParameters()], vocab=6)
+    assert [plain(logits).next_ids.item() for _ in range(4)] == [0, 0, 0, 0]
+    s = make([SamplingParameters(presence_penalty=2.0, generated_frequency_penalty=2.0)], vocab=6)
+    assert [s(logits).next_ids.item() for _ in range(4)] == [0, 1, 2, 3]
+    # a negative presence penalty favours what was already generated
+    first, then = torch.tensor([[2.0, 1.0, 0.0]]), torch.tensor([[2.0, 3.0, 0.0]])
+    for presence, want in [(0.0, 1), (-2.0, 0)]:
+        s = make([SamplingParameters(presence_penalty=presence)], vocab=3)
+        assert s(first).next_ids.item() == 0
+        assert s(then).next_ids.item() == want
+
+
+def test_openai_penalties_keep_per_row_state_through_filter_and_concat():
+    logits = rand_logits(3, scale=0.5)
+    params = [
+        SamplingParameters(presence_penalty=1.5),
+        SamplingParameters(do_sample=True, seed=3),
+        SamplingParameters(do_sample=True, seed=4, generated_frequency_penalty=0.7, repetition_penalty=1.3),
+    ]
+    prompts = [[1], [2], [3, 3]]
+    s = make(params, prompts=prompts)
+    refs = [make([p], prompts=[pr]) for p, pr in zip(params, prompts, strict=True)]
+    for _ in range(3):
+        out = s(logits)
+        for i, r in enumerate(refs):
+            assert out.next_ids[i].item() == r(logits[i : i + 1]).next_ids.item()
+    assert s.filter([1]).generated_counts is None  # that row uses no such penalty
+    f = BatchSampler.concat([s.filter([2]), s.filter([0]), make([SamplingParameters()])])
+    assert f.generated_counts.shape == (3, V) and f.generated_counts[2].sum().item() == 0
+    sub = torch.stack([logits[2], logits[0], logits[1]])
+    for _ in range(3):
+        out = f(sub)
+        assert out.next_ids[0].item() == refs[2](logits[2:3]).next_ids.item()
+        assert out.next_ids[1].item() == refs[0](logits[0:1]).next_ids.item()
+    assert torch.equal(f.generated_counts[0], refs[2].generated_counts[0])
+    assert torch.equal(f.counts[0], refs[2].counts[0])
+
+
+def test_openai_penalties_have_no_data_dependent_host_sync():
+    params = [SamplingParameters(presence_penalty=1.0, generated_frequency_penalty=-0.5), SamplingParameters()]
+    s = BatchSampler(params, [0, 2], [[1, 2], [3]], 32, torch.device("meta"))
+    assert s(torch.empty(2, 32, device="meta")).next_ids.shape == (2,)
+
+
 def test_penalties_apply_before_temperature():
     logits = torch.tensor([[2.0, 1.0, -1.0]])
     p = SamplingParameters(do_sample=True, temperature=0.5, repetition_penalty=2.0, frequency_penalty=0.3)

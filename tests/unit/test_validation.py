@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -189,3 +190,175 @@ def test_parse_json_body_errors(raw, message):
 
 def test_parse_json_body_ok():
     assert parse_json_body('{"inputs": "東京"}'.encode()) == {"inputs": "東京"}
+
+
+# --- the request models: what a body may hold, and how a broken one is named -----------------------
+
+def test_unknown_fields_are_ignored_and_null_is_absent():
+    # Clients send extensions (vLLM's, newer TGI's) and null for every unset parameter.
+    r = validate_generate({"inputs": "a b", "parameters": {"details": None, "stop": None, "some_new_knob": 3},
+                           "extra": True}, cfg(), TOK).request
+    assert r.details is False and r.stopping.stop_sequences == ()
+
+
+def test_json_numbers_are_typed_as_tgi_does():
+    assert ok({"max_new_tokens": 5.0}).request.stopping.max_new_tokens == 5  # JSON has one number type
+    assert ok({"temperature": 1}).request.sampling.temperature == 1.0
+    for params, message in [({"max_new_tokens": "5"}, "`max_new_tokens`: expected an integer"),
+                            ({"max_new_tokens": True}, "`max_new_tokens`: expected an integer"),
+                            ({"temperature": True}, "`temperature`: expected a number"),
+                            ({"temperature": float("nan")}, "`temperature`: expected a finite number"),
+                            ({"stop": ["a", 1]}, "`stop` must be a string or a list of strings"),
+                            ({"grammar": {"type": "yaml", "value": ""}}, "`grammar.type`: expected 'json' or 'regex'")]:
+        assert message in bad(params), params
+
+
+def _openai(model, body: dict, tokenizer=TOK, config=None):
+    from gaudi_runtime.router.openai_validation import completion_requests
+    from gaudi_runtime.router.request_models import parse_request
+
+    return completion_requests(parse_request(model, body), config or cfg(), tokenizer)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "a", "presence_penalty": 2.5}, "`presence_penalty` must be >= -2.0 and <= 2.0. Given: 2.5"),
+    ({"prompt": "a", "frequency_penalty": "high"}, "`frequency_penalty`: expected a number"),
+    ({"prompt": "a", "temperature": -0.5}, "`temperature` must be >= 0.0"),
+    ({"prompt": "a", "stream_options": {"include_usage": "yes"}}, "`stream_options.include_usage`: expected a boolean"),
+    ({"prompt": [], "max_tokens": 1}, "`prompt` must be a string, a non-empty list of strings, or a list of token ids"),
+    ({"prompt": "a", "logprobs": -1}, "`logprobs` must be >= 0"),
+    ({"prompt": "a", "max_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+    ({"prompt": "a", "best_of": 2}, "`best_of` != 1 is not supported on this endpoint"),
+])
+def test_completion_errors_name_the_field(body, message):
+    from gaudi_runtime.router.request_models import CompletionRequest
+
+    with pytest.raises(ValidationError) as e:
+        _openai(CompletionRequest, body)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"messages": [{"role": "user"}, {"content": "x"}]}, "missing field `role` in `messages[1]`"),
+    ({"messages": [{"role": "user", "content": 5}]}, "`messages[0].content` must be a string or a list of text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}]},
+     "`messages[0].content[0].image_url` must be an object with a string `url`, or a URL"),
+    ({"messages": [{"role": "user"}], "tool_choice": {"type": "function", "function": {}}},
+     "missing field `name` in `tool_choice.function`"),
+    ({"messages": [{"role": "user"}], "tool_choice": "sometimes"}, "`tool_choice` must be `none`, `auto`, `required`"),
+    ({"messages": [{"role": "user"}], "top_logprobs": 1.5}, "`top_logprobs`: expected an integer"),
+])
+def test_chat_errors_name_the_field(body, message):
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
+
+    with pytest.raises(ValidationError) as e:
+        parse_request(ChatCompletionRequest, body)
+    assert message in str(e.value)
+
+
+def test_openai_penalties_keep_openais_meaning():
+    from gaudi_runtime.router.request_models import CompletionRequest
+
+    (r,) = _openai(CompletionRequest, {"prompt": "a b", "frequency_penalty": 0.5, "presence_penalty": -1,
+                                       "logit_bias": {"1": 5}, "user": "u"})
+    s = r.sampling
+    assert (s.generated_frequency_penalty, s.presence_penalty, s.frequency_penalty) == (0.5, -1.0, 0.0)
+    # TGI's own frequency_penalty (over the prompt too) is the /generate parameter
+    s = ok({"frequency_penalty": 0.5}).request.sampling
+    assert (s.generated_frequency_penalty, s.presence_penalty, s.frequency_penalty) == (0.0, 0.0, 0.5)
+
+
+def test_every_route_body_has_a_json_schema():
+    from gaudi_runtime.router.routes import ROUTES
+
+    bodies = {m for r in ROUTES for m in r.bodies}
+    assert {m.__name__ for m in bodies} == {"GenerateRequest", "CompletionRequest", "ChatCompletionRequest",
+                                            "TokenizeRequest"}
+    for model in bodies:
+        schema = model.model_json_schema()
+        assert schema["type"] == "object" and schema["properties"], model
+
+
+# --- JSON schemas in requests: size and depth ----------------------------------------------------
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_json_depth_is_measured_without_recursion():
+    from gaudi_runtime.router.schema_limits import json_depth
+
+    assert [json_depth(v, 10) for v in (3, "x", {}, [], {"a": [1]}, [[[]]])] == [0, 0, 1, 1, 2, 3]
+    deep: list = []
+    for _ in range(100_000):  # far past Python's recursion limit
+        deep = [deep]
+    assert json_depth(deep, 32) == 33  # counting stops once past the limit
+
+
+def test_json_schema_limits_name_the_setting():
+    from gaudi_runtime.router.schema_limits import check_json_schema
+
+    check_json_schema(_nested(4), "grammar", 1000, 8)
+    check_json_schema("[a-z]+", "grammar", 1000, 8)  # a regular expression: only its size counts
+    with pytest.raises(ValidationError, match=r"`grammar` is nested more than 8 levels deep \(--max-json-schema-depth\)"):
+        check_json_schema(_nested(5), "grammar", 1000, 8)  # each level is an object and its `properties`
+    with pytest.raises(ValidationError, match=r"more than 8 levels deep"):
+        check_json_schema("[" * 5000 + "]" * 5000, "grammar", 100_000, 8)  # JSON text is parsed first
+    with pytest.raises(ValidationError, match=r"more than 8 levels deep"):
+        check_json_schema("[" * 100_000 + "]" * 100_000, "grammar", 10**6, 8)  # past the parser's recursion
+    with pytest.raises(ValidationError, match=r"`tools\[0\].function.parameters` is 1\d\d bytes, "
+                                              r"more than --max-json-schema-bytes \(100\)"):
+        check_json_schema({"enum": ["x" * 30] * 4}, "tools[0].function.parameters", 100, 8)
+
+
+def test_grammar_limits_apply_before_anything_reads_it():
+    big = {"type": "json", "value": {"enum": ["x" * 100] * 400}}
+    assert "more than --max-json-schema-bytes (32768)" in bad({"grammar": big})
+    assert "more than 32 levels deep" in bad({"grammar": {"type": "json", "value": _nested(20)}})
+    assert "more than 2 levels deep" in bad({"grammar": {"type": "json", "value": _nested(2)}},
+                                            config=cfg(MAX_JSON_SCHEMA_DEPTH="2"))
+
+
+def test_chat_schemas_are_bounded():
+    from gaudi_runtime.router.openai_validation import check_chat_schemas
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
+
+    def chat(**fields):
+        return parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], **fields})
+
+    small = cfg(MAX_JSON_SCHEMA_BYTES="200", MAX_JSON_SCHEMA_DEPTH="4")
+    check_chat_schemas(chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+                            tools=[{"function": {"name": "f", "parameters": {"type": "object"}}}]), small)
+    with pytest.raises(ValidationError, match=r"`response_format.json_schema` is nested more than 4"):
+        check_chat_schemas(chat(response_format={"type": "json_schema", "json_schema": {"schema": _nested(3)}}),
+                           small)
+    with pytest.raises(ValidationError, match=r"`tools\[1\].function.parameters` is \d+ bytes"):
+        check_chat_schemas(chat(tools=[{"function": {"name": "f"}},
+                                       {"function": {"name": "g", "parameters": {"enum": ["y" * 300]}}}]), small)
+
+
+def test_a_body_nested_past_the_parsers_limit_is_a_422():
+    with pytest.raises(ValidationError, match="nested too deeply"):
+        parse_json_body(b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MAX_REQUEST_BYTES": "0"}, "--max-request-bytes must be positive"),
+    ({"MAX_JSON_SCHEMA_DEPTH": "0"}, "--max-json-schema-depth must be positive"),
+    ({"MAX_IMAGES_PER_REQUEST": "-1"}, "--max-images-per-request must be >= 0"),
+    ({"MAX_STOP_SEQUENCES": "-1"}, "--max-stop-sequences must be >= 0"),
+    ({"MAX_BEST_OF": "0"}, "--max-best-of must be positive"),
+])
+def test_limits_are_checked_at_start(env, message):
+    from gaudi_runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(None, {"MODEL_ID": "m", **env})
+
+
+def test_top_k_fits_tgis_type():
+    assert "`top_k`: expected a 32-bit unsigned integer, got 4294967296" in bad({"top_k": 2**32})
+    assert ok({"top_k": 2**32 - 1}).request.sampling.top_k == 2**32 - 1

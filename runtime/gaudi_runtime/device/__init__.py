@@ -9,10 +9,15 @@ from __future__ import annotations
 from gaudi_runtime.device.base import Backend
 
 
-def select_device(name: str = "auto", rank: int = 0, world_size: int = 1, graphs: bool = True) -> Backend:
+def select_device(name: str = "auto", rank: int = 0, world_size: int = 1, graphs: bool = True,
+                  recipe_cache=None) -> Backend:
+    """`recipe_cache` (a `recipe_cache.RecipeCache`): where Habana keeps compiled graphs, set up before the
+    bridge loads; ignored off Gaudi."""
     if name in ("auto", "hpu"):
         from gaudi_runtime.device import hpu
 
+        if recipe_cache is not None:
+            hpu.use_recipe_cache(recipe_cache.env_value)
         if name == "hpu" or hpu.available():
             return hpu.HpuBackend(world_size=world_size, graphs=graphs)
     import torch

@@ -6,11 +6,61 @@ the package exists only on Gaudi machines. Tests replace it with a recording fak
 
 from __future__ import annotations
 
+import glob
+import importlib.util
+import logging
 import os
+import sys
+from pathlib import Path
 
 import torch
 
 from gaudi_runtime.device.base import Backend
+
+log = logging.getLogger(__name__)
+
+RECIPE_CACHE_ENV = "PT_HPU_RECIPE_CACHE_CONFIG"
+# The habanalabs driver names the card type (GAUDI2, GAUDI3, ...) in sysfs, readable without the bridge.
+DEVICE_TYPE_FILES = ("/sys/class/accel/accel*/device/device_type", "/sys/class/habanalabs/hl*/device_type")
+
+
+def device_type() -> str | None:
+    for pattern in DEVICE_TYPE_FILES:
+        for path in sorted(glob.glob(pattern)):
+            try:
+                return Path(path).read_text().strip() or None
+            except OSError:
+                continue
+    return None
+
+
+def software_versions() -> dict:
+    """Habana's software (the installed habana-torch-plugin distribution) and the card type, read without
+    loading the bridge: they key the recipe cache, which must be configured before the bridge loads."""
+    from importlib import metadata
+
+    try:
+        habana = metadata.version("habana-torch-plugin")
+    except metadata.PackageNotFoundError:
+        habana = None
+    return {"habana": habana, "device_type": device_type()}
+
+
+def installed() -> bool:
+    """Whether habana_frameworks can be imported (without importing it: that loads the bridge)."""
+    return importlib.util.find_spec("habana_frameworks") is not None
+
+
+def use_recipe_cache(env_value: str) -> None:
+    """Set PT_HPU_RECIPE_CACHE_CONFIG (`<dir>,<delete on start>,<max MB>`). The bridge reads it once, when it
+    loads: this must run before the first `habana_frameworks` import of the process."""
+    if "habana_frameworks.torch" in sys.modules:
+        log.warning("%s is set after Habana's bridge loaded: this process compiles without the recipe cache",
+                    RECIPE_CACHE_ENV)
+    previous = os.environ.get(RECIPE_CACHE_ENV)
+    if previous and previous != env_value:
+        log.warning("--recipe-cache-dir replaces %s=%s", RECIPE_CACHE_ENV, previous)
+    os.environ[RECIPE_CACHE_ENV] = env_value
 
 
 def available() -> bool:

@@ -1,11 +1,10 @@
-"""Model building blocks: tensor-parallel linear/embedding layers, RoPE, RMSNorm, paged attention."""
+"""Model building blocks: tensor-parallel linear/embedding layers, RoPE, norms, paged attention."""
 
 from .activation import get_activation
 from .attention import Attention, AttentionMetadata, write_kv
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .fused_qkv import FusedQKVParallelLinear
 from .kv_cache import allocate_kv_cache, kv_bytes_per_block
-from .layernorm import LayerNorm
 from .linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -15,7 +14,7 @@ from .linear import (
     TPContext,
 )
 from .moe import FusedMoE
-from .norm import RMSNorm
+from .norm import LayerNorm, RMSNorm
 from .position import PositionEmbedding
 from .rotary import RotaryEmbedding, rope_params_from_config
 

@@ -55,9 +55,8 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     mask) as B x Hkv tiny problems and copies the transposed K/V; here each row's heads are flattened
     into one ``[L, Hkv * D]`` matrix and every query head gets a block-diagonal row that only meets its
     own KV head, so one ``bmm`` scores all heads without copying K or V (the zero blocks cost Hkv x the
-    flops of a memory-bound op). On the reference model a batch-64 decode step took 29 ms against SDPA's
-    36; below batch 16 SDPA was faster (docs/performance.md), so it keeps those, and models with
-    more than GROUPED_MAX_KV_HEADS KV heads.
+    flops of a memory-bound op). It wins from batch GROUPED_MIN_BATCH up (docs/performance.md has the
+    measurements); smaller batches, and models with more than GROUPED_MAX_KV_HEADS KV heads, keep SDPA.
     """
     b, hkv, g, d = q.shape
     keys, values = k.transpose(1, 2), v.transpose(1, 2)  # back to the gathered [B, L, Hkv, D]
@@ -146,6 +145,15 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5 if scale is None else scale
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fused projection ``[B, S, (Hq + 2 * Hkv) * D]`` (q, then k, then v) -> q ``[B, S, Hq, D]``,
+        k and v ``[B, S, Hkv, D]``, as ``forward`` takes them."""
+        b, s, _ = qkv.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return (q.view(b, s, self.num_heads, self.head_dim), k.view(b, s, self.num_kv_heads, self.head_dim),
+                v.view(b, s, self.num_kv_heads, self.head_dim))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,8 +1,8 @@
-"""Our own model implementations (Llama family) and the loader."""
+"""Our own model implementations, the interface the shard drives them through, and the loader."""
 
+from .interface import CausalLM, TakesImages
 from .registry import (
     SUPPORTED_ARCHITECTURES,
-    CausalLM,
     UnsupportedModelError,
     load_model,
     read_config,
@@ -12,6 +12,7 @@ from .registry import (
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "CausalLM",
+    "TakesImages",
     "UnsupportedModelError",
     "load_model",
     "read_config",

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.activation import get_activation
-from ..layers.layernorm import LayerNorm
 from ..layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, TPContext, materialize
+from ..layers.norm import LayerNorm
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

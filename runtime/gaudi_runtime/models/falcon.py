@@ -18,7 +18,7 @@ before the one all-reduce, so a layer costs one collective instead of two.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,26 +26,21 @@ from torch import nn
 
 from ..layers.activation import get_activation
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.embedding import VocabParallelEmbedding
 from ..layers.fused_qkv import FusedQKVParallelLinear
-from ..layers.layernorm import LayerNorm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, TPContext
+from ..layers.norm import LayerNorm
 from ..layers.rotary import RotaryEmbedding, rope_params_from_config
-from .loading import load_checkpoint, materialize
+from .base import CausalLMBase, ModelConfig, rotary_embedding
+
+# Older Falcon configs use GPT-2's names for these fields.
+FALCON_NAMES = {"hidden_size": ("hidden_size", "n_embed"), "num_attention_heads": ("num_attention_heads", "n_head"),
+                "num_hidden_layers": ("num_hidden_layers", "n_layer")}
 
 
-@dataclass
-class FalconConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
+@dataclass(kw_only=True)
+class FalconConfig(ModelConfig):
     ffn_hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    layer_norm_eps: float
-    max_position_embeddings: int
     rope_theta: float
     rope_scaling: dict[str, Any] | None
     bias: bool
@@ -53,8 +48,6 @@ class FalconConfig:
     parallel_attn: bool
     num_ln_in_parallel_attn: int
     activation: str
-    tie_word_embeddings: bool
-    eos_token_ids: list[int] = field(default_factory=list)
 
     @property
     def qkv_layout(self) -> str:
@@ -68,8 +61,8 @@ class FalconConfig:
                              "only rotary Falcon models (alibi: false) are")
         activation = cfg.get("activation", "gelu")
         get_activation(activation, "Falcon activation")  # fail at start on a name we do not implement
-        hidden = cfg.get("hidden_size", cfg.get("n_embed"))
-        heads = cfg.get("num_attention_heads", cfg.get("n_head"))
+        shared = cls.shared_fields(cfg, architecture, FALCON_NAMES, tied=True)
+        heads = shared["num_attention_heads"]
         new_arch = bool(cfg.get("new_decoder_architecture", False))
         parallel_attn = bool(cfg.get("parallel_attn", True))
         if new_arch:
@@ -80,16 +73,10 @@ class FalconConfig:
             kv_heads = 1 if cfg.get("multi_query", True) else heads
         theta, scaling = rope_params_from_config(cfg)
         return cls(
-            architecture=architecture,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=hidden,
-            ffn_hidden_size=cfg.get("ffn_hidden_size") or 4 * hidden,
-            num_hidden_layers=cfg.get("num_hidden_layers", cfg.get("n_layer")),
-            num_attention_heads=heads,
+            **shared,
+            ffn_hidden_size=cfg.get("ffn_hidden_size") or 4 * shared["hidden_size"],
             num_kv_heads=kv_heads,
-            head_dim=hidden // heads,
-            layer_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
             rope_theta=theta,
             rope_scaling=scaling,
             bias=bool(cfg.get("bias", False)),
@@ -97,7 +84,6 @@ class FalconConfig:
             parallel_attn=parallel_attn,
             num_ln_in_parallel_attn=int(cfg.get("num_ln_in_parallel_attn") or (2 if new_arch else 1)),
             activation=activation,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         )
 
 
@@ -112,21 +98,12 @@ class FalconAttention(nn.Module):
         self.query_key_value = FusedQKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                                       cfg.num_kv_heads, cfg.qkv_layout, bias=cfg.bias, tp=tp)
         self.dense = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=cfg.bias, tp=tp)
-        self.num_heads = self.query_key_value.num_heads
-        self.num_kv_heads = self.query_key_value.num_kv_heads
-        self.head_dim = cfg.head_dim
         self.rotary = rotary  # shared by all layers
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.attn = Attention(self.query_key_value.num_heads, self.query_key_value.num_kv_heads, cfg.head_dim)
 
     def context(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output before ``dense``: ``[B, S, heads_per_rank * head_dim]``."""
-        b, s, _ = x.shape
-        qkv = self.query_key_value(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(b, s, self.num_heads, self.head_dim)
-        k = k.view(b, s, self.num_kv_heads, self.head_dim)
-        v = v.view(b, s, self.num_kv_heads, self.head_dim)
+        q, k, v = self.attn.split_heads(self.query_key_value(x))
         q, k = self.rotary(positions, q, k)
         return self.attn(q, k, v, kv_cache, meta)
 
@@ -151,7 +128,7 @@ class FalconDecoderLayer(nn.Module):
         self.mlp = FalconMLP(cfg, tp)
         self.parallel = cfg.new_decoder_architecture or cfg.parallel_attn
         self.two_norms = cfg.new_decoder_architecture and cfg.num_ln_in_parallel_attn == 2
-        eps = cfg.layer_norm_eps
+        eps = cfg.norm_eps
         if self.two_norms:
             self.ln_attn = LayerNorm(cfg.hidden_size, eps)
             self.ln_mlp = LayerNorm(cfg.hidden_size, eps)
@@ -180,55 +157,18 @@ class FalconModel(nn.Module):
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.h = nn.ModuleList([FalconDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers)])
-        self.ln_f = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps)
+        self.ln_f = LayerNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
-        x = self.word_embeddings(input_ids)
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, inputs_embeds=None):
+        x = self.word_embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         for i, layer in enumerate(self.h):
             x = layer(x, positions, None if kv_caches is None else kv_caches[i], meta)
         return self.ln_f(x)
 
 
-class FalconForCausalLM(nn.Module):
-    """The ``CausalLM`` interface (see ``llama.LlamaForCausalLM``) over a Falcon body named as in checkpoints."""
-
+class FalconForCausalLM(CausalLMBase):
     config_class = FalconConfig
+    decoder = "transformer"
 
-    def __init__(self, cfg: FalconConfig, tp: TPContext, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.config = cfg
-        self.tp = tp
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                 dtype=dtype, device=device)
-        with torch.device("meta"):
-            self.transformer = FalconModel(cfg, rotary, tp)
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-            if cfg.tie_word_embeddings:
-                self.lm_head.weight = self.transformer.word_embeddings.weight
-        self.rotary = rotary
-        materialize(self, dtype, device)
-        attn0 = self.transformer.h[0].self_attention
-        self.num_layers = cfg.num_hidden_layers
-        self.num_heads = attn0.num_heads
-        self.num_kv_heads = attn0.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.hidden_size = cfg.hidden_size
-        self.vocab_size = cfg.vocab_size
-        self.eos_token_ids = list(cfg.eos_token_ids)
-        self.max_position_embeddings = cfg.max_position_embeddings
-        self.dtype = dtype
-        self.device = torch.device(device)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata):
-        return self.transformer(input_ids, positions, kv_caches, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights) -> None:
-        tied = self.config.tie_word_embeddings
-
-        def skip(name: str) -> bool:
-            return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
-
-        load_checkpoint(self, weights, {}, skip)
+    def build(self, cfg: FalconConfig, tp: TPContext) -> None:
+        self.transformer = FalconModel(cfg, rotary_embedding(cfg, self.dtype, self.device), tp)

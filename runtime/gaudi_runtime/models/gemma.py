@@ -22,19 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.attention import AttentionMetadata
-from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, RowParallelLinear, TPContext
 from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding
-from .llama import LlamaAttention, LlamaConfig, LlamaForCausalLM
-from .loading import load_checkpoint, materialize
+from .base import rotary_embedding
+from .llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 # Activation names that mean GELU with the tanh approximation in Gemma configs.
 GELU_TANH = ("gelu", "gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GemmaConfig(LlamaConfig):
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], architecture: str) -> GemmaConfig:
@@ -68,77 +65,25 @@ class GemmaMLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: GemmaConfig, rotary: RotaryEmbedding, tp: TPContext):
-        super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, tp)
-        self.mlp = GemmaMLP(cfg, tp)
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, residual, positions, kv_cache, meta):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    norm_class = GemmaRMSNorm
+    mlp_class = GemmaMLP
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, cfg: GemmaConfig, rotary: RotaryEmbedding, tp: TPContext, dtype: torch.dtype):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList([GemmaDecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers)])
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class GemmaModel(LlamaModel):
+    layer_class = GemmaDecoderLayer
+
+    def __init__(self, cfg: GemmaConfig, rotary, tp: TPContext, dtype: torch.dtype):
+        super().__init__(cfg, rotary, tp)
         # Rounded to the model dtype first (bf16: sqrt(3072) -> 55.5), as transformers does.
         self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device="cpu"))
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
-        x = self.embed_tokens(input_ids) * self.embed_scale
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, None if kv_caches is None else kv_caches[i], meta)
-        x, _ = self.norm(x, residual)
-        return x
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    """``LlamaForCausalLM``'s interface (forward, compute_logits, attributes) over a Gemma body."""
-
     config_class = GemmaConfig
 
-    def __init__(self, cfg: GemmaConfig, tp: TPContext, dtype: torch.dtype, device: torch.device):
-        nn.Module.__init__(self)  # Llama's constructor builds a Llama body; this one builds Gemma's
-        self.config = cfg
-        self.tp = tp
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                 dtype=dtype, device=device)
-        with torch.device("meta"):
-            self.model = GemmaModel(cfg, rotary, tp, dtype)
-            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-            if cfg.tie_word_embeddings:
-                self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = rotary
-        materialize(self, dtype, device)
-        attn0 = self.model.layers[0].self_attn
-        self.num_layers = cfg.num_hidden_layers
-        self.num_heads = attn0.num_heads
-        self.num_kv_heads = attn0.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.hidden_size = cfg.hidden_size
-        self.vocab_size = cfg.vocab_size
-        self.eos_token_ids = list(cfg.eos_token_ids)
-        self.max_position_embeddings = cfg.max_position_embeddings
-        self.dtype = dtype
-        self.device = torch.device(device)
-
-    def load_weights(self, weights) -> None:
-        tied = self.config.tie_word_embeddings
-
-        def skip(name: str) -> bool:
-            return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
-
-        load_checkpoint(self, weights, self.packed_modules_mapping, skip)
+    def build(self, cfg: GemmaConfig, tp: TPContext) -> None:
+        self.model = GemmaModel(cfg, rotary_embedding(cfg, self.dtype, self.device), tp, self.dtype)

@@ -5,25 +5,28 @@ expanded each image into as many as it has features) get the projected image
 features instead of their token embeddings; decode is the language model alone.
 Images are tiled "anyres" (transformers' LlavaNextImageProcessor): a downscaled
 whole image plus a grid of tiles, whose features are unpadded and end each row
-with the learned ``image_newline`` (router/image_tokens.py has the geometry).
+with the learned ``image_newline`` (``gaudi_runtime.image_geometry`` has the layout,
+which the router counts placeholder tokens by).
+
+The language model is the Llama family's, under the checkpoint's ``language_model``
+prefix; its config (the ``text_config``) is the one the base reads.
 """
 
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..image_geometry import ImageGeometry, tile_count, tile_grid, unpadded_shape
 from ..layers.activation import get_activation
-from ..layers.attention import AttentionMetadata
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear, TPContext
-from ..router.image_tokens import ImageGeometry, tile_count, tile_grid, unpadded_shape
+from .base import rotary_embedding
 from .clip import ClipVisionConfig, ClipVisionModel, layers_needed, replicated_param
-from .llama import LlamaConfig, LlamaForCausalLM
-from .loading import load_checkpoint, materialize
+from .llama import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 
 def complete_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -34,17 +37,16 @@ def complete_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return transformers.LlavaNextConfig(**known).to_dict()
 
 
-@dataclass
-class LlavaNextConfig:
-    architecture: str
-    text: LlamaConfig
+@dataclass(kw_only=True)
+class LlavaNextConfig(LlamaConfig):
+    """The language model's config, with the vision tower's and the projector's."""
+
     vision: ClipVisionConfig
     geometry: ImageGeometry
     image_token_id: int
     vision_feature_layer: int
     projector_hidden_act: str
     projector_bias: bool
-    eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], architecture: str) -> LlavaNextConfig:
@@ -66,9 +68,10 @@ class LlavaNextConfig:
         if geometry.image_size % geometry.patch_size:
             raise ValueError("vision_config.image_size must be a multiple of vision_config.patch_size")
         token = full.get("image_token_index", full.get("image_token_id"))
+        text = LlamaConfig.from_dict(text_dict, text_arch)
         return cls(
+            **{f.name: getattr(text, f.name) for f in fields(LlamaConfig) if f.name != "architecture"},
             architecture=architecture,
-            text=LlamaConfig.from_dict(text_dict, text_arch),
             vision=ClipVisionConfig.from_dict(full["vision_config"]),
             geometry=geometry,
             image_token_id=int(token),
@@ -106,38 +109,26 @@ def _checkpoint_name(name: str) -> str:
     return name
 
 
-class LlavaNextForConditionalGeneration(nn.Module):
+class LlavaNextForConditionalGeneration(LlamaForCausalLM):
     config_class = LlavaNextConfig
     # Images enter at prefill through `embed_prompt`; the runner preprocesses them with
     # `load_image_processor` / `pixel_inputs` below.
     takes_images = True
+    decoder = "language_model.model"
+    head = "language_model.lm_head"
 
-    def __init__(self, cfg: LlavaNextConfig, tp: TPContext, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.config = cfg
-        cfg.text.eos_token_ids = list(cfg.eos_token_ids)
-        self.language_model = LlamaForCausalLM(cfg.text, tp, dtype, device)
+    def build(self, cfg: LlavaNextConfig, tp: TPContext) -> None:
+        self.language_model = nn.Module()
+        self.language_model.model = LlamaModel(cfg, rotary_embedding(cfg, self.dtype, self.device), tp)
         self.vision_layers = layers_needed(cfg.vision_feature_layer, cfg.vision.num_hidden_layers)
-        with torch.device("meta"):
-            self.vision_tower = ClipVisionModel(cfg.vision, self.vision_layers, tp)
-            self.multi_modal_projector = MultiModalProjector(cfg.vision.hidden_size, cfg.text.hidden_size,
-                                                             cfg.projector_hidden_act, cfg.projector_bias, tp)
-            self.image_newline = replicated_param(cfg.text.hidden_size)
-        materialize(self, dtype, device)
-        lm = self.language_model
-        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "vocab_size",
-                     "eos_token_ids", "max_position_embeddings"):
-            setattr(self, name, getattr(lm, name))
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.image_token_id = cfg.image_token_id
+        self.vision_tower = ClipVisionModel(cfg.vision, self.vision_layers, tp)
+        self.multi_modal_projector = MultiModalProjector(cfg.vision.hidden_size, cfg.hidden_size,
+                                                         cfg.projector_hidden_act, cfg.projector_bias, tp)
+        self.image_newline = replicated_param(cfg.hidden_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata,
-                inputs_embeds: torch.Tensor | None = None):
-        return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
+    @property
+    def image_token_id(self) -> int:
+        return self.config.image_token_id
 
     # -- images ------------------------------------------------------------------------------
     def image_features(self, pixel_values: torch.Tensor, image_sizes: list[tuple[int, int]]) -> torch.Tensor:
@@ -179,21 +170,12 @@ class LlavaNextForConditionalGeneration(nn.Module):
         return embeds.masked_scatter(mask[..., None], feats.to(embeds.dtype))
 
     # -- weights -----------------------------------------------------------------------------
-    def load_weights(self, weights) -> None:
-        lm, rest = [], []
-        for name, tensor in weights:
-            name = _checkpoint_name(name)
-            if name.startswith("language_model."):
-                lm.append((name[len("language_model."):], tensor))
-            elif not self._unused(name):
-                rest.append((name, tensor))
-        self.language_model.load_weights(lm)
-        packed = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
-        load_checkpoint(self, rest, packed, skip=lambda name: name.startswith("language_model."))
+    def checkpoint_name(self, name: str) -> str:
+        return _checkpoint_name(name)
 
-    def _unused(self, name: str) -> bool:
+    def unused_weight(self, name: str) -> bool:
         """Vision weights past the feature layer, the pooled output's norm, cached position ids."""
-        if "post_layernorm" in name or name.endswith("position_ids"):
+        if super().unused_weight(name) or "post_layernorm" in name or name.endswith("position_ids"):
             return True
         marker = "encoder.layers."
         if name.startswith("vision_tower.") and marker in name:

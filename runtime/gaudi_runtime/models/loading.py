@@ -1,4 +1,4 @@
-"""What every model class shares: building on the meta device, then loading checkpoint tensors.
+"""Checkpoint tensors into a built model, by name.
 
 A model class declares ``packed_modules_mapping`` (checkpoint name fragment ->
 (parameter name fragment, shard id)) for the projections it fuses, and each
@@ -9,24 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import torch
 from torch import nn
-
-
-def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Replace meta parameters by uninitialized ones on ``device`` in ``dtype`` (keeping ties and loaders)."""
-    memo: dict[int, nn.Parameter] = {}
-    for mod in module.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            new = memo.get(id(p))
-            if new is None:
-                new = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
-                if hasattr(p, "weight_loader"):
-                    new.weight_loader = p.weight_loader
-                memo[id(p)] = new
-            mod._parameters[name] = new
 
 
 def load_checkpoint(model: nn.Module, weights: Iterable, packed: dict[str, tuple[str, object]],
@@ -34,10 +17,10 @@ def load_checkpoint(model: nn.Module, weights: Iterable, packed: dict[str, tuple
                     rename: Callable[[str], str] = lambda name: name) -> None:
     """Load ``(name, tensor)`` pairs into ``model``; fail naming any unexpected or missing weight.
 
-    ``skip(name)`` drops checkpoint tensors the model does not hold (tied heads,
-    cached rotary tables); it is also asked about the model's own parameter
-    names, so a tied parameter is not reported missing. ``rename`` maps a
-    checkpoint name to the model's naming before packing.
+    ``rename`` maps a checkpoint name to the model's naming first. ``skip(name)``
+    then drops checkpoint tensors the model does not hold (tied heads, cached
+    rotary tables); it is also asked about the model's own parameter names, so a
+    tied parameter is not reported missing.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
@@ -45,9 +28,9 @@ def load_checkpoint(model: nn.Module, weights: Iterable, packed: dict[str, tuple
     for mine, shard_id in packed.values():
         shards_of.setdefault(mine, set()).add(shard_id)
     for name, tensor in weights:
+        name = rename(name)
         if skip(name):
             continue
-        name = rename(name)
         target, shard = name, None
         for ckpt, (mine, shard_id) in packed.items():
             if f".{ckpt}." in name:

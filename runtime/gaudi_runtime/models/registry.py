@@ -9,19 +9,22 @@ from typing import Any
 
 import torch
 
+from ..download import WEIGHTS_INDEX, DownloadError, weight_files
 from ..layers.linear import LazyWeight, TPContext
+from .base import CausalLMBase
 from .falcon import FalconForCausalLM
 from .gemma import GemmaForCausalLM
 from .gpt_bigcode import GPTBigCodeForCausalLM
+from .interface import CausalLM
 from .llama import LlamaForCausalLM
 from .llava_next import LlavaNextForConditionalGeneration
 from .mixtral import MixtralForCausalLM
 from .starcoder2 import Starcoder2ForCausalLM
 
 # config.json "architectures" entry -> model class (Mistral and Qwen2 are Llama config variations).
-# A model class has ``config_class.from_dict(cfg, arch)``, the constructor
-# ``(cfg, tp, dtype, device)``, ``load_weights`` and the ``CausalLM`` interface.
-SUPPORTED_ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
+# Every class is built by ``base.CausalLMBase`` from ``config_class.from_dict(cfg, arch)`` and
+# implements ``interface.CausalLM``.
+SUPPORTED_ARCHITECTURES: dict[str, type[CausalLMBase]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -32,8 +35,6 @@ SUPPORTED_ARCHITECTURES: dict[str, type[torch.nn.Module]] = {
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
 }
-
-CausalLM = LlamaForCausalLM  # the interface every supported model class implements
 
 
 class UnsupportedModelError(ValueError):
@@ -75,18 +76,17 @@ def eos_token_ids(model_dir: str | Path, cfg: dict[str, Any]) -> list[int]:
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The weight files to load, chosen by the same rule `gaudi-serve download` fetches by."""
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
-    # Mistral repos also ship "consolidated.safetensors" (mistral-inference names): not ours.
-    files = sorted(f for f in model_dir.glob("*.safetensors") if not f.name.startswith("consolidated"))
-    if not files:
+    index = model_dir / WEIGHTS_INDEX
+    indexed = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
+    try:
+        names = weight_files([p.name for p in model_dir.iterdir()], indexed)
+    except DownloadError as e:
+        raise FileNotFoundError(f"{model_dir}: {e}") from None
+    if not names:
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
-    return files
+    return [model_dir / n for n in names]
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:

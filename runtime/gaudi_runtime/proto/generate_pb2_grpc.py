@@ -69,11 +69,6 @@ class TextGenerationServiceStub:
                 request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.DecodeResponse.FromString,
                 _registered_method=True)
-        self.FilterBatch = channel.unary_unary(
-                '/gaudi_serve.generate.v1.TextGenerationService/FilterBatch',
-                request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchRequest.SerializeToString,
-                response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchResponse.FromString,
-                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -125,13 +120,6 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def FilterBatch(self, request, context):
-        """Keep only the given requests of a cached batch.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,11 +157,6 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.DecodeRequest.FromString,
                     response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.DecodeResponse.SerializeToString,
-            ),
-            'FilterBatch': grpc.unary_unary_rpc_method_handler(
-                    servicer.FilterBatch,
-                    request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchRequest.FromString,
-                    response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -365,33 +348,6 @@ class TextGenerationService:
             '/gaudi_serve.generate.v1.TextGenerationService/Decode',
             gaudi__runtime_dot_proto_dot_generate__pb2.DecodeRequest.SerializeToString,
             gaudi__runtime_dot_proto_dot_generate__pb2.DecodeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def FilterBatch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/gaudi_serve.generate.v1.TextGenerationService/FilterBatch',
-            gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchRequest.SerializeToString,
-            gaudi__runtime_dot_proto_dot_generate__pb2.FilterBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

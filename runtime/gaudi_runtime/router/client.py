@@ -74,9 +74,6 @@ class ShardClient:
     async def info(self) -> pb.InfoResponse:
         return await self._all("Info", pb.InfoRequest())
 
-    async def health(self, timeout: float = 5.0) -> None:
-        await self._all("Health", pb.HealthRequest(), timeout=timeout)
-
     async def warmup(self, on_progress) -> None:
         """Run warmup on every shard; rank 0's progress is reported."""
 
@@ -98,7 +95,8 @@ class ShardClient:
     def decode(self, batches: list[pb.CachedBatch], steps: int = 1) -> Awaitable[pb.DecodeResponse]:
         return self._all("Decode", pb.DecodeRequest(batches=batches, sequence=next(self._sequence), steps=steps))
 
-    def clear(self, batch_id: int | None = None) -> Awaitable[pb.ClearCacheResponse]:
+    def clear(self, batch_id: int | None) -> Awaitable[pb.ClearCacheResponse]:
+        """Drop one cached batch, or every one (None)."""
         req = pb.ClearCacheRequest(sequence=next(self._sequence))
         if batch_id is not None:
             req.batch_id = batch_id

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 _REPLACEMENT = "\ufffd"
+PROMPT_CONTEXT = 5  # prompt ids decoded ahead of the first generated one
 
 
 class _Decoder(Protocol):
@@ -19,13 +20,11 @@ class _Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: _Decoder, prompt_ids: list[int] | None = None,
-                 skip_special_tokens: bool = False, context: int = 5):
+    def __init__(self, tokenizer: _Decoder, prompt_ids: list[int] | None = None):
         """`prompt_ids` (last few used) give the decoder context, as TGI does, so that a
         first generated token decodes the same as it would after the prompt."""
         self._tok = tokenizer
-        self._skip = skip_special_tokens
-        ctx = list(prompt_ids[-context:]) if prompt_ids else []
+        ctx = list(prompt_ids[-PROMPT_CONTEXT:]) if prompt_ids else []
         self._ids: list[int] = ctx
         self._n_context = len(ctx)
         self._prefix = 0
@@ -45,8 +44,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Add one generated id; return the text it completes (maybe "")."""
         self._ids.append(token_id)
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
-        new_text = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        new_text = self._tok.decode(self._ids[self._prefix:])
         if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
             out = new_text[len(prefix_text):]
             self._prefix, self._read = self._read, len(self._ids)
@@ -58,17 +57,13 @@ class IncrementalDetokenizer:
         """At the end of generation: whatever is still held back (maybe ending in U+FFFD)."""
         if self._read == len(self._ids):
             return ""
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
-        new_text = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        new_text = self._tok.decode(self._ids[self._prefix:])
         out = new_text[len(prefix_text):] if new_text.startswith(prefix_text) else ""
         self._prefix, self._read = self._read, len(self._ids)
         if out:
             self._pieces.append(out)
         return out
-
-    def final_text(self, skip_special_tokens: bool = True) -> str:
-        """TGI's `generated_text`: all generated ids decoded at once (special tokens skipped)."""
-        return self._tok.decode(self.token_ids, skip_special_tokens=skip_special_tokens)
 
 
 class StopSequenceMatcher:

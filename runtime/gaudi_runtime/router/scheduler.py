@@ -11,9 +11,10 @@ from gaudi_runtime.config import Config
 
 @dataclass(frozen=True)
 class Waiting:
+    """What the admission rules look at in a waiting request."""
+
     input_len: int
     max_new_tokens: int
-    waited_ms: float
 
 
 def blocks_needed(input_len: int, max_new_tokens: int, cfg: Config) -> int:

@@ -1,10 +1,8 @@
-"""TGI's routes: /generate, /generate_stream, / and /invocations, /tokenize, /info,
-/health, /ping, /metrics. Response shapes follow TGI so its clients work unchanged."""
+"""TGI's routes: /generate, /generate_stream, /, /tokenize, /info, /health, /ping, /metrics.
+Response shapes follow TGI so its clients work unchanged."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from pathlib import Path
 
@@ -12,36 +10,37 @@ from aiohttp import web
 
 import gaudi_runtime
 from gaudi_runtime.router import sse
-from gaudi_runtime.router.errors import ValidationError
-from gaudi_runtime.router.images import prompt_images
-from gaudi_runtime.router.inference import (
-    Generation,
-    RequestRecorder,
-    check_health,
-    collect_all,
-    events,
+from gaudi_runtime.router.http_common import (
+    admit,
+    finite_logprob,
+    generate_all,
+    json_response,
+    model_name,
+    read_body,
+    recorded,
+    recorder,
 )
+from gaudi_runtime.router.images import prompt_images
+from gaudi_runtime.router.inference import Generation, RequestRecorder, events
 from gaudi_runtime.router.metrics import CONTENT_TYPE
+from gaudi_runtime.router.request_models import GenerateRequest, TokenizeRequest, parse_request
 from gaudi_runtime.router.state import AppState, get_state
 from gaudi_runtime.router.types import GenerationEnd, StreamEvent, Token, ValidRequest
 from gaudi_runtime.router.validation import (
+    GenerateJob,
     best_of_requests,
-    parse_json_body,
+    parse_generate,
     tokenize_input,
     validate_generate,
 )
 
 
-def _logprob(v: float | None) -> float | None:
-    return None if v is None or math.isnan(v) or math.isinf(v) else v
-
-
 def token_json(t: Token) -> dict:
-    return {"id": t.id, "text": t.text, "logprob": _logprob(t.logprob), "special": t.special}
+    return {"id": t.id, "text": t.text, "logprob": finite_logprob(t.logprob), "special": t.special}
 
 
 def prefill_json(t: Token) -> dict:
-    return {"id": t.id, "text": t.text, "logprob": _logprob(t.logprob)}
+    return {"id": t.id, "text": t.text, "logprob": finite_logprob(t.logprob)}
 
 
 def full_text(request: ValidRequest, text: str) -> str:
@@ -92,45 +91,33 @@ def timing_headers(state: AppState, rec: RequestRecorder, end: GenerationEnd, in
         "x-time-per-token": f"{per_token * 1000:.0f}",
         "x-prompt-tokens": str(input_length),
         "x-generated-tokens": str(end.generated_tokens),
-        "x-model-id": state.config.model_name or state.config.model_id,
+        "x-model-id": model_name(state),
     }
     if end.seed is not None:
         h["x-seed"] = str(end.seed)
     return h
 
 
-async def read_body(request: web.Request, rec: RequestRecorder | None = None) -> dict:
-    try:
-        return parse_json_body(await request.read())
-    except ValidationError as e:
-        if rec is not None:
-            rec.failure(e)
-        raise
-
-
 # --- generate --------------------------------------------------------------------------
 
-async def run_generate(request: web.Request, body: dict, rec: RequestRecorder, *,
+async def validated_job(state: AppState, body: dict | GenerateRequest, *, stream: bool) -> GenerateJob:
+    """A TGI body, its images fetched for a vision model, validated."""
+    req = body if isinstance(body, GenerateRequest) else parse_generate(body)
+    images = await prompt_images(state, req.inputs)
+    return validate_generate(req, state.config, state.tokenizer, stream=stream, images=images)
+
+
+async def run_generate(request: web.Request, body: dict | GenerateRequest, rec: RequestRecorder, *,
                        as_list: bool = False) -> web.Response:
     state = get_state(request)
-    try:
-        images = await prompt_images(state, body.get("inputs"))
-        job = validate_generate(body, state.config, state.tokenizer, stream=False, images=images)
-        reqs = best_of_requests(job)
-        rec.validated([job.request])
-        check_health(state)
-        gens = await collect_all(state, reqs, rec)
-    except Exception as e:
-        rec.failure(e)
-        raise
-    except BaseException:
-        rec.cancelled()
-        raise
+    with recorded(rec):
+        job = await validated_job(state, body, stream=False)
+        admit(state, rec, [job.request])
+    gens = await generate_all(state, best_of_requests(job), rec)
     resp, best = generate_response(gens)
     rec.success_pending()
     headers = timing_headers(state, rec, best.end, len(best.request.input_ids))
-    return web.json_response([resp] if as_list else resp, headers=headers,
-                             dumps=lambda o: json.dumps(o, ensure_ascii=False))
+    return json_response([resp] if as_list else resp, headers=headers)
 
 
 def stream_event_json(index: int, ev: StreamEvent, request: ValidRequest) -> dict:
@@ -149,16 +136,12 @@ def stream_event_json(index: int, ev: StreamEvent, request: ValidRequest) -> dic
     }
 
 
-async def run_generate_stream(request: web.Request, body: dict, rec: RequestRecorder) -> web.StreamResponse:
+async def run_generate_stream(request: web.Request, body: dict | GenerateRequest,
+                              rec: RequestRecorder) -> web.StreamResponse:
     state = get_state(request)
-    try:
-        images = await prompt_images(state, body.get("inputs"))
-        job = validate_generate(body, state.config, state.tokenizer, stream=True, images=images)
-        rec.validated([job.request])
-        check_health(state)
-    except Exception as e:
-        rec.failure(e)
-        raise
+    with recorded(rec):
+        job = await validated_job(state, body, stream=True)
+        admit(state, rec, [job.request])
     return await stream_tgi(request, state, job.request, rec)
 
 
@@ -172,12 +155,7 @@ async def stream_tgi(request: web.Request, state: AppState, vreq: ValidRequest,
         return [stream_event_json(index, ev, vreq)]
 
     return await sse.drive(request, events(state, vreq, rec), rec, render,
-                           headers={"x-model-id": state.config.model_name or state.config.model_id})
-
-
-def recorder(request: web.Request) -> RequestRecorder:
-    state = get_state(request)
-    return RequestRecorder(state.metrics, tracer=state.tracer)
+                           headers={"x-model-id": model_name(state)})
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
@@ -197,45 +175,25 @@ async def handle_compat(request: web.Request) -> web.StreamResponse:
 
 
 async def compat_generate(request: web.Request, body: dict, rec: RequestRecorder) -> web.StreamResponse:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        e = ValidationError("Failed to deserialize the JSON body: `stream`: expected a boolean")
-        rec.failure(e)
-        raise e
-    if stream:
-        return await run_generate_stream(request, body, rec)
-    return await run_generate(request, body, rec, as_list=True)
-
-
-async def handle_invocations(request: web.Request) -> web.StreamResponse:
-    """SageMaker's route: a chat body, a completions body, or a TGI body."""
-    from gaudi_runtime.router import openai_api
-
-    rec = recorder(request)
-    body = await read_body(request, rec)
-    if "messages" in body:
-        return await openai_api.run_chat(request, body, rec)
-    if "prompt" in body and "inputs" not in body:
-        return await openai_api.run_completions(request, body, rec)
-    return await compat_generate(request, body, rec)
+    with recorded(rec):
+        req = parse_generate(body)
+    if req.stream:
+        return await run_generate_stream(request, req, rec)
+    return await run_generate(request, req, rec, as_list=True)
 
 
 # --- tokenize, info, health, ping, metrics ------------------------------------------------
 
 async def handle_tokenize(request: web.Request) -> web.Response:
     state = get_state(request)
-    body = await read_body(request)
-    if "inputs" not in body:
-        raise ValidationError("Failed to deserialize the JSON body: missing field `inputs`")
-    inputs = body["inputs"]
-    tokenize_input(inputs, state.tokenizer)  # same checks as /generate
-    params = body.get("parameters") or {}
-    add_special = body.get("add_special_tokens", params.get("add_special_tokens", True)) is not False
+    req = parse_request(TokenizeRequest, await read_body(request))
+    tokenize_input(req.inputs, state.tokenizer)  # same checks as /generate
+    add_special = req.parameters.add_special_tokens if req.add_special_tokens is None else req.add_special_tokens
     out = []
-    for tid, start, stop in state.tokenizer.encode_with_offsets(inputs, add_special_tokens=add_special):
-        text = inputs[start:stop] if stop > start else state.tokenizer.decode([tid])
+    for tid, start, stop in state.tokenizer.encode_with_offsets(req.inputs, add_special_tokens=add_special):
+        text = req.inputs[start:stop] if stop > start else state.tokenizer.decode([tid])
         out.append({"id": tid, "text": text, "start": start, "stop": stop})
-    return web.json_response(out, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+    return json_response(out)
 
 
 def _model_sha(model_id: str) -> str | None:
@@ -249,7 +207,7 @@ def _model_sha(model_id: str) -> str | None:
 def info_body(state: AppState) -> dict:
     c = state.config
     body = {
-        "model_id": c.model_name or c.model_id,
+        "model_id": model_name(state),
         "model_sha": c.revision if c.revision and len(c.revision) == 40 else _model_sha(c.model_id),
         "model_dtype": c.dtype,
         "model_device_type": c.device,

@@ -1,7 +1,7 @@
 """Runs the router's numbered batch calls in its order, whatever order they arrive in.
 
 The router keeps the next Decode queued on the shard while the current one
-computes (router/engine.py); each call changes the cached batches the next
+computes (router/batching.py); each call changes the cached batches the next
 one names, so the shard must take them in the order they were sent.
 gRPC gives no such promise for separate calls, hence the numbers.
 """

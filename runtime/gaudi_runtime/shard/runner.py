@@ -24,6 +24,7 @@ from gaudi_runtime.layers.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from gaudi_runtime.models import load_model
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.quant.setup import kv_cache_dtype, quantize_loaded
+from gaudi_runtime.recipe_cache import RecipeCache
 from gaudi_runtime.shard.batch import ShardBatch
 from gaudi_runtime.shard.profiler import make_profiler
 from gaudi_runtime.shard.sampling import BatchSampler, SampleOutput
@@ -79,8 +80,12 @@ class WarmupError(RuntimeError):
 
 class ModelRunner:
     def __init__(self, cfg: Config, model_dir: str, backend: Backend, rank: int = 0, world_size: int = 1,
-                 process_group=None):
+                 process_group=None, recipe_cache: RecipeCache | None = None, download_seconds: float | None = None):
+        """`recipe_cache`: where this shard's compiled graphs persist (Gaudi with --recipe-cache-dir);
+        `download_seconds`: how long getting the model took before this process started (for info())."""
         self.cfg = cfg
+        self.recipe_cache = recipe_cache
+        self.download_seconds = download_seconds
         self.backend = backend
         self.device = device = backend.torch_device
         self.dtype = getattr(torch, cfg.dtype)
@@ -102,13 +107,14 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(m.num_layers, self.num_blocks, cfg.block_size, m.num_kv_heads,
                                           m.head_dim, self.kv_dtype, device)
         log.info("rank %d/%d holds %.1f MiB of weights", rank, world_size, self.weight_bytes / 2**20)
+        self.load_seconds = time.perf_counter() - t0
         log.info("model loaded in %.1fs; KV cache: %d blocks of %d tokens (%.1f MiB)",
-                 time.perf_counter() - t0, self.num_blocks - 1, cfg.block_size,
+                 self.load_seconds, self.num_blocks - 1, cfg.block_size,
                  self.num_blocks * per_block / 2**20)
         self.batches: dict[int, ShardBatch] = {}
         # Multimodal models (Llava) preprocess their prompt images here with the model's own processor.
         self.image_processor = None
-        if getattr(m, "takes_images", False):
+        if m.takes_images:
             from gaudi_runtime.models.llava_next import load_image_processor
 
             self.image_processor = load_image_processor(model_dir)
@@ -312,7 +318,10 @@ class ModelRunner:
         t2 = time.perf_counter()
         log.info("warmup: decode done in %.1fs; %d shapes in %.1fs", t2 - t1, total, t2 - t0)
         self.warmup_summary = {"enabled": True, "prefill_shapes": len(prefill), "decode_shapes": len(decode),
-                               "seconds": round(t2 - t0, 3), "graphs": self.backend.graph_stats()}
+                               "seconds": round(t2 - t0, 3), "graphs": self.backend.graph_stats(),
+                               "from_cache": self.warmup_from_cache}
+        if self.recipe_cache is not None:
+            self.recipe_cache.mark_warm()  # every bucket's recipe is now on the volume for the next start
         yield total, total, "done"
 
     def _warm(self, what: str, setting: str, fn, *args) -> None:
@@ -327,8 +336,23 @@ class ModelRunner:
                 raise WarmupError(f"out of memory warming up the {what}: lower {setting}: {e}") from e
             raise
 
+    @property
+    def warmup_from_cache(self) -> bool | None:
+        """Whether warmup finds every bucket's compiled graph in the recipe cache (None: no recipe cache)."""
+        return self.recipe_cache.from_cache if self.recipe_cache is not None else None
+
+    def startup_seconds(self) -> dict:
+        warmup = (self.warmup_summary or {}).get("seconds")
+        return {"download": None if self.download_seconds is None else round(self.download_seconds, 3),
+                "load": round(self.load_seconds, 3), "warmup": warmup}
+
     def info(self) -> dict:
         return {
+            "quantization": self.cfg.quantize,
+            "kv_cache_dtype": self.cfg.kv_cache_dtype or self.cfg.dtype,
+            "warmup_from_cache": self.warmup_from_cache,
+            "recipe_cache": self.recipe_cache.describe() if self.recipe_cache is not None else None,
+            "startup_seconds": self.startup_seconds(),
             "rank": self.rank,
             "world_size": self.world_size,
             "weight_bytes": self.weight_bytes,
@@ -341,12 +365,6 @@ class ModelRunner:
                         "decode": len(buckets.decode_buckets(self.cfg)),
                         "exponential": self.cfg.exponential_bucketing},
         }
-
-    def filter(self, batch_id: int, request_ids: list[int]) -> None:
-        b = self.batches.get(batch_id)
-        if b is None:
-            raise ValueError(f"no cached batch {batch_id}")
-        self.batches[batch_id] = b.filter(request_ids)
 
     def clear(self, batch_id: int | None) -> None:
         if batch_id is None:

@@ -7,17 +7,21 @@ that only asks for greedy decoding pays for an argmax and a log-softmax and noth
 
 Semantics (TGI's ``HeterogeneousNextTokenChooser``):
 
-* Order: repetition penalty, frequency penalty, then temperature, top-k, top-p, typical-p.
+* Order: repetition penalty, TGI's frequency penalty, OpenAI's frequency and presence penalties, then
+  temperature, top-k, top-p, typical-p.
 * A row samples when ``do_sample`` is set *or* any warper is active (temperature != 1, top_k != 0,
   top_p < 1, typical_p < 1), exactly like TGI. Otherwise it takes the argmax of the penalised logits.
   A temperature <= 0 (which the router rejects anyway) is treated as greedy instead of dividing by 0.
 * Repetition penalty (CTRL): for every token seen in prompt + generated tokens, a negative logit is
   multiplied by the penalty and a non-negative one divided by it.
-* Frequency penalty (TGI's ``HeterogeneousFrequencyPenaltyLogitsProcessor``): subtract
-  ``penalty * count(token) / length`` where ``count`` is the token's number of occurrences among the
-  row's prompt + generated tokens and ``length`` that row's total number of tokens. (TGI divides by the
-  padded batch length and counts padding as token 0; we use the row's own length so that the result does
-  not depend on batch composition.)
+* ``frequency_penalty`` is TGI's (``HeterogeneousFrequencyPenaltyLogitsProcessor``), what TGI's
+  ``/generate`` clients expect: subtract ``penalty * count(token) / length`` where ``count`` is the
+  token's number of occurrences among the row's prompt + generated tokens and ``length`` that row's
+  total number of tokens. (TGI divides by the padded batch length and counts padding as token 0; we use
+  the row's own length so that the result does not depend on batch composition.)
+* ``generated_frequency_penalty`` and ``presence_penalty`` are OpenAI's (what the OpenAI routes send):
+  subtract ``frequency * n + presence * (n > 0)`` where ``n`` is how many times the row has generated
+  the token so far; prompt tokens do not count.
 * Log-probabilities (chosen token and top-n) are ``log_softmax`` of the penalised logits divided by the
   temperature, before top-k/top-p/typical-p truncation.
 
@@ -109,15 +113,56 @@ def _samples(p: SamplingParameters) -> bool:
 
 
 def _uses_penalty(p: SamplingParameters) -> bool:
+    """The row's penalties read the counts over prompt + generated tokens."""
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+
+
+def _uses_generated_penalty(p: SamplingParameters) -> bool:
+    """The row's penalties read the counts over generated tokens only (OpenAI's)."""
+    return p.generated_frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+
+def _column_unless(values: list, neutral, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """A [B, 1] column of ``values``, or None when every row has the neutral value (nothing to apply)."""
+    return _column(values, dtype, device) if any(v != neutral for v in values) else None
+
+
+def _cat_counts(samplers: Sequence[BatchSampler], attr: str) -> torch.Tensor | None:
+    """The ``attr`` count tensors of ``samplers`` stacked, or None when none has them. Rows of a
+    sampler without them get zeros: they use no penalty that reads them."""
+    if all(getattr(s, attr) is None for s in samplers):
+        return None
+    first = samplers[0]
+    parts = []
+    for s in samplers:
+        counts = getattr(s, attr)
+        if counts is None:
+            counts = torch.zeros((len(s), first.vocab_size), dtype=torch.float32, device=first.device)
+        parts.append(counts)
+    return torch.cat(parts)
+
+
+@dataclass
+class _RowState:
+    """What a row carries from one call to the next (through ``filter`` and ``concat`` too)."""
+
+    steps: torch.Tensor  # [B] int64: tokens generated so far (the noise's counter)
+    lengths: torch.Tensor  # [B] int64: prompt + generated tokens
+    counts: torch.Tensor | None  # [B, V] float32 over prompt + generated, when a row uses such a penalty
+    generated_counts: torch.Tensor | None  # [B, V] float32 over generated tokens, likewise
 
 
 class BatchSampler:
     """Next-token selection for one batch of requests (rows in batch order).
 
     State carried between calls, per row: the number of tokens generated so far (``steps``), the
-    row's total token count (``lengths``: prompt + generated) and, only when some row uses a penalty,
-    the token counts ``counts`` [B, V] over prompt + generated tokens.
+    row's total token count (``lengths``: prompt + generated) and, only when some row uses a penalty
+    that reads them, the token counts ``counts`` [B, V] over prompt + generated tokens and
+    ``generated_counts`` [B, V] over generated tokens.
     """
 
     def __init__(
@@ -135,12 +180,18 @@ class BatchSampler:
             )
         device = torch.device(device)
         b = len(params)
-        steps = torch.zeros(b, dtype=torch.int64, device=device)
-        lengths = torch.tensor([len(ids) for ids in prompt_ids], dtype=torch.int64, device=device)
-        counts = None
+        counts = generated = None
         if any(_uses_penalty(p) for p in params):
             counts = self._prompt_counts(params, prompt_ids, vocab_size, device)
-        self._setup(list(params), list(top_n_tokens), vocab_size, device, steps, lengths, counts)
+        if any(_uses_generated_penalty(p) for p in params):
+            generated = torch.zeros((b, vocab_size), dtype=torch.float32, device=device)
+        state = _RowState(
+            steps=torch.zeros(b, dtype=torch.int64, device=device),
+            lengths=torch.tensor([len(ids) for ids in prompt_ids], dtype=torch.int64, device=device),
+            counts=counts,
+            generated_counts=generated,
+        )
+        self._setup(list(params), list(top_n_tokens), vocab_size, device, state)
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -175,68 +226,68 @@ class BatchSampler:
         top_n_tokens: list[int],
         vocab_size: int,
         device: torch.device,
-        steps: torch.Tensor,
-        lengths: torch.Tensor,
-        counts: torch.Tensor | None,
+        state: _RowState,
     ) -> None:
+        """Decide on the host, once, which processors run, and build their [B, 1] parameter columns."""
         self.params = params
         self.top_n_tokens = [int(n) for n in top_n_tokens]
         self.vocab_size = int(vocab_size)
         self.device = device
-        self.steps = steps
-        self.lengths = lengths
-        if not any(_uses_penalty(p) for p in params):
-            counts = None
-        self.counts = counts
-
-        b = len(params)
+        self.steps = state.steps
+        self.lengths = state.lengths
+        self.counts = state.counts if any(_uses_penalty(p) for p in params) else None
+        self.generated_counts = (
+            state.generated_counts if any(_uses_generated_penalty(p) for p in params) else None
+        )
         sample = [_samples(p) for p in params]
         self.do_sample = sample
         self.any_sample = any(sample)
-        self.all_sample = b > 0 and all(sample)
+        self.all_sample = len(params) > 0 and all(sample)
         self.max_top_n = max(self.top_n_tokens, default=0)
-
-        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
-
-        # Penalties (apply to greedy and sampled rows alike).
-        rep = [p.repetition_penalty for p in params]
-        freq = [p.frequency_penalty for p in params]
-        self.rep_penalty = col(rep, torch.float32) if any(x != 1.0 for x in rep) else None
-        self.freq_penalty = col(freq, torch.float32) if any(x != 0.0 for x in freq) else None
-
-        # Warpers: only sampled rows carry non-neutral values.
-        temp = [p.temperature if s else 1.0 for p, s in zip(params, sample, strict=True)]
-        top_k = [
-            min(p.top_k, vocab_size) if s and p.top_k > 0 else 0 for p, s in zip(params, sample, strict=True)
-        ]
-        top_p = [p.top_p if s and p.top_p < 1.0 else 1.0 for p, s in zip(params, sample, strict=True)]
-        typ = [p.typical_p if s and p.typical_p < 1.0 else 1.0 for p, s in zip(params, sample, strict=True)]
-        self.temperature = col(temp, torch.float32) if any(x != 1.0 for x in temp) else None
-        if any(k > 0 for k in top_k):
-            self.max_top_k = max(top_k)
-            self.top_k_index = col([max(k - 1, 0) for k in top_k], torch.int64)
-            self.top_k_off = col([k == 0 for k in top_k], torch.bool)
-        else:
-            self.max_top_k = 0
-            self.top_k_index = self.top_k_off = None
-        if any(x < 1.0 for x in top_p):
-            self.top_p = col(top_p, torch.float32)
-            self.top_p_off = col([x >= 1.0 for x in top_p], torch.bool)
-        else:
-            self.top_p = self.top_p_off = None
-        if any(x < 1.0 for x in typ):
-            self.typical_p = col(typ, torch.float32)
-            self.typical_off = col([x >= 1.0 for x in typ], torch.bool)
-        else:
-            self.typical_p = self.typical_off = None
-
+        self._setup_penalties(params)
+        self._setup_warpers(params, sample)
         if self.any_sample:
             self.sample_mask = torch.tensor(sample, dtype=torch.bool, device=device)
             self.seeds = torch.tensor([_s64(int(p.seed)) for p in params], dtype=torch.int64, device=device)
             self._offsets = _vocab_offsets(self.vocab_size, device)
         else:
             self.sample_mask = self.seeds = self._offsets = None
+
+    def _setup_penalties(self, params: list[SamplingParameters]) -> None:
+        """Penalties apply to greedy and sampled rows alike."""
+        f32, device = torch.float32, self.device
+        self.rep_penalty = _column_unless([p.repetition_penalty for p in params], 1.0, f32, device)
+        self.freq_penalty = _column_unless([p.frequency_penalty for p in params], 0.0, f32, device)
+        self.generated_freq_penalty = _column_unless(
+            [p.generated_frequency_penalty for p in params], 0.0, f32, device)
+        self.presence_penalty = _column_unless([p.presence_penalty for p in params], 0.0, f32, device)
+
+    def _setup_warpers(self, params: list[SamplingParameters], sample: list[bool]) -> None:
+        """Only sampled rows carry non-neutral warper values."""
+        device, vocab_size = self.device, self.vocab_size
+        rows = list(zip(params, sample, strict=True))
+        temp = [p.temperature if s else 1.0 for p, s in rows]
+        top_k = [min(p.top_k, vocab_size) if s and p.top_k > 0 else 0 for p, s in rows]
+        top_p = [p.top_p if s and p.top_p < 1.0 else 1.0 for p, s in rows]
+        typ = [p.typical_p if s and p.typical_p < 1.0 else 1.0 for p, s in rows]
+        self.temperature = _column_unless(temp, 1.0, torch.float32, device)
+        if any(k > 0 for k in top_k):
+            self.max_top_k = max(top_k)
+            self.top_k_index = _column([max(k - 1, 0) for k in top_k], torch.int64, device)
+            self.top_k_off = _column([k == 0 for k in top_k], torch.bool, device)
+        else:
+            self.max_top_k = 0
+            self.top_k_index = self.top_k_off = None
+        if any(x < 1.0 for x in top_p):
+            self.top_p = _column(top_p, torch.float32, device)
+            self.top_p_off = _column([x >= 1.0 for x in top_p], torch.bool, device)
+        else:
+            self.top_p = self.top_p_off = None
+        if any(x < 1.0 for x in typ):
+            self.typical_p = _column(typ, torch.float32, device)
+            self.typical_off = _column([x >= 1.0 for x in typ], torch.bool, device)
+        else:
+            self.typical_p = self.typical_off = None
 
     @classmethod
     def _from_state(
@@ -245,12 +296,10 @@ class BatchSampler:
         top_n_tokens: list[int],
         vocab_size: int,
         device: torch.device,
-        steps: torch.Tensor,
-        lengths: torch.Tensor,
-        counts: torch.Tensor | None,
+        state: _RowState,
     ) -> BatchSampler:
         self = cls.__new__(cls)
-        self._setup(params, top_n_tokens, vocab_size, device, steps, lengths, counts)
+        self._setup(params, top_n_tokens, vocab_size, device, state)
         return self
 
     def __len__(self) -> int:
@@ -265,18 +314,14 @@ class BatchSampler:
             raise IndexError(f"filter index out of range for a batch of {len(self.params)}")
         idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
         params = [self.params[i] for i in keep]
-        counts = None
+        counts = generated = None
         if self.counts is not None and any(_uses_penalty(p) for p in params):
             counts = self.counts.index_select(0, idx)
+        if self.generated_counts is not None and any(_uses_generated_penalty(p) for p in params):
+            generated = self.generated_counts.index_select(0, idx)
+        state = _RowState(self.steps.index_select(0, idx), self.lengths.index_select(0, idx), counts, generated)
         return BatchSampler._from_state(
-            params,
-            [self.top_n_tokens[i] for i in keep],
-            self.vocab_size,
-            self.device,
-            self.steps.index_select(0, idx),
-            self.lengths.index_select(0, idx),
-            counts,
-        )
+            params, [self.top_n_tokens[i] for i in keep], self.vocab_size, self.device, state)
 
     @staticmethod
     def concat(samplers: Sequence[BatchSampler]) -> BatchSampler:
@@ -286,26 +331,18 @@ class BatchSampler:
         first = samplers[0]
         if any(s.vocab_size != first.vocab_size for s in samplers):
             raise ValueError("cannot concatenate samplers with different vocabulary sizes")
-        params = [p for s in samplers for p in s.params]
-        counts = None
-        if any(s.counts is not None for s in samplers):
-            # Rows without a penalty never read their counts: zeros stand in for them.
-            counts = torch.cat(
-                [
-                    s.counts
-                    if s.counts is not None
-                    else torch.zeros((len(s), first.vocab_size), dtype=torch.float32, device=first.device)
-                    for s in samplers
-                ]
-            )
+        state = _RowState(
+            steps=torch.cat([s.steps for s in samplers]),
+            lengths=torch.cat([s.lengths for s in samplers]),
+            counts=_cat_counts(samplers, "counts"),
+            generated_counts=_cat_counts(samplers, "generated_counts"),
+        )
         return BatchSampler._from_state(
-            params,
+            [p for s in samplers for p in s.params],
             [n for s in samplers for n in s.top_n_tokens],
             first.vocab_size,
             first.device,
-            torch.cat([s.steps for s in samplers]),
-            torch.cat([s.lengths for s in samplers]),
-            counts,
+            state,
         )
 
     # ------------------------------------------------------------------ the hot path
@@ -332,6 +369,11 @@ class BatchSampler:
             if self.freq_penalty is not None:
                 length = self.lengths.clamp_min(1).to(torch.float32).unsqueeze(1)
                 scores = scores - self.freq_penalty * (self.counts / length)
+        if self.generated_counts is not None:
+            if self.generated_freq_penalty is not None:
+                scores = scores - self.generated_freq_penalty * self.generated_counts
+            if self.presence_penalty is not None:
+                scores = scores - self.presence_penalty * (self.generated_counts > 0).to(torch.float32)
 
         if not self.any_sample:
             logprobs_all = torch.log_softmax(scores, dim=-1)
@@ -396,6 +438,7 @@ class BatchSampler:
     def _record(self, next_ids: torch.Tensor) -> None:
         self.steps = self.steps + 1
         self.lengths = self.lengths + 1
-        if self.counts is not None:
-            ones = torch.ones((next_ids.shape[0], 1), dtype=torch.float32, device=self.device)
-            self.counts.scatter_add_(1, next_ids.unsqueeze(1), ones)
+        for counts in (self.counts, self.generated_counts):
+            if counts is not None:
+                ones = torch.ones((next_ids.shape[0], 1), dtype=torch.float32, device=self.device)
+                counts.scatter_add_(1, next_ids.unsqueeze(1), ones)

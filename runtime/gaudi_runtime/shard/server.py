@@ -10,18 +10,17 @@ import signal
 import grpc
 import torch
 
+from gaudi_runtime import recipe_cache
 from gaudi_runtime.config import Config
 from gaudi_runtime.device import select_device
 from gaudi_runtime.distributed import join_process_group, leave_process_group
+from gaudi_runtime.download import DOWNLOAD_SECONDS_ENV
 from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
+from gaudi_runtime.recipe_cache import RecipeCache
 from gaudi_runtime.shard.runner import ModelRunner
 from gaudi_runtime.shard.servicer import ShardServicer
 
 log = logging.getLogger(__name__)
-
-
-def uds_path(cfg: Config, rank: int) -> str:
-    return f"{cfg.shard_uds_path}-{rank}"
 
 
 def cpu_threads(world_size: int, environ=None) -> int | None:
@@ -40,19 +39,51 @@ def cpu_threads(world_size: int, environ=None) -> int | None:
     return max(1, cores // max(1, world_size))
 
 
+def plan_recipe_cache(cfg: Config, model_dir: str, rank: int) -> RecipeCache | None:
+    """This shard's recipe cache when --recipe-cache-dir is set and the device may be Gaudi."""
+    if not cfg.recipe_cache_dir or cfg.device not in ("auto", "hpu"):
+        return None
+    from gaudi_runtime.device import hpu
+
+    if not hpu.installed():
+        return None
+    cache = recipe_cache.plan(cfg, model_dir, rank, hpu.software_versions())
+    try:
+        cache.prepare()
+    except OSError as e:
+        log.warning("shard %d: recipe cache %s unusable (%s); compiling without it", rank, cache.directory, e)
+        return None
+    log.info("shard %d: recipe cache %s (%s)", rank, cache.directory,
+             "warm from a previous start" if cache.from_cache else "empty: this start compiles every graph")
+    return cache
+
+
+def download_seconds(environ=None) -> float | None:
+    """How long the launcher spent getting the model (None: a local directory, or not started by it)."""
+    raw = (os.environ if environ is None else environ).get(DOWNLOAD_SECONDS_ENV)
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
+
+
 async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None:
-    backend = select_device(cfg.device, rank, world_size, graphs=cfg.enable_hpu_graph)
+    recipes = plan_recipe_cache(cfg, model_dir, rank)
+    backend = select_device(cfg.device, rank, world_size, graphs=cfg.enable_hpu_graph, recipe_cache=recipes)
+    if backend.name != "hpu":
+        recipes = None
     threads = cpu_threads(world_size) if backend.name == "cpu" else None
     if threads is not None:
         torch.set_num_threads(threads)
         log.info("shard %d/%d: %d torch threads", rank, world_size, threads)
     group = join_process_group(backend.distributed_backend, rank, world_size)
-    runner = ModelRunner(cfg, model_dir, backend, rank, world_size, group)
-    urls = [f"unix://{uds_path(cfg, r)}" for r in range(world_size)]
+    runner = ModelRunner(cfg, model_dir, backend, rank, world_size, group, recipe_cache=recipes,
+                         download_seconds=download_seconds())
+    urls = [f"unix://{cfg.shard_socket(r)}" for r in range(world_size)]
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
     pb_grpc.add_TextGenerationServiceServicer_to_server(ShardServicer(runner, rank, world_size, urls), server)
-    path = uds_path(cfg, rank)
+    path = cfg.shard_socket(rank)
     if os.path.exists(path):
         os.unlink(path)
     server.add_insecure_port(f"unix://{path}")

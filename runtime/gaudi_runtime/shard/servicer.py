@@ -20,7 +20,8 @@ def to_params(p: pb.NextTokenChooserParameters) -> SamplingParameters:
     return SamplingParameters(
         do_sample=p.do_sample, temperature=p.temperature or 1.0, top_k=p.top_k, top_p=p.top_p or 1.0,
         typical_p=p.typical_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
-        frequency_penalty=p.frequency_penalty, seed=p.seed, watermark=p.watermark,
+        frequency_penalty=p.frequency_penalty, generated_frequency_penalty=p.generated_frequency_penalty,
+        presence_penalty=p.presence_penalty, seed=p.seed, watermark=p.watermark,
     )
 
 
@@ -117,11 +118,3 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             forward_ns=sum(s.forward_ns for s in steps),
             unwarmed_shapes=self.runner.unwarmed_shapes,
         )
-
-    async def FilterBatch(self, request, context):
-        async with self.order.turn(request.sequence):
-            try:
-                self.runner.filter(request.batch_id, list(request.request_ids))
-            except ValueError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return pb.FilterBatchResponse(batch=pb.CachedBatch(id=request.batch_id, request_ids=request.request_ids))

@@ -1,0 +1,252 @@
+"""The batching loop: which calls the shards get, and when.
+
+One asyncio task runs TGI's loop: prefill a batch from the queue, then decode it step by step;
+between steps, waiting requests join through a prefill of their own when the scheduler's rules
+(router/scheduler.py) allow, and requests that ended are no longer named.
+
+The next Decode is made before the current one's answer is back (PIPELINE_DEPTH calls in flight;
+the shards run them in the order they were made, shard/call_order.py), so the shards go from one
+step to the next without waiting on the round trip or on this process. A call names the requests
+running when it is made; one that ends in a step still in flight gets one more token computed,
+which is dropped. Its KV blocks may already serve a new request then: that request's prefill is
+made after the stale call, so on the shards its writes land last. Answers are handled in the order
+the calls were made, whatever order they arrive in, so each request's tokens stream in order.
+
+While nothing waits, a decode call runs several steps (--decode-steps), so that a call's fixed
+costs (gRPC, messages, this loop, one write per stream) are paid once for several tokens
+(docs/performance.md has the measurements); its tokens stream together. A call never asks a
+request for more tokens than it may still generate, so every write stays in the request's own KV
+blocks; once a request waits, calls run one step, so its prefill is held back by no more than the
+calls already made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Coroutine
+from dataclasses import dataclass, field
+
+from gaudi_runtime.config import Config
+from gaudi_runtime.proto import generate_pb2 as pb
+from gaudi_runtime.router.client import ShardClient, ShardError
+from gaudi_runtime.router.engine_metrics import EngineMetrics
+from gaudi_runtime.router.output import OutputProcessor
+from gaudi_runtime.router.requests import Requests, RequestState
+from gaudi_runtime.router.scheduler import Waiting, join_min_size, select_prefill
+from gaudi_runtime.router.types import GenerationError
+
+log = logging.getLogger(__name__)
+
+# Decode calls in flight: one computing on the shards, one queued behind it.
+PIPELINE_DEPTH = 2
+
+
+@dataclass
+class Call:
+    """A call sent to the shards (`rpc`, already running) and what handles its answer, in call order."""
+
+    rpc: asyncio.Future
+    answer: Coroutine | None = None  # awaits `rpc` and streams its tokens; None: nothing to stream
+    steps: int = 0  # decode steps it runs (0: not a decode)
+
+    async def handled(self):
+        return await (self.answer if self.answer is not None else self.rpc)
+
+    def cancel(self) -> None:
+        self.rpc.cancel()
+        if self.answer is not None:
+            self.answer.close()
+
+
+@dataclass
+class RunningBatch:
+    """The shards' cached batch as the calls made so far leave it, and those calls not yet handled."""
+
+    id: int | None = None
+    request_ids: list[int] = field(default_factory=list)  # as the last call made named them
+    inflight: deque[Call] = field(default_factory=deque)  # in call order
+    waiting_steps: int = 0  # decode steps handled since a prefill last joined
+
+    def decodes_in_flight(self) -> int:
+        return sum(c.steps > 0 for c in self.inflight)
+
+
+class BatchingLoop:
+    def __init__(self, cfg: Config, client: ShardClient, requests: Requests, output: OutputProcessor,
+                 metrics: EngineMetrics):
+        self.cfg = cfg
+        self.client = client
+        self.requests = requests
+        self.output = output
+        self.metrics = metrics
+        self._wake = asyncio.Event()
+        self._batch_ids = itertools.count(1)
+
+    def wake(self) -> None:
+        """A request arrived or left: serve, if the loop is idle."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Serve requests as they come, forever; a shard failure is raised."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._run_batch()
+            self.metrics.batch_size(0)
+
+    async def _run_batch(self) -> None:
+        """Prefill waiting requests and decode them, with the requests that join them, until none runs."""
+        batch = RunningBatch()
+        try:
+            while True:
+                while batch.decodes_in_flight() < PIPELINE_DEPTH and await self._make_decode(batch):
+                    pass
+                if not batch.inflight:
+                    if batch.id is not None:
+                        await self.client.clear(batch.id)
+                    return
+                call = batch.inflight.popleft()
+                await call.handled()
+                batch.waiting_steps += call.steps
+        finally:
+            for call in batch.inflight:  # only after a failure: let no call outlive the loop that made it
+                call.cancel()
+
+    async def _make_decode(self, batch: RunningBatch) -> bool:
+        """Make the next decode call, over the running requests and those a prefill adds now; False:
+        nothing to decode."""
+        ids = [rid for rid in batch.request_ids if self._sendable(rid)]
+        joined = None
+        if self.requests.waiting:
+            prefilled, joined = await self._join(len(ids), batch.waiting_steps, batch.inflight)
+            if prefilled:
+                batch.waiting_steps = 0
+                ids = [rid for rid in ids if self._sendable(rid)]  # some may have ended while it was awaited
+        parts = ([pb.CachedBatch(id=batch.id, request_ids=ids)] if ids else []) + ([joined] if joined else [])
+        if not parts:
+            return False
+        if not ids and batch.id is not None:  # none of the old batch runs on: the joined one replaces it
+            batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(batch.id))))
+        steps = self._steps(ids) if ids and joined is None and not self.requests.waiting else 1
+        batch.id, batch.request_ids = parts[0].id, [rid for b in parts for rid in b.request_ids]
+        for rid in batch.request_ids:  # all live: nothing ran since they were checked
+            self.requests.get(rid).sent += steps
+        self.metrics.batch_size(len(batch.request_ids))
+        # The call is made (numbered) here, before anything else the loop sends.
+        rpc = asyncio.ensure_future(self.client.decode(parts, steps))
+        batch.inflight.append(Call(rpc, self._answer_decode(parts, rpc, time.monotonic()), steps))
+        return True
+
+    def _sendable(self, rid: int) -> bool:
+        """Whether the next decode call computes a token for `rid`: it is live and may take more."""
+        state = self.requests.get(rid)
+        return state is not None and state.sent < state.req.stopping.max_new_tokens
+
+    def _steps(self, ids: list[int]) -> int:
+        """Decode steps the next call runs for the running `ids` (none joining, none waiting)."""
+        if self.cfg.decode_steps <= 1:
+            return 1
+        states = [self.requests.get(rid) for rid in ids]
+        left = min(s.req.stopping.max_new_tokens - s.sent for s in states)
+        return max(1, min(self.cfg.decode_steps, left))
+
+    async def _join(self, running: int, waiting_steps: int,
+                    inflight: deque[Call]) -> tuple[bool, pb.CachedBatch | None]:
+        """Prefill the waiting requests that may join `running` decodes now.
+
+        Returns whether a prefill was made, and the batch the next decode call should add. The
+        prefill's answer is awaited in `inflight`'s order, so the decode naming its batch is made at
+        once and the shards go straight from one to the other.
+        """
+        oldest = (time.monotonic() - self.requests.waiting[0].enqueued) * 1000
+        taken = self._take_waiting(running, join_min_size(running, waiting_steps, oldest, self.cfg))
+        encoded = self._encoded(taken)
+        if not encoded:
+            return bool(taken), None
+        chosen = [state for state, _ in encoded]
+        batch_id, call = self._make_prefill(encoded)
+        if any(s.req.images for s in chosen):
+            # The shards may refuse a prompt's images: see the answer before a decode names the batch.
+            # The calls made before it are handled first, to keep each request's tokens in order.
+            while inflight:
+                await inflight.popleft().handled()
+            running_ids = await call.handled()
+        else:
+            inflight.append(call)
+            running_ids = [s.id for s in chosen if self._sendable(s.id)]
+        if not running_ids:
+            inflight.append(Call(asyncio.ensure_future(self.client.clear(batch_id))))
+            return True, None
+        return True, pb.CachedBatch(id=batch_id, request_ids=running_ids)
+
+    def _take_waiting(self, running: int, min_size: int | None) -> list[RequestState]:
+        """The requests the next prefill takes (TGI's rules), their KV blocks reserved."""
+        view = [Waiting(len(s.req.input_ids), s.req.stopping.max_new_tokens) for s in self.requests.waiting]
+        return self.requests.take(select_prefill(view, running, self.requests.allocator.free_count, self.cfg,
+                                                 min_size))
+
+    def _encoded(self, taken: list[RequestState]) -> list[tuple[RequestState, pb.Request]]:
+        """Each request in the shards' protocol; one holding a value the protocol cannot carry ends
+        with its own error, and the others go on (validation should have refused it)."""
+        out = []
+        for state in taken:
+            try:
+                out.append((state, prefill_request(state)))
+            except ValueError as e:
+                log.error("request %d cannot be sent to the shards: %s", state.id, e)
+                self.requests.end(state, GenerationError(f"the request cannot be sent to the shards: {e}"))
+        return out
+
+    def _make_prefill(self, encoded: list[tuple[RequestState, pb.Request]]) -> tuple[int, Call]:
+        """Make the prefill call now; returns its batch id and the call, whose answer gives the running ids."""
+        batch_id = next(self._batch_ids)
+        chosen = [state for state, _ in encoded]
+        batch = pb.Batch(id=batch_id, requests=[request for _, request in encoded])
+        rpc = asyncio.ensure_future(self.client.prefill(batch))
+        return batch_id, Call(rpc, self._answer_prefill(chosen, rpc, time.monotonic()))
+
+    async def _answer_prefill(self, chosen: list[RequestState], rpc: Awaitable[pb.PrefillResponse],
+                              made: float) -> list[int]:
+        try:
+            resp = await rpc
+        except ShardError as e:
+            self._end_with_error([s.id for s in chosen], e)
+            raise
+        self.metrics.prefill_answered(made, resp, len(chosen))
+        return self.output.process(resp.generations)
+
+    async def _answer_decode(self, batches: list[pb.CachedBatch], rpc: Awaitable[pb.DecodeResponse],
+                             made: float) -> None:
+        try:
+            resp = await rpc
+        except ShardError as e:
+            self._end_with_error([rid for b in batches for rid in b.request_ids], e)
+            raise
+        self.metrics.decode_answered(made, resp)
+        self.output.process(resp.generations)
+        for gens in resp.next_steps:
+            self.output.process(gens)
+
+    def _end_with_error(self, request_ids: list[int], error: ShardError) -> None:
+        for rid in request_ids:
+            state = self.requests.get(rid)
+            if state is not None:
+                self.requests.end(state, GenerationError(str(error)))
+
+
+def prefill_request(state: RequestState) -> pb.Request:
+    """The shards' view of a request: its prompt, its reserved blocks, how to sample it."""
+    r, s = state.req, state.req.sampling
+    return pb.Request(
+        id=state.id, input_ids=r.input_ids, top_n_tokens=r.top_n_tokens, blocks=state.blocks,
+        prefill_logprobs=r.decoder_input_details, images=r.images,
+        parameters=pb.NextTokenChooserParameters(
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
+            do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,
+            frequency_penalty=s.frequency_penalty, generated_frequency_penalty=s.generated_frequency_penalty,
+            presence_penalty=s.presence_penalty, watermark=s.watermark),
+    )

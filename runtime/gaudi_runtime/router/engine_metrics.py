@@ -1,0 +1,66 @@
+"""Every Prometheus metric the engine sets, in one place: queue and batch sizes, batch timings,
+warmup progress, passes on unwarmed shapes.
+
+The life cycle, the request registry and the batching loop each call this object rather than the
+registry, so that what a metric means is decided here once. Without a registry (the offline
+`LLM`) nothing is recorded, but the unwarmed-shape count that /info reports is still kept.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gaudi_runtime.proto import generate_pb2 as pb
+from gaudi_runtime.router.metrics import Metrics
+
+
+class EngineMetrics:
+    def __init__(self, metrics: Metrics | None):
+        self._m = metrics
+        self.unwarmed_shapes = 0  # forward passes the shards ran on a shape warmup did not cover
+        self._last_decode_answer = 0.0
+
+    def warmup(self, done: int, total: int) -> None:
+        if self._m is not None:
+            self._m.gaudi_serve_warmup_done.set(done)
+            self._m.gaudi_serve_warmup_total.set(total)
+
+    def queue_size(self, waiting: int) -> None:
+        if self._m is not None:
+            self._m.tgi_queue_size.set(waiting)
+
+    def batch_size(self, running: int) -> None:
+        if self._m is not None:
+            self._m.tgi_batch_current_size.set(running)
+
+    def prefill_answered(self, made: float, resp: pb.PrefillResponse, size: int) -> None:
+        """A prefill of `size` requests made at `made` (time.monotonic()) answered."""
+        self._observe("prefill", time.monotonic() - made, resp.forward_ns)
+        if self._m is not None:
+            self._m.tgi_batch_next_size.observe(size)
+        self._unwarmed(resp.unwarmed_shapes)
+
+    def decode_answered(self, made: float, resp: pb.DecodeResponse) -> None:
+        """A decode call made at `made` answered.
+
+        A queued call's time starts when the shards could take it: when the one before it answered.
+        """
+        now = time.monotonic()
+        self._observe("decode", now - max(made, self._last_decode_answer), resp.forward_ns)
+        self._last_decode_answer = now
+        self._unwarmed(resp.unwarmed_shapes)
+
+    def _observe(self, method: str, seconds: float, forward_ns: int) -> None:
+        m = self._m
+        if m is None:
+            return
+        m.tgi_batch_inference_count.labels(method=method).inc()
+        m.tgi_batch_inference_success.labels(method=method).inc()
+        m.tgi_batch_inference_duration.labels(method=method).observe(seconds)
+        m.tgi_batch_forward_duration.labels(method=method).observe(forward_ns / 1e9)
+
+    def _unwarmed(self, count: int) -> None:
+        """The shards report a running total; the counter gets what it grew by."""
+        if count > self.unwarmed_shapes and self._m is not None:
+            self._m.gaudi_serve_unwarmed_shapes_total.inc(count - self.unwarmed_shapes)
+        self.unwarmed_shapes = count

@@ -1,0 +1,106 @@
+"""Every request the engine holds, from admission to its end, and the one place a request ends.
+
+A request waits in `Requests.waiting` until a prefill takes it and reserves its KV blocks, and is
+live until `Requests.end`. Every way a request ends goes through `end`: finished (EOS, its token
+budget, a stop sequence: the output processor), cancelled (its caller stopped reading: the
+engine's `generate`), failed (the shards failed: the batching loop, or the engine for all). `end`
+gives the blocks back exactly once and delivers the request's last event or error.
+
+The blocks go back at once, even while a call already made still names the request: the prefill
+of a request that takes them over is made later, so the shards run it after that call (see
+router/batching.py). Ended requests are no longer live, so no later call names them and their
+stale tokens are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from gaudi_runtime.config import Config
+from gaudi_runtime.router.blocks import BlockAllocator
+from gaudi_runtime.router.detokenizer import IncrementalDetokenizer, StopSequenceMatcher
+from gaudi_runtime.router.engine_metrics import EngineMetrics
+from gaudi_runtime.router.scheduler import blocks_needed
+from gaudi_runtime.router.types import StreamEvent, Token, ValidRequest
+
+
+@dataclass(eq=False)
+class RequestState:
+    """What the engine keeps about one request while it waits, runs and streams."""
+
+    id: int
+    req: ValidRequest
+    detok: IncrementalDetokenizer
+    stop: StopSequenceMatcher
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # StreamEvents; an exception ends them
+    enqueued: float = field(default_factory=time.monotonic)
+    started: float | None = None  # when a prefill took it; None while it waits
+    blocks: list[int] = field(default_factory=list)
+    generated: int = 0  # tokens streamed
+    sent: int = 0  # tokens asked of the shards so far (prefill and decode calls made, answered or not)
+    prefill: list[Token] = field(default_factory=list)  # prompt tokens with logprobs (decoder_input_details)
+    ended: bool = False
+
+
+class Requests:
+    """The waiting queue, the live requests and the KV blocks they hold."""
+
+    def __init__(self, cfg: Config, metrics: EngineMetrics):
+        self.cfg = cfg
+        self.metrics = metrics
+        self.waiting: deque[RequestState] = deque()
+        self.allocator: BlockAllocator | None = None  # set once the shards said how many blocks they hold
+        self._live: dict[int, RequestState] = {}
+        self._ids = itertools.count(1)
+
+    def add(self, request: ValidRequest, tokenizer) -> RequestState:
+        """Queue a request; its text is decoded with `tokenizer`."""
+        state = RequestState(id=next(self._ids), req=request,
+                             detok=IncrementalDetokenizer(tokenizer, prompt_ids=request.input_ids),
+                             stop=StopSequenceMatcher(list(request.stopping.stop_sequences)))
+        self._live[state.id] = state
+        self.waiting.append(state)
+        self.metrics.queue_size(len(self.waiting))
+        return state
+
+    def get(self, request_id: int) -> RequestState | None:
+        """The live request of that id; None once it ended."""
+        return self._live.get(request_id)
+
+    def take(self, count: int) -> list[RequestState]:
+        """Move the first `count` waiting requests into a prefill, reserving their KV blocks."""
+        now = time.monotonic()
+        chosen = [self.waiting.popleft() for _ in range(count)]
+        self.metrics.queue_size(len(self.waiting))
+        for state in chosen:
+            stopping = state.req.stopping
+            state.blocks = self.allocator.allocate(
+                blocks_needed(len(state.req.input_ids), stopping.max_new_tokens, self.cfg))
+            state.started = now
+            state.sent = 1  # the prefill computes the first token
+        return chosen
+
+    def end(self, state: RequestState, last: StreamEvent | Exception | None = None) -> None:
+        """End `state` for whatever reason; `last` (its final event, or the error its caller gets) is
+        delivered. Ending an ended request does nothing."""
+        if state.ended:
+            return
+        state.ended = True
+        if state.blocks:
+            self.allocator.free(state.blocks)
+            state.blocks = []
+        del self._live[state.id]
+        if state.started is None:
+            self.waiting.remove(state)
+            self.metrics.queue_size(len(self.waiting))
+        if last is not None:
+            state.events.put_nowait(last)
+
+    def end_all(self, error: Exception) -> None:
+        """End every live request with `error` (the shards failed)."""
+        for state in list(self._live.values()):
+            self.end(state, error)

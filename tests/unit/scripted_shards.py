@@ -1,0 +1,158 @@
+"""Scripted shards for driving the router's engine without a model: they run calls in the order they
+were made, as numbered calls do on real shards, answer a fixed token, and check every KV block
+write."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from gaudi_runtime.config import resolve
+from gaudi_runtime.params import SamplingParameters
+from gaudi_runtime.proto import generate_pb2 as pb
+from gaudi_runtime.router.client import ShardError
+from gaudi_runtime.router.engine import BatchingEngine
+from gaudi_runtime.router.types import StoppingParameters, ValidRequest
+
+TOKEN = 40  # what the scripted shards generate, until a request's scripted EOS
+
+
+class ScriptedShards:
+    """Stands in for ShardClient: runs calls (a decode of one or more steps) in the order they were
+    made, as numbered calls do on real shards, and answers TOKEN for each request and step, or EOS at
+    the step `eos_at` gives it.
+
+    While `gate` is cleared, calls wait before they run; the call numbered `fail_at` (from 0, in the
+    order calls were made) fails as a crashed shard's would."""
+
+    def __init__(self, eos_id: int, eos_at: dict[int, int], num_blocks: int = 64, swap_answers: bool = False,
+                 gate: asyncio.Event | None = None, fail_at: int | None = None):
+        self.eos_id, self.eos_at, self.num_blocks = eos_id, eos_at, num_blocks
+        self.gate, self.fail_at = gate, fail_at
+        # Answer calls in pairs, the second first (gRPC does not promise answers in call order); the
+        # n-th token of a request is then TOKEN + n, so that its order shows.
+        self.swap_answers = swap_answers
+        self.answered: set[int] = set()
+        self.made = 0
+        self.blocks: dict[int, list[int]] = {}  # request id -> its KV blocks
+        self.owner: dict[int, int] = {}  # block -> the request whose prefill wrote it last
+        self.stale_writes: list[tuple[int, int]] = []  # (request, block another request owns) a step wrote
+        self.generated: dict[int, int] = {}  # request id -> tokens computed for it
+        # Each decode call: the requests it names, decodes unanswered when it was made, its steps, and
+        # how many requests waited for a prefill then.
+        self.decodes: list[tuple[list[int], int, int, int]] = []
+        self.engine: BatchingEngine | None = None
+        self.unanswered = 0
+        self._turns = itertools.count()
+        self._done = 0
+        self._changed = asyncio.Condition()
+
+    async def connect(self, timeout_s, alive=None):
+        pass
+
+    async def info(self):
+        return pb.InfoResponse(block_size=16, num_blocks=self.num_blocks, eos_token_ids=[self.eos_id],
+                               max_position_embeddings=4096, dtype="float32", device_type="cpu")
+
+    async def warmup(self, on_progress):
+        on_progress(0, 0, "done")
+
+    async def close(self):
+        pass
+
+    def _turn(self) -> int:
+        self.made += 1
+        return next(self._turns)
+
+    async def _in_turn(self, turn: int, work):
+        if self.gate is not None:
+            await self.gate.wait()
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._done == turn)
+            if turn == self.fail_at:
+                self._done += 1
+                self._changed.notify_all()
+                raise ShardError("UNAVAILABLE: scripted shard crash")
+            result = work()
+            self._done += 1
+            self._changed.notify_all()
+            if self.swap_answers and turn % 2 == 0:  # wait for the next call's answer, if it was made
+                await self._changed.wait_for(lambda: turn + 1 in self.answered or self.made == turn + 1)
+            self.answered.add(turn)
+            self._changed.notify_all()
+        return result
+
+    def _tokens(self, ids: list[int]) -> pb.Generations:
+        out = []
+        for rid in ids:
+            self.generated[rid] = self.generated.get(rid, 0) + 1
+            token = TOKEN + self.generated[rid] if self.swap_answers else TOKEN
+            out.append(self.eos_id if self.generated[rid] == self.eos_at.get(rid) else token)
+        return pb.Generations(request_ids=ids, token_ids=out, logprobs=[0.0] * len(ids))
+
+    def _write_kv(self, ids: list[int]) -> None:
+        for rid in ids:
+            self.stale_writes += [(rid, b) for b in self.blocks[rid] if self.owner[b] != rid]
+
+    def prefill(self, batch: pb.Batch):
+        ids = [r.id for r in batch.requests]
+        blocks = {r.id: list(r.blocks) for r in batch.requests}
+
+        def answer():
+            self.blocks.update(blocks)
+            self.owner.update({b: rid for rid, bs in blocks.items() for b in bs})
+            return pb.PrefillResponse(generations=self._tokens(ids), batch=pb.CachedBatch(id=batch.id, request_ids=ids))
+        return self._in_turn(self._turn(), answer)
+
+    def decode(self, batches: list[pb.CachedBatch], steps: int = 1):
+        ids = [rid for b in batches for rid in b.request_ids]
+        self.decodes.append((ids, self.unanswered, steps, self.engine.queue_size()))
+        self.unanswered += 1
+
+        def answer():
+            self.unanswered -= 1
+            gens = []
+            for _ in range(steps):
+                self._write_kv(ids)
+                gens.append(self._tokens(ids))
+            return pb.DecodeResponse(generations=gens[0], next_steps=gens[1:],
+                                     batch=pb.CachedBatch(id=batches[0].id, request_ids=ids))
+        return self._in_turn(self._turn(), answer)
+
+    def clear(self, batch_id=None):
+        return self._in_turn(self._turn(), lambda: None)
+
+
+def request(max_new_tokens: int, stop: tuple[str, ...] = ()) -> ValidRequest:
+    return ValidRequest(input_ids=[5, 6, 7], inputs="abc", sampling=SamplingParameters(),
+                        stopping=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=stop))
+
+
+def make_engine(shards: ScriptedShards, tokenizer, decode_steps: int = 4) -> BatchingEngine:
+    engine = BatchingEngine(resolve(None, {"MODEL_ID": "unused", "DECODE_STEPS": str(decode_steps)}), shards,
+                            tokenizer)
+    shards.engine = engine
+    return engine
+
+
+def serve(shards: ScriptedShards, tokenizer, max_new_tokens: list[int], decode_steps: int = 4):
+    """Run one request per entry of `max_new_tokens`, all at once, through an engine over `shards`;
+    returns each request's (token ids, end)."""
+    engine = make_engine(shards, tokenizer, decode_steps)
+
+    async def run():
+        await engine.start()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(collect(engine, request(n)) for n in max_new_tokens)), 30)
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
+
+
+async def collect(engine: BatchingEngine, req: ValidRequest):
+    tokens, end = [], None
+    async for ev in engine.generate(req):
+        tokens.append(ev.token.id)
+        end = ev.end
+    return tokens, end
