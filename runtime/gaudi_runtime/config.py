@@ -125,6 +125,11 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
 ]
 
 
+# Settings whose values are secrets: the start-up log shows only whether they are set.
+SECRET_SETTINGS = ("api_key",)
+REDACTED = "<redacted>"
+
+
 @dataclass
 class Config:
     model_id: str = ""
@@ -201,6 +206,14 @@ class Config:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
+
+    def to_log_json(self) -> str:
+        """Every setting as resolved, secrets masked: what the start-up log may show."""
+        values = dataclasses.asdict(self)
+        for name in SECRET_SETTINGS:
+            if values[name] is not None:
+                values[name] = REDACTED
+        return json.dumps(values)
 
     def shard_socket(self, rank: int) -> str:
         """The unix socket shard `rank` serves gRPC on (the router and the offline API connect to it)."""

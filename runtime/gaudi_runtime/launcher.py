@@ -170,6 +170,6 @@ def main(cfg: Config) -> int:
     download_seconds = None if model_dir == cfg.model_id else time.monotonic() - t0
     check_model(model_dir)
     check_image_budget(cfg, json.loads((Path(model_dir) / "config.json").read_text()))
-    log.info("effective configuration: %s", cfg.to_json())  # every flag and env setting, as resolved
+    log.info("effective configuration: %s", cfg.to_log_json())  # every flag and env setting, secrets masked
     log.info("launching %d shard(s) and the router for %s", cfg.num_shard, model_dir)
     return supervise(spawn(cfg, model_dir, download_seconds))

@@ -111,6 +111,23 @@ def test_a_dying_shard_stops_the_launcher_non_zero_leaving_no_process(model_dir,
         srv.stop()
 
 
+def test_the_start_up_log_never_shows_the_api_key(model_dir, monkeypatch, caplog):
+    """`launch` logs its effective configuration; a key given as API_KEY (from a Secret) is masked there."""
+    import logging
+
+    from gaudi_runtime import launcher
+    from gaudi_runtime.config import resolve
+
+    monkeypatch.setattr(launcher, "spawn", lambda *args, **kwargs: [])
+    monkeypatch.setattr(launcher, "supervise", lambda *args, **kwargs: 0)
+    cfg = resolve(None, {"MODEL_ID": str(model_dir), "API_KEY": "s3cret-from-a-secret", "DEVICE": "cpu"})
+    with caplog.at_level(logging.INFO, logger="gaudi_runtime.launcher"):
+        assert launcher.main(cfg) == 0
+    (line,) = [r.getMessage() for r in caplog.records if "effective configuration" in r.getMessage()]
+    assert json.loads(line.split("effective configuration:", 1)[1])["api_key"] == "<redacted>"
+    assert "s3cret-from-a-secret" not in caplog.text
+
+
 async def _stream_until_cut(session, url: str, started: asyncio.Event, after: int = 3) -> tuple[list, float]:
     """Every event of a long /generate_stream, and when the stream ended (monotonic)."""
     body = {"inputs": "hello world", "parameters": {"max_new_tokens": 2000}}
