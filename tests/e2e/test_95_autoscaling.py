@@ -128,7 +128,8 @@ def test_queue_scales_up_to_max_apply_leaves_the_count_alone_then_it_scales_down
     wait_for(lambda: kube.status(ns, "fleet").get("readySummary") == "1/1", 60, "1/1 ready")
 
 
-def _stream(url: str, events: list[dict], started: threading.Event) -> None:
+def _stream(url: str, events: list[dict], started: threading.Event, hold: list[int]) -> None:
+    """Read a stream; on its second event stop (SIGSTOP) the `hold` processes: a tiny model is fast."""
     body = json.dumps({"inputs": "Stay with me", "parameters": {"max_new_tokens": 60}}).encode()
     req = urllib.request.Request(url + "/generate_stream", data=body, headers={"Content-Type": "application/json"})
     try:
@@ -136,7 +137,9 @@ def _stream(url: str, events: list[dict], started: threading.Event) -> None:
             for line in r:
                 if line.startswith(b"data:"):
                     events.append(json.loads(line[5:]))
-                    if len(events) >= 2:
+                    if len(events) == 2:
+                        for pid in hold:
+                            os.kill(pid, signal.SIGSTOP)
                         started.set()
     finally:
         started.set()
@@ -210,12 +213,11 @@ def test_a_stream_through_the_real_runtime_survives_the_scale_down_that_removes_
 
     events: list[dict] = []
     started = threading.Event()
-    reader = threading.Thread(target=_stream, args=(url, events, started), daemon=True)
+    # The stream stands still (its shards stopped) until the pod is being drained.
+    shards = [c for c in children(proc.pid) if b"shard" in open(f"/proc/{c}/cmdline", "rb").read()]
+    reader = threading.Thread(target=_stream, args=(url, events, started, shards), daemon=True)
     reader.start()
     assert started.wait(60) and len(events) >= 2, events
-    shards = [c for c in children(proc.pid) if b"shard" in open(f"/proc/{c}/cmdline", "rb").read()]
-    for s in shards:  # the stream stands still until the pod is being drained
-        os.kill(s, signal.SIGSTOP)
     try:
         # The owner lowers minReplicas; the queue is empty: the HPA scales down, removing the real pod.
         manifest["spec"]["autoscaling"]["minReplicas"] = 1

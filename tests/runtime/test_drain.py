@@ -37,6 +37,7 @@ class Stream:
     """A /generate_stream read in a thread: its events, and whether the server closed it."""
 
     url: str
+    hold_pid: int  # the shard, stopped (SIGSTOP) by the reader as soon as tokens come: a tiny model is fast
     events: list[dict] = field(default_factory=list)
     got_tokens: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
@@ -54,7 +55,8 @@ class Stream:
                 for line in r:
                     if line.startswith(b"data:"):
                         self.events.append(json.loads(line[5:]))
-                        if len(self.events) >= 2:
+                        if len(self.events) == 2:
+                            os.kill(self.hold_pid, signal.SIGSTOP)
                             self.got_tokens.set()
         finally:
             self.got_tokens.set()
@@ -81,20 +83,18 @@ def post_generate(url: str) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def hold_shard(srv: Launched) -> int:
-    """Stop the shard (SIGSTOP) once a stream is running; returns its pid."""
+def shard_of(srv: Launched) -> int:
     (shard,) = [p for p in children(srv.proc.pid) if b"shard" in open(f"/proc/{p}/cmdline", "rb").read()]
-    os.kill(shard, signal.SIGSTOP)
     return shard
 
 
 def start_draining(srv: Launched) -> tuple[Stream, int, list[int]]:
     """A stream running, the shard held, then SIGTERM to the launcher alone (as the kubelet signals
     a container's PID 1, not its process group)."""
-    stream = Stream(srv.url).start()
-    assert stream.got_tokens.wait(120) and len(stream.events) >= 2, stream.events
     kids = children(srv.proc.pid)
-    shard = hold_shard(srv)
+    shard = shard_of(srv)
+    stream = Stream(srv.url, shard).start()
+    assert stream.got_tokens.wait(120) and len(stream.events) >= 2, stream.events
     os.kill(srv.proc.pid, signal.SIGTERM)
     return stream, shard, kids
 
