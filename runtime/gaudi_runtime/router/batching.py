@@ -35,7 +35,7 @@ from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.output import OutputProcessor
 from gaudi_runtime.router.requests import Requests, RequestState
-from gaudi_runtime.router.scheduler import Waiting, join_min_size, select_prefill
+from gaudi_runtime.router.scheduler import join_min_size, select_prefill
 from gaudi_runtime.router.types import GenerationError
 
 # Decode calls in flight: one computing on the shards, one queued behind it.
@@ -180,7 +180,7 @@ class BatchingLoop:
 
     def _take_waiting(self, running: int, min_size: int | None) -> list[RequestState]:
         """The requests the next prefill takes (TGI's rules), their KV blocks reserved."""
-        view = [Waiting(len(s.req.input_ids), s.req.stopping.max_new_tokens) for s in self.requests.waiting]
+        view = self.requests.waiting_view(max(0, self.cfg.max_batch_size - running))
         return self.requests.take(select_prefill(view, running, self.requests.allocator.free_count, self.cfg,
                                                  min_size))
 
@@ -225,7 +225,7 @@ def prefill_request(state: RequestState) -> pb.Request:
     r, s = state.req, state.req.sampling
     return pb.Request(
         id=state.id, input_ids=r.input_ids, top_n_tokens=r.top_n_tokens, blocks=state.blocks,
-        prefill_logprobs=r.decoder_input_details, images=r.images,
+        prefill_logprobs=r.decoder_input_details, images=r.images, cached_tokens=state.cached_tokens,
         parameters=pb.NextTokenChooserParameters(
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
             do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,

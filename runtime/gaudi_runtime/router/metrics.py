@@ -145,5 +145,15 @@ class Metrics:
             "gaudi_serve_unwarmed_shapes_total", "Forward passes on a shape warmup did not cover (should stay 0)",
             registry=c)
 
+        # Prefix caching (set by the engine; see docs/design.md "Prefix caching").
+        self.gaudi_serve_prefix_cache_queries_total = Counter(
+            "gaudi_serve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", registry=c)
+        self.gaudi_serve_prefix_cache_hits_total = Counter(
+            "gaudi_serve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (not computed again)",
+            registry=c)
+        self.gaudi_serve_prefix_cache_blocks = Gauge(
+            "gaudi_serve_prefix_cache_blocks", "KV blocks registered in the prefix cache, held by a request or not",
+            registry=r)
+
     def render(self) -> bytes:
         return "".join(c.render() for c in self.counters).encode() + generate_latest(self.registry)
