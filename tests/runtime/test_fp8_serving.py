@@ -16,6 +16,7 @@ from gaudi_runtime.quant.fp8_linear import FP8_MAX, is_fp8
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, get_json, launch
+from tests.runtime.prefix_checks import bypassed, check_conversations
 
 pytestmark = pytest.mark.slow
 
@@ -124,6 +125,8 @@ def test_launch_serves_fp8_over_http(model_dir, calibrated, tmp_path, shards):
         for prompt in PROMPTS[:2]:
             out = _generate(server.url, prompt, 6)
             assert out["details"]["generated_tokens"] == 6 and out["generated_text"]
+        # Prompts read from the float8 cache answer as when every token is computed (the cache bypassed).
+        check_conversations(server, conversations=2, turns=3, reference=bypassed(server))
         code, info = get_json(server.url + "/info")
         assert code == 200
         log = server.log()
