@@ -145,7 +145,10 @@ class Metrics:
             "gaudi_serve_unwarmed_shapes_total", "Forward passes on a shape warmup did not cover (should stay 0)",
             registry=c)
 
-        # Prefix caching (set by the engine; see docs/design.md "Prefix caching").
+        self._add_prefix_cache_metrics(c, r)
+
+    def _add_prefix_cache_metrics(self, c: list[Counter], r: CollectorRegistry) -> None:
+        """Prefix caching (set by the engine; see docs/design.md "Prefix caching")."""
         self.gaudi_serve_prefix_cache_queries_total = Counter(
             "gaudi_serve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", registry=c)
         self.gaudi_serve_prefix_cache_hits_total = Counter(

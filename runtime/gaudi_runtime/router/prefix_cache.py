@@ -56,9 +56,12 @@ def chain_hashes(tokens: list[int], block_size: int, parent: bytes, extras: dict
 
 
 def image_extras(image_starts: list[int], images: list[bytes], block_size: int) -> dict[int, bytes]:
-    """Block index -> the digests of the images whose placeholder tokens start in that block."""
+    """Block index -> the digests of the images whose placeholder tokens start in that block (all of
+    them in the first block when where they start is unknown: then every block depends on every image)."""
+    if len(image_starts) != len(images):
+        image_starts = [0] * len(images)
     extras: dict[int, bytes] = {}
-    for start, data in zip(image_starts, images, strict=True):
+    for start, data in zip(image_starts, images):
         block = start // block_size
         extras[block] = extras.get(block, b"") + hashlib.sha256(data).digest()
     return extras
