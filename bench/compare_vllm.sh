@@ -22,7 +22,7 @@ cache=${XDG_CACHE_HOME:-$HOME/.cache}/gaudi-serve-bench
 model=${MODEL:-$cache/model-small}
 runs=${RUNS:-1}
 c1_requests=${C1_REQUESTS:-16}
-ours=$root/.venv/bin
+ours=${OURS_BIN:-$root/.venv/bin}  # a venv with gaudi-serve installed (its bin directory)
 out=${OUT:-$(mktemp -d)}
 port=${PORT:-18080}
 url=http://127.0.0.1:$port
@@ -64,7 +64,8 @@ wait_ready() {  # $1: path that answers 200 once the server can serve; deadline 
 
 start_ours() {  # $1: log file; $2...: extra `launch` arguments; OURS_EXTRA_ENV: extra environment
   # shellcheck disable=SC2086  # OURS_ENV and OURS_EXTRA_ENV are lists
-  env $ours_env ${OURS_EXTRA_ENV:-} setsid "$ours/gaudi-serve" launch \
+  # Private shard sockets: another server on this machine may use the default path.
+  env $ours_env ${OURS_EXTRA_ENV:-} setsid "$ours/gaudi-serve" launch --shard-uds-path "$out/shard" \
     --model-id "$model" --dtype bfloat16 --hostname 127.0.0.1 --port "$port" "${@:2}" >"$1" 2>&1 &
   server=$!
   wait_ready /health "$1"

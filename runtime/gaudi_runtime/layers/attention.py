@@ -37,8 +37,10 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     if is_causal:
         scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
                                     .tril().logical_not(), float("-inf"))
-    if attn_mask is not None:
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
         scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+    elif attn_mask is not None:  # additive
+        scores = scores + attn_mask
     return torch.matmul(scores.float().softmax(-1).to(v.dtype), v)
 
 
@@ -88,9 +90,11 @@ class AttentionImpl:
     name: str
     prefill: object
     decode: object
+    # Whether `prefill` takes torch SDPA's enable_gqa (K/V with fewer heads than Q, not repeated).
+    prefill_gqa: bool = False
 
 
-IMPL = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention)
+IMPL = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
 
 
 def select_attention(use_flash: bool, recompute: bool, device: str) -> AttentionImpl:
@@ -104,10 +108,11 @@ def select_attention(use_flash: bool, recompute: bool, device: str) -> Attention
 
         impl = AttentionImpl("fused_sdpa", fused_sdpa(recompute), fused_sdpa(False))
     elif device == "cpu":
-        impl = AttentionImpl("sdpa (decode: grouped bmm)", F.scaled_dot_product_attention, grouped_decode_attention)
+        impl = AttentionImpl("sdpa (decode: grouped bmm)", F.scaled_dot_product_attention, grouped_decode_attention,
+                             True)
     else:
-        impl = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention)
-    IMPL.name, IMPL.prefill, IMPL.decode = impl.name, impl.prefill, impl.decode
+        impl = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
+    IMPL.name, IMPL.prefill, IMPL.decode, IMPL.prefill_gqa = impl.name, impl.prefill, impl.decode, impl.prefill_gqa
     return IMPL
 
 
@@ -122,7 +127,8 @@ class AttentionMetadata:
     # decode: which gathered positions each row attends to, [B, 1, 1, L]; the first layer builds it
     # and the others reuse it (one forward pass, one metadata object).
     decode_mask: torch.Tensor | None = None
-    # prefill with cached blocks: [B, 1, S, L + S] (gathered context, then the new tokens), built once
+    # prefill with cached blocks: [B, 1, S, L + S] (gathered context, then the new tokens), additive
+    # (0 or -inf: CPU SDPA runs a float mask faster than a boolean one), built once
     context_mask: torch.Tensor | None = None
 
 
@@ -197,6 +203,10 @@ class Attention(nn.Module):
                  attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """q ``[B, S, Hq, D]`` over k/v ``[B, L, Hkv, D]``: causal (L == S) unless a mask is given."""
         b, length = k.shape[:2]
+        if self.group > 1 and attn_mask is not None and IMPL.prefill_gqa:  # the long keys of a cached prefix
+            out = IMPL.prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+                               scale=self.scale, enable_gqa=True)
+            return out.transpose(1, 2)
         if self.group > 1:
             k = k.unsqueeze(3).expand(b, length, self.num_kv_heads, self.group, self.head_dim).reshape(
                 b, length, self.num_heads, self.head_dim)
@@ -219,8 +229,9 @@ class Attention(nn.Module):
         if meta.context_mask is None:
             cached = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, L]
             causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            meta.context_mask = torch.cat([cached[:, None, :].expand(b, s, length), causal.expand(b, s, s)],
-                                          dim=-1)[:, None]
+            allowed = torch.cat([cached[:, None, :].expand(b, s, length), causal.expand(b, s, s)], dim=-1)
+            meta.context_mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
+                allowed.logical_not(), float("-inf"))[:, None]
         return self._prefill(q, torch.cat([keys.to(k.dtype), k], 1), torch.cat([values.to(v.dtype), v], 1),
                              meta.context_mask)
 
