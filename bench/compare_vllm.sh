@@ -151,7 +151,7 @@ def multiturn_table(run, d):
         later = p50([r["ttft_ms"] for r in ok if r["turn"] >= 2])
         turns = " ".join(f"{p50([r['ttft_ms'] for r in ok if r['turn'] == t]):.0f}" for t in (1, 2, 3, 4))
         hit = s.get("prefix_cache") or {}
-        rate = f"{100 * hit['hit_rate']:.1f}%" if hit else "n/a"
+        rate = f"{100 * hit['hit_rate']:.1f}%" if hit.get("hit_rate") is not None else "n/a"
         return s["ttft_ms"]["p50"], later, s["throughput"]["output_tokens_per_s"], turns, rate, len(ok), len(s["records"])
     print(f"{'run':>3}  {'multi-turn':<20} {'TTFT p50':>9} {'turns>=2':>9} {'out tok/s':>9}  {'TTFT p50 by turn':<22} hit rate  ok")
     rows = {e: row(e) for e in reports}

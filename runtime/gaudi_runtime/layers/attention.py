@@ -45,6 +45,9 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
 
 
 GROUPED_MIN_BATCH = 16
+# ... or from this many gathered positions over the batch (a few long conversations: the prefix cache
+# makes their turns cheap to prefill, and then their decode steps are what is left).
+GROUPED_MIN_POSITIONS = 16 * 256
 # Each query head's row spans every KV head's slice, so the matmuls do Hkv times the useful work;
 # past a few KV heads that outgrows what SDPA loses on this shape.
 GROUPED_MAX_KV_HEADS = 4
@@ -65,12 +68,14 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     mask) as B x Hkv tiny problems and copies the transposed K/V; here each row's heads are flattened
     into one ``[L, Hkv * D]`` matrix and every query head gets a block-diagonal row that only meets its
     own KV head, so one ``bmm`` scores all heads without copying K or V (the zero blocks cost Hkv x the
-    flops of a memory-bound op). It wins from batch GROUPED_MIN_BATCH up (docs/performance.md has the
-    measurements); smaller batches, and models with more than GROUPED_MAX_KV_HEADS KV heads, keep SDPA.
+    flops of a memory-bound op). It wins from batch GROUPED_MIN_BATCH up, or from GROUPED_MIN_POSITIONS
+    gathered positions (docs/performance.md has the measurements); smaller work, and models with more than
+    GROUPED_MAX_KV_HEADS KV heads, keep SDPA.
     """
     b, hkv, g, d = q.shape
     keys, values = k.transpose(1, 2), v.transpose(1, 2)  # back to the gathered [B, L, Hkv, D]
-    if b < GROUPED_MIN_BATCH or hkv > GROUPED_MAX_KV_HEADS or not (keys.is_contiguous() and values.is_contiguous()):
+    small = b < GROUPED_MIN_BATCH and b * keys.shape[1] < GROUPED_MIN_POSITIONS
+    if small or hkv > GROUPED_MAX_KV_HEADS or not (keys.is_contiguous() and values.is_contiguous()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     length = keys.shape[1]
     q_rows = (q.unsqueeze(3) * _head_blocks(hkv, q.dtype, q.device)).view(b, hkv * g, hkv * d)  # [B, Hq, Hkv * D]
