@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PORT ?= 8080
 MODEL ?= /tmp/gaudi-serve-tiny-llama
 
-.PHONY: venv serve test lint proto e2e
+.PHONY: venv serve test lint proto e2e images
 
 $(BIN)/gaudi-serve: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,3 +36,11 @@ proto: venv
 # hack/control-plane.sh (cached per machine), or the cluster of E2E_KUBECONFIG (docs/e2e.md).
 e2e: venv
 	GAUDI_SERVE_E2E_KUBECONFIG=$(E2E_KUBECONFIG) $(BIN)/python -m pytest -q tests/e2e
+
+# Both images (operator; runtime, cpu variant unless VARIANT=hpu) with docker, podman or buildah:
+# hack/build-images.sh, whose header lists the settings; without a registry the Python base is
+# made by hack/base-image.sh. E.g. make images REGISTRY=registry.example.com/ml TAG=0.1.0
+IMAGE_SETTINGS := REGISTRY TAG VARIANT OPERATOR_IMAGE RUNTIME_IMAGE IMAGES PYTHON_IMAGE TORCH_CPU_INDEX \
+	HPU_BASE_IMAGE ENGINE ISOLATION BUILD_FLAGS
+images:
+	$(foreach v,$(IMAGE_SETTINGS),$(if $($(v)),$(v)='$($(v))')) hack/build-images.sh

@@ -28,6 +28,10 @@ class OperatorConfig:
     warmup_concurrency: int = field(default=8, metadata=_env("GAUDI_OPERATOR_WARMUP_CONCURRENCY"))
     warmup_timeout: float = field(default=2.0, metadata=_env("GAUDI_OPERATOR_WARMUP_TIMEOUT"))
     watch_timeout: int = field(default=300, metadata=_env("GAUDI_OPERATOR_WATCH_TIMEOUT"))
+    # Where the operator's own pods run and their labels (`k=v,k=v`): a NetworkPolicy admits
+    # them for the warmup poll. The chart sets both (the namespace through the downward API).
+    namespace: str = field(default="", metadata=_env("GAUDI_OPERATOR_NAMESPACE"))
+    pod_labels: str = field(default="", metadata=_env("GAUDI_OPERATOR_POD_LABELS"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:

@@ -3,7 +3,7 @@
 The pass (`reconcile`) goes one way through the data and never back: read the
 object, render its children, apply them, observe what the cluster made of them,
 report the status. Triggers: create/update/resume of an InferenceService, any
-event of a child (Deployment, Service, PodDisruptionBudget) or pod carrying
+event of a child (Deployment, Service, PodDisruptionBudget, NetworkPolicy) or pod carrying
 our labels, and a resync timer that also polls warmup progress of warming pods.
 Runs for the same object are serialized; a trigger arriving during a run causes
 one more run after it, never a pile-up.
@@ -25,7 +25,7 @@ import kopf
 
 from . import kube
 from .config import OperatorConfig
-from .render import ISVC_LABEL, MANAGED_BY, Rendered, render
+from .render import ISVC_LABEL, MANAGED_BY, Rendered, operator_peer, render
 from .spec import FIELD_MANAGER, GROUP, PLURAL, RUNTIME_PORT, VERSION, SpecError, parse_spec
 from .status import Observed, compute_status, invalid_spec_status, status_patch
 
@@ -35,7 +35,8 @@ CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, ISVC_LABEL: kopf.PRE
 WARNING_PHASES = ("Degraded", "Failed")
 # Every kind the operator renders, and the pods: their events trigger a pass of the owner.
 CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"),
-                   ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "pods")]
+                   ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies"),
+                   ("", "v1", "pods")]
 
 
 def _now() -> str:
@@ -51,8 +52,14 @@ async def reconcile(namespace: str, name: str, config: OperatorConfig) -> dict[s
         spec = parse_spec(body.get("spec"))
     except SpecError as exc:
         return await _report(body, invalid_spec_status(body, str(exc), now=_now()))
-    rendered = render(body, spec, cluster_domain=config.cluster_domain)
-    live = await _apply(rendered, namespace, name)
+    rendered = render(body, spec, cluster_domain=config.cluster_domain,
+                      operator=operator_peer(config.namespace, config.pod_labels))
+    try:
+        live = await _apply(rendered, namespace, name)
+    except kube.Invalid as exc:
+        # Admitted, but a child is not: content the CRD hands through verbatim (podTemplate,
+        # resources, tolerations, affinity, env's valueFrom) is checked only in the child.
+        return await _report(body, invalid_spec_status(body, str(exc), now=_now()))
     observed = await _observe(namespace, name, live, config)
     return await _report(body, compute_status(body, spec, rendered, observed, now=_now()))
 
@@ -161,6 +168,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, inference_se
     memo.resync = asyncio.get_running_loop().create_task(
         _resync_loop(memo.reconciler, inference_services, config.resync_seconds))
     log.info("gaudi-serve operator started (field manager %s, resync %ss)", FIELD_MANAGER, config.resync_seconds)
+    if not config.namespace:
+        log.info("GAUDI_OPERATOR_NAMESPACE is unset: a spec.networkPolicy will not admit this operator's warmup poll")
 
 
 @kopf.on.cleanup()

@@ -14,6 +14,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import uuid
 from typing import Any
 
@@ -30,6 +31,7 @@ _KINDS = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "Service": ("/api/v1", "services"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),
@@ -37,9 +39,18 @@ _KINDS = {
 
 _client: kubernetes.client.ApiClient | None = None
 
+# An apply patch is YAML. JSON is YAML except for one thing: YAML has no surrogate pairs, so a
+# character beyond U+FFFF (an emoji in an annotation), which json.dumps writes as two \uXXXX
+# escapes, must go as one \UXXXXXXXX escape. (A backslash written as \\ is not an escape.)
+_SURROGATE_PAIR = re.compile(r"(?<!\\)((?:\\\\)*)\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
+
 
 class NotFound(Exception):
     pass
+
+
+class Invalid(Exception):
+    """The API server refused an object as invalid (400, 422); the message is its own, naming the field."""
 
 
 def configure() -> None:
@@ -79,13 +90,31 @@ def _call(method: str, path: str, *, query: list[tuple[str, str]] | None = None,
     data = rsp.read()
     if rsp.status == 404:
         raise NotFound(path)
+    if rsp.status in (400, 422):
+        raise Invalid(_status_message(data) or f"{method} {path}: {rsp.reason}")
     if not 200 <= rsp.status <= 299:
         raise ApiException(status=rsp.status, reason=f"{method} {path}: {rsp.reason}: {data[:500]!r}")
     return json.loads(data) if data else {}
 
 
+def _status_message(data: bytes) -> str:
+    try:
+        status = json.loads(data)
+    except ValueError:
+        return ""
+    return str(status.get("message") or "") if isinstance(status, dict) else ""
+
+
 async def _run(method: str, path: str, **kw: Any) -> Any:
     return await asyncio.to_thread(_call, method, path, **kw)
+
+
+def apply_body(obj: dict[str, Any]) -> str:
+    """`obj` as the text of an apply patch: JSON, with the escapes YAML reads the same way."""
+    def one(m: re.Match[str]) -> str:
+        high, low = int(m.group(2), 16), int(m.group(3), 16)
+        return f"{m.group(1)}\\U{0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00):08X}"
+    return _SURROGATE_PAIR.sub(one, json.dumps(obj))
 
 
 async def apply(obj: dict[str, Any]) -> dict[str, Any]:
@@ -93,7 +122,7 @@ async def apply(obj: dict[str, Any]) -> dict[str, Any]:
     meta = obj["metadata"]
     path = _path(obj["kind"], meta["namespace"], meta["name"])
     query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
-    return await _run("PATCH", path, query=query, body=obj, content_type="application/apply-patch+yaml")
+    return await _run("PATCH", path, query=query, body=apply_body(obj), content_type="application/apply-patch+yaml")
 
 
 async def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:

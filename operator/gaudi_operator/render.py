@@ -1,7 +1,8 @@
 """InferenceService -> child manifests (pure: no I/O, no clock).
 
-`render(body, spec)` returns a `Rendered`: the Deployment, the Service and,
-when replicas > 1, the PodDisruptionBudget, each a plain dict ready for
+`render(body, spec)` returns a `Rendered`: the Deployment, the Service,
+when replicas > 1 the PodDisruptionBudget, and with spec.networkPolicy the
+NetworkPolicy, each a plain dict ready for
 server-side apply, plus the facts the status reports about them (template
 hash, selector, URL), so nothing downstream renders again. Only the fields the
 operator owns are set, so other field managers (HPA through the scale
@@ -18,7 +19,14 @@ from typing import Any
 
 import kopf
 
-from .spec import RUNTIME_PORT, InferenceServiceSpec, parse_spec
+from .spec import (
+    API_KEY_ENV,
+    RUNTIME_PORT,
+    InferenceServiceSpec,
+    LabelSelector,
+    NetworkPolicyPeer,
+    parse_spec,
+)
 
 APP_NAME = "gaudi-serve"
 MANAGED_BY = "gaudi-serve-operator"
@@ -29,11 +37,13 @@ GAUDI_RESOURCE = "habana.ai/gaudi"
 DATA_DIR = "/data"
 QUANT_DIR = "/etc/gaudi-serve/quant"
 # Kinds a spec may or may not want; the reconcile deletes the ones a render left out.
-OPTIONAL_KINDS = ("PodDisruptionBudget",)
+OPTIONAL_KINDS = ("PodDisruptionBudget", "NetworkPolicy")
+# The label the API server puts on every namespace, holding its name.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 __all__ = [
     "CONTAINER", "GAUDI_RESOURCE", "ISVC_LABEL", "MANAGED_BY", "OPTIONAL_KINDS", "TEMPLATE_HASH_LABEL",
-    "Rendered", "labels", "pod_template", "render", "selector_labels", "selector_string",
+    "Rendered", "labels", "operator_peer", "pod_template", "render", "selector_labels", "selector_string",
 ]
 
 
@@ -125,9 +135,14 @@ def runtime_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         env.append({"name": "PT_HPU_ENABLE_LAZY_COLLECTIVES", "value": "true"})
     if spec.precision == "fp8" and spec.quantization and spec.quantization.config_map_ref:
         env.append({"name": "QUANT_CONFIG", "value": f"{QUANT_DIR}/{spec.quantization.config_map_ref.key}"})
+    # Secrets reach the runtime only as references the kubelet resolves: their values never pass
+    # through the operator, the pod's args or the status.
     if spec.model.hub_token_secret_ref:
         ref = spec.model.hub_token_secret_ref
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if spec.api_key_secret_ref:
+        ref = spec.api_key_secret_ref
+        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     # The user's variables win over ours, by name; order is kept otherwise.
     user = {e["name"]: e for e in spec.env if "name" in e}
     env = [user.pop(e["name"], e) if e["name"] in user else e for e in env]
@@ -325,12 +340,62 @@ def render_pdb(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, An
     }
 
 
+def operator_peer(namespace: str, pod_labels: str) -> dict[str, Any] | None:
+    """The NetworkPolicy peer of the operator's own pods (its warmup poll), from where it runs.
+
+    `pod_labels` is a `k=v,k=v` selector (the chart passes its Deployment's selector labels);
+    without it, every pod of the operator's namespace. None when the namespace is unknown
+    (an operator outside the cluster).
+    """
+    if not namespace:
+        return None
+    peer: dict[str, Any] = {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: namespace}}}
+    match = dict(kv.strip().split("=", 1) for kv in pod_labels.split(",") if "=" in kv)
+    if match:
+        peer["podSelector"] = {"matchLabels": match}
+    return peer
+
+
+def _selector(sel: LabelSelector) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if sel.match_labels:
+        out["matchLabels"] = dict(sel.match_labels)
+    if sel.match_expressions:
+        out["matchExpressions"] = [{"key": r.key, "operator": r.operator, **({"values": list(r.values)} if r.values else {})}
+                                   for r in sel.match_expressions]
+    return out  # {}: everything (every namespace, or every pod of the namespace)
+
+
+def _peer(peer: NetworkPolicyPeer) -> dict[str, Any]:
+    return {key: _selector(sel) for key, sel in (("namespaceSelector", peer.namespace_selector),
+                                                   ("podSelector", peer.pod_selector)) if sel is not None}
+
+
+def render_network_policy(body: dict[str, Any], spec: InferenceServiceSpec,
+                          operator: dict[str, Any] | None) -> dict[str, Any]:
+    """Ingress to the pods' HTTP port only from the listed peers and the operator (egress is left open:
+    the runtime downloads its model)."""
+    name = body["metadata"]["name"]
+    assert spec.network_policy is not None
+    peers = [_peer(p) for p in spec.network_policy.from_] + ([copy.deepcopy(operator)] if operator else [])
+    # A rule without peers would admit every source: no peer at all means no rule (nothing admitted).
+    ingress = [{"from": peers, "ports": [{"protocol": "TCP", "port": RUNTIME_PORT}]}] if peers else []
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(body),
+        "spec": {"podSelector": {"matchLabels": selector_labels(name)}, "policyTypes": ["Ingress"],
+                 "ingress": ingress},
+    }
+
+
 def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
-           cluster_domain: str = "cluster.local") -> Rendered:
+           cluster_domain: str = "cluster.local", operator: dict[str, Any] | None = None) -> Rendered:
     """All children of an InferenceService `body`.
 
     `body` needs apiVersion, kind and metadata name, namespace and uid: the children's
-    owner reference is built from them.
+    owner reference is built from them. `operator` is the NetworkPolicy peer of the
+    operator's pods (`operator_peer`), admitted by a NetworkPolicy for the warmup poll.
     """
     spec = spec or parse_spec(body.get("spec"))
     meta = body["metadata"]
@@ -338,6 +403,8 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
     children = [deployment, render_service(body, spec)]
     if spec.replicas > 1:
         children.append(render_pdb(body, spec))
+    if spec.network_policy is not None:
+        children.append(render_network_policy(body, spec, operator))
     # Controller reference: garbage collection removes the children with their owner, and
     # blockOwnerDeletion keeps a foreground delete waiting for them.
     kopf.append_owner_reference(children, owner=body, controller=True, block_owner_deletion=True)

@@ -9,9 +9,9 @@ object, a test) is read the same way.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "gaudiserve.io"
@@ -23,13 +23,41 @@ ALLOWED_SHARDS = (1, 2, 4, 8)
 RUNTIME_PORT = 8080
 DEFAULT_IMAGE = "ghcr.io/gaudi-serve/runtime:0.1.0"
 
+# The runtime reads --api-key from this variable; spec.apiKeySecretRef fills it from a Secret.
+API_KEY_ENV = "API_KEY"
+
+# Syntaxes the CRD's patterns enforce: the API server would refuse a child that used a bad value.
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY = r"^[-._a-zA-Z0-9]+$"
+POSITIVE_QUANTITY = (r"^(([0-9]*[1-9][0-9]*(\.[0-9]*)?)|([0-9]*\.[0-9]*[1-9][0-9]*))"
+                     r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?[0-9]{1,2}))?$")
+IMAGE = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
+LABEL_KEY = (r"^([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?([.][a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*/)?"
+             r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+ObjectName = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
+DataKey = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=SECRET_KEY)]
+Size = Annotated[str, StringConstraints(max_length=64, pattern=POSITIVE_QUANTITY)]
+LabelKey = Annotated[str, StringConstraints(max_length=317, pattern=LABEL_KEY)]
+LabelValue = Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]
+Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=32)]
+RESERVED_MOUNTS = ("/data", "/dev/shm", "/etc/gaudi-serve/quant")
+
+# Rules the CRD's CEL also enforces at admission, with the same messages.
+API_KEY_ENV_MESSAGE = "spec.env must not set API_KEY when spec.apiKeySecretRef is set (the key comes from the Secret)"
+MOUNT_MESSAGE = ("spec.quantization.measurements.mountPath must not be /data, /dev/shm or /etc/gaudi-serve/quant "
+                 "(the operator mounts those)")
+PEER_MESSAGE = "spec.networkPolicy.from: each peer needs a namespaceSelector, a podSelector or both"
+SELECTOR_VALUES_MESSAGE = ("spec.networkPolicy.from: a matchExpressions entry needs values with In or NotIn, "
+                           "and none with Exists or DoesNotExist")
+
 # Startup budget model (seconds): loading the weights, then one pass per warmup shape.
 LOAD_SECONDS = 600
 SECONDS_PER_SHAPE_GRAPHS = 15
 SECONDS_PER_SHAPE_EAGER = 3
 
 __all__ = [
-    "ALLOWED_SHARDS", "FIELD_MANAGER", "GROUP", "PLURAL", "RUNTIME_PORT",
+    "ALLOWED_SHARDS", "API_KEY_ENV", "FIELD_MANAGER", "GROUP", "PLURAL", "RUNTIME_PORT",
     "VERSION", "InferenceServiceSpec", "SpecError", "parse_spec",
 ]
 
@@ -44,18 +72,23 @@ class _Model(BaseModel):
 
 
 class SecretKeyRef(_Model):
-    name: str
-    key: str = "HF_TOKEN"
+    name: ObjectName
+    key: DataKey = "HF_TOKEN"
+
+
+class ApiKeySecretRef(_Model):
+    name: ObjectName
+    key: DataKey = API_KEY_ENV
 
 
 class PVCRef(_Model):
-    claim_name: str
+    claim_name: ObjectName
     read_only: bool = False
 
 
 class EphemeralCache(_Model):
-    size: str = "100Gi"
-    storage_class_name: str | None = None
+    size: Size = "100Gi"
+    storage_class_name: ObjectName | None = None
 
 
 class CacheVolume(_Model):
@@ -77,13 +110,19 @@ class ModelSource(_Model):
 
 
 class ConfigMapKeyRef(_Model):
-    name: str
-    key: str = "quant_config.json"
+    name: ObjectName
+    key: DataKey = "quant_config.json"
 
 
 class Measurements(_Model):
     persistent_volume_claim: PVCRef
-    mount_path: str = "/quant/measurements"
+    mount_path: str = Field("/quant/measurements", max_length=4096, pattern="^/")
+
+    @model_validator(mode="after")
+    def _own_mount(self) -> Measurements:
+        if self.mount_path in RESERVED_MOUNTS:
+            raise ValueError(MOUNT_MESSAGE)
+        return self
 
 
 class Quantization(_Model):
@@ -138,9 +177,41 @@ class ServiceSpec(_Model):
     port: int = Field(80, ge=1, le=65535)
 
 
+class LabelSelectorRequirement(_Model):
+    key: LabelKey
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[LabelValue] = Field([], max_length=64)
+
+    @model_validator(mode="after")
+    def _values_match_operator(self) -> LabelSelectorRequirement:
+        if (self.operator in ("In", "NotIn")) != bool(self.values):
+            raise ValueError(SELECTOR_VALUES_MESSAGE)
+        return self
+
+
+class LabelSelector(_Model):
+    match_labels: Labels = {}
+    match_expressions: list[LabelSelectorRequirement] = Field([], max_length=16)
+
+
+class NetworkPolicyPeer(_Model):
+    namespace_selector: LabelSelector | None = None
+    pod_selector: LabelSelector | None = None
+
+    @model_validator(mode="after")
+    def _one_selector(self) -> NetworkPolicyPeer:
+        if self.namespace_selector is None and self.pod_selector is None:
+            raise ValueError(PEER_MESSAGE)
+        return self
+
+
+class NetworkPolicySpec(_Model):
+    from_: list[NetworkPolicyPeer] = Field([], alias="from", max_length=16)
+
+
 class PodTemplateMeta(_Model):
-    labels: dict[str, str] = {}
-    annotations: dict[str, str] = {}
+    labels: Labels = {}
+    annotations: Annotated[dict[LabelKey, str], Field(max_length=64)] = {}
 
 
 class PodTemplate(_Model):
@@ -156,16 +227,18 @@ class InferenceServiceSpec(_Model):
     quantization: Quantization | None = None
     serving: Serving = Serving()
     batching: Batching = Batching()
-    image: str = DEFAULT_IMAGE
+    image: str = Field(DEFAULT_IMAGE, max_length=1024, pattern=IMAGE)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     image_pull_secrets: list[dict[str, Any]] = []
     resources: dict[str, Any] = {}
     env: list[dict[str, Any]] = []
-    node_selector: dict[str, str] = {}
+    node_selector: Labels = {}
     tolerations: list[dict[str, Any]] = []
     affinity: dict[str, Any] = {}
-    service_account_name: str | None = None
-    shm_size: str = "16Gi"
+    service_account_name: ObjectName | None = None
+    api_key_secret_ref: ApiKeySecretRef | None = None
+    network_policy: NetworkPolicySpec | None = None
+    shm_size: Size = "16Gi"
     service: ServiceSpec = ServiceSpec()
     probes: Probes = Probes()
     pod_template: PodTemplate = PodTemplate()
@@ -176,6 +249,12 @@ class InferenceServiceSpec(_Model):
             raise ValueError("spec.shards must be one of 1, 2, 4 or 8 (Gaudi cards per replica)")
         if self.precision == "fp8" and (self.quantization is None or self.quantization.config_map_ref is None):
             raise ValueError("spec.quantization.configMapRef is required when spec.precision is fp8")
+        if self.api_key_secret_ref is not None and any(e.get("name") == API_KEY_ENV for e in self.env):
+            raise ValueError(API_KEY_ENV_MESSAGE)
+        for field, items in (("env", self.env), ("imagePullSecrets", self.image_pull_secrets)):
+            names = [item.get("name") for item in items]
+            if len(set(names)) < len(names):  # lists keyed by name (x-kubernetes-list-type: map)
+                raise ValueError(f"spec.{field}: a name appears twice")
         return self
 
     # ---- derived values -------------------------------------------------

@@ -55,14 +55,25 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--max-stop-sequences", None, int, 4, "Most stop sequences in one request."),
     ("--max-top-n-tokens", None, int, 5, "Largest top_n_tokens a request may ask for."),
     ("--max-best-of", None, int, 2, "Largest best_of a request may ask for."),
+    ("--max-n", None, int, 16, "Most choices (OpenAI's n) one /v1 request may ask for; each is a sequence of its "
+     "own, sampled with its own seed."),
     ("--max-client-batch-size", None, int, 4, "Most prompts in one /generate or /v1/completions body."),
+    ("--max-request-bytes", None, int, 8 * 1024 * 1024, "Largest request body in bytes; a larger one gets 413."),
+    ("--max-images-per-request", None, int, 4, "Most images one prompt may hold (vision models)."),
+    ("--max-json-schema-bytes", None, int, 32 * 1024, "Largest JSON schema or grammar a request may carry "
+     "(grammar, response_format, each tool's parameters), in bytes of compact JSON."),
+    ("--max-json-schema-depth", None, int, 32, "Deepest nesting of objects and arrays in such a JSON schema."),
+    ("--allowed-media-domains", None, str, None, "Comma-separated hosts whose image URLs the router fetches, "
+     "whatever their addresses (default: any host whose addresses are all public)."),
+    ("--disable-image-urls", None, _bool, False, "Take images only inline as data: URLs; fetch no URL."),
     ("--hostname", None, str, "0.0.0.0", "Address the HTTP server listens on."),
     ("--port", None, int, 80, "Port the HTTP server listens on."),
     ("--shard-uds-path", None, str, "/tmp/gaudi-serve-server", "Prefix of the shards' unix sockets."),
     ("--sharded", None, _bool, None, "Shard the model across cards (default: when more than one is visible)."),
     ("--num-shard", None, int, None, "Number of shards (default: every visible card; 1 on CPU or with --sharded false)."),
     ("--json-output", None, _bool, False, "Log JSON lines instead of text."),
-    ("--api-key", None, str, None, "Bearer token every route but /health, /ping and /metrics requires."),
+    ("--api-key", None, str, None, "Bearer token every route requires but /health, /ping, /metrics and the API "
+     "description (/api-doc/openapi.json, /docs)."),
     ("--cors-allow-origin", None, str, None, "Comma-separated origins allowed by CORS."),
     ("--block-size", None, int, None, "KV-cache block size in tokens (default: 128 on HPU, 16 elsewhere)."),
     ("--memory-fraction", "MEMORY_FRACTION", float, 0.9, "Share of free device memory the KV cache may take."),
@@ -76,7 +87,12 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
      "directory (PT_HPU_RECIPE_CACHE_CONFIG), keyed by what changes them, so that a restart warms up from it."),
     ("--otlp-endpoint", None, str, None, "OTLP/HTTP collector (e.g. http://collector:4318) receiving request traces."),
     ("--otlp-service-name", None, str, "text-generation-inference.router", "service.name of the exported traces."),
-    ("--disable-grammar-support", None, _bool, False, "Refuse grammar / response_format requests (always the case here)."),
+    ("--disable-grammar-support", None, _bool, False, "Refuse constrained generation: grammar, response_format, "
+     "guided_*, and tool_choice required or named get a 422."),
+    ("--grammar-compile-timeout-s", None, float, 10.0, "Longest the router waits for the shards to compile a "
+     "request's grammar (a JSON schema, a regex, a tool set); past it the request gets a 422."),
+    ("--tool-call-parser", None, str, None, "Tool-call format of the model's output: llama3_json, mistral or "
+     "hermes (default: recognised from the chat template)."),
 ]
 
 # Environment-only settings (TGI and TGI-Gaudi names).
@@ -112,6 +128,11 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
 ]
 
 
+# Settings whose values are secrets: the start-up log shows only whether they are set.
+SECRET_SETTINGS = ("api_key",)
+REDACTED = "<redacted>"
+
+
 @dataclass
 class Config:
     model_id: str = ""
@@ -132,7 +153,14 @@ class Config:
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5
     max_best_of: int = 2
+    max_n: int = 16
     max_client_batch_size: int = 4
+    max_request_bytes: int = 8 * 1024 * 1024
+    max_images_per_request: int = 4
+    max_json_schema_bytes: int = 32 * 1024
+    max_json_schema_depth: int = 32
+    allowed_media_domains: list[str] | None = None
+    disable_image_urls: bool = False
     hostname: str = "0.0.0.0"
     port: int = 80
     shard_uds_path: str = "/tmp/gaudi-serve-server"
@@ -169,6 +197,8 @@ class Config:
     otlp_endpoint: str | None = None
     otlp_service_name: str = "text-generation-inference.router"
     disable_grammar_support: bool = False
+    grammar_compile_timeout_s: float = 10.0
+    tool_call_parser: str | None = None
     prof_waitstep: int = 0
     prof_warmupstep: int = 0
     prof_step: int = 0
@@ -180,6 +210,14 @@ class Config:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
+
+    def to_log_json(self) -> str:
+        """Every setting as resolved, secrets masked: what the start-up log may show."""
+        values = dataclasses.asdict(self)
+        for name in SECRET_SETTINGS:
+            if values[name] is not None:
+                values[name] = REDACTED
+        return json.dumps(values)
 
     def shard_socket(self, rank: int) -> str:
         """The unix socket shard `rank` serves gRPC on (the router and the offline API connect to it)."""
@@ -249,11 +287,30 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     _derive_shards(v, device_count)
     _derive_quantization(v)
     _derive_knobs(v)
+    _derive_structured_output(v)
+    _derive_request_limits(v)
     origins = v["cors_allow_origin"]
     v["cors_allow_origin"] = [o.strip() for o in origins.split(",") if o.strip()] if origins else []
     v["model_name"] = v["model_name"] or v["model_id"]
     v["log_level"] = str(v["log_level"]).lower()
     return Config(**v)
+
+
+# Tool-call formats the router parses (and constrains, for tool_choice required or named).
+TOOL_CALL_PARSERS = ("llama3_json", "mistral", "hermes")
+
+
+def _derive_structured_output(v: dict[str, object]) -> None:
+    """Choices (--max-n), grammar compilation and the tool-call format."""
+    if v["max_n"] < 1:
+        raise ConfigError("--max-n must be positive")
+    if not v["grammar_compile_timeout_s"] > 0:
+        raise ConfigError("--grammar-compile-timeout-s must be positive")
+    parser = v["tool_call_parser"]
+    if parser in ("", "auto"):
+        v["tool_call_parser"] = None
+    elif parser is not None and parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"--tool-call-parser {parser!r}: choose one of {', '.join(TOOL_CALL_PARSERS)}")
 
 
 def _derive_token_limits(v: dict[str, object]) -> None:
@@ -297,6 +354,26 @@ def _derive_batching(v: dict[str, object]) -> None:
         v["max_batch_size"] = max(v["batch_bucket_size"], min(256, v["max_concurrent_requests"]))
     if v["max_batch_size"] < 1:
         raise ConfigError("--max-batch-size must be positive")
+
+
+def _derive_request_limits(v: dict[str, object]) -> None:
+    """What one request may carry, and which image URLs the router may fetch."""
+    for name in ("max_request_bytes", "max_json_schema_bytes", "max_json_schema_depth"):
+        if v[name] < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    for name in ("max_stop_sequences", "max_top_n_tokens", "max_images_per_request"):
+        if v[name] < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0")
+    if v["max_best_of"] < 1:
+        raise ConfigError("--max-best-of must be positive")
+    domains = v["allowed_media_domains"]
+    if domains is not None:
+        v["allowed_media_domains"] = [normalize_host(d) for d in domains.split(",") if d.strip()]
+
+
+def normalize_host(host: str) -> str:
+    """A host name as the router compares it: lower case, no trailing dot, no IPv6 brackets."""
+    return host.strip().lower().rstrip(".").removeprefix("[").removesuffix("]")
 
 
 def _derive_device(v: dict[str, object]) -> None:

@@ -3,7 +3,7 @@ what `launch` does with a hub id.
 
 Only what the runtime loads is fetched: config and generation config, tokenizer files and chat
 templates, Llava's preprocessor config, and the safetensors weights the runtime reads (those the
-index names, as `models.registry.safetensors_files` picks them). Files land in huggingface_hub's own
+index names, else model.safetensors: `weight_files`, which the loader uses too). Files land in huggingface_hub's own
 cache layout (blobs, snapshot links, refs), so that `launch` with the same `--model-id` and cache finds
 them, online or with HF_HUB_OFFLINE=1, and so does any other hub client.
 

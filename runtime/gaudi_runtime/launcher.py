@@ -22,6 +22,9 @@ log = logging.getLogger("gaudi_runtime.launcher")
 CONFIG_ENV = "GAUDI_SERVE_CONFIG"
 MODEL_DIR_ENV = "GAUDI_SERVE_MODEL_DIR"
 STOP_GRACE_S = 10.0
+# A shard died: how long the router has to notice (its calls fail), answer /health 503, end every
+# stream with an error event and exit by itself (after GAUDI_SERVE_FAIL_EXIT_DELAY_S) before it is stopped.
+ROUTER_REPORT_S = 5.0
 
 
 def resolve_model_dir(cfg: Config) -> str:
@@ -120,6 +123,18 @@ def _raise_stop(*_):
     raise _Stop
 
 
+def let_router_report(procs: list[tuple[str, subprocess.Popen]]) -> None:
+    """Give the router up to ROUTER_REPORT_S to exit on its own after a shard died, so that its
+    clients get error events and /health its 503 rather than a connection cut mid-answer."""
+    router = dict(procs).get("router")
+    if router is None:
+        return
+    try:
+        router.wait(timeout=ROUTER_REPORT_S)
+    except (subprocess.TimeoutExpired, _Stop):  # an idle router may not notice: it is stopped next
+        pass
+
+
 def supervise(procs: list[tuple[str, subprocess.Popen]]) -> int:
     """Block until a child exits or we are told to stop; then stop every child."""
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -132,6 +147,8 @@ def supervise(procs: list[tuple[str, subprocess.Popen]]) -> int:
                 code = p.poll()
                 if code is not None:
                     log.error("%s exited with code %s; stopping every process", name, code)
+                    if name != "router":
+                        let_router_report(procs)
                     return code or 1
     except _Stop:
         log.info("stop requested; shutting down")
@@ -153,6 +170,6 @@ def main(cfg: Config) -> int:
     download_seconds = None if model_dir == cfg.model_id else time.monotonic() - t0
     check_model(model_dir)
     check_image_budget(cfg, json.loads((Path(model_dir) / "config.json").read_text()))
-    log.info("effective configuration: %s", cfg.to_json())  # every flag and env setting, as resolved
+    log.info("effective configuration: %s", cfg.to_log_json())  # every flag and env setting, secrets masked
     log.info("launching %d shard(s) and the router for %s", cfg.num_shard, model_dir)
     return supervise(spawn(cfg, model_dir, download_seconds))

@@ -22,7 +22,7 @@ import os
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gaudi_runtime.config import ENV_ONLY, FLAGS, Config, resolve
 
@@ -38,7 +38,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0): off
     repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
+    frequency_penalty: float = 0.0  # OpenAI's (and vLLM's) meaning: over the generated tokens
+    presence_penalty: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to --max-total-tokens
     stop: str | list[str] | None = None
@@ -66,7 +67,6 @@ class SamplingParams:
             "top_p": self.top_p if sample and self.top_p < 1.0 else None,
             "top_k": self.top_k if sample and self.top_k > 0 else None,
             "repetition_penalty": self.repetition_penalty,
-            "frequency_penalty": self.frequency_penalty,
             "seed": self.seed,
             "max_new_tokens": self.max_tokens,
             "stop": stop,
@@ -164,11 +164,10 @@ class LLM:
         from gaudi_runtime.router.client import ShardClient
         from gaudi_runtime.router.engine import BatchingEngine
         from gaudi_runtime.router.tokenizer import RouterTokenizer
-        from gaudi_runtime.shard.server import uds_path
 
         cfg = self.config
         self.tokenizer = RouterTokenizer.load(self.model_dir, cfg)
-        client = ShardClient([uds_path(cfg, r) for r in range(cfg.num_shard)])
+        client = ShardClient([cfg.shard_socket(r) for r in range(cfg.num_shard)])
         self._engine = BatchingEngine(cfg, client, self.tokenizer)
         def alive() -> bool:
             return all(p.poll() is None for _, p in self._procs)
@@ -219,8 +218,10 @@ class LLM:
             text, ids = None, list(prompt)
         else:
             raise TypeError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
-        job = validate_parameters(text or "", ids, sp.tgi_parameters(), self.config)
-        return job.request, text
+        request = validate_parameters(text or "", ids, sp.tgi_parameters(), self.config).request
+        sampling = replace(request.sampling, generated_frequency_penalty=sp.frequency_penalty,
+                           presence_penalty=sp.presence_penalty)
+        return replace(request, sampling=sampling), text
 
     async def _run_all(self, requests) -> list:
         return await asyncio.gather(*(self._run(r) for r in requests))

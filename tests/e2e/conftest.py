@@ -180,9 +180,19 @@ def operator_kubeconfig(cluster: Cluster, release: Release) -> Path:
     return path
 
 
+def chart_operator_env(release: Release) -> dict[str, str]:
+    """Who the operator is, as the chart's Deployment tells it (its namespace, its pods' labels)."""
+    (dep,) = [d for d in release.manifest if d["kind"] == "Deployment"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["GAUDI_OPERATOR_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    return {"GAUDI_OPERATOR_NAMESPACE": release.namespace,
+            "GAUDI_OPERATOR_POD_LABELS": env["GAUDI_OPERATOR_POD_LABELS"]["value"]}
+
+
 @pytest.fixture(scope="session")
-def operator(operator_kubeconfig: Path, cluster: Cluster) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(operator_kubeconfig, cluster.workdir)
+def operator(operator_kubeconfig: Path, cluster: Cluster, release: Release) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(operator_kubeconfig, cluster.workdir, env=chart_operator_env(release))
     op.start()
     try:
         yield op

@@ -12,6 +12,7 @@ in 127.<net>.0.0/16 (a per-session /16 inside 127.0.0.0/8), no proxy is used.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import random
@@ -123,6 +124,10 @@ class ControlPlane:
     net: int = field(default_factory=lambda: random.randint(100, 250))  # 127.<net>.x.y for nodes and pods
     components: list[Component] = field(default_factory=list)
     api_port: int = 0
+    api_args: list[str] = field(default_factory=list)
+    # (from, to) of each API server start, UTC: until its caches sync it refuses what it cannot
+    # authorize yet (403), which is no statement about anyone's RBAC.
+    api_starts: list[tuple[datetime.datetime, datetime.datetime]] = field(default_factory=list)
 
     # ---- paths ---------------------------------------------------------
     @property
@@ -145,9 +150,9 @@ class ControlPlane:
         return str(self.bin_dir / name)
 
     # ---- life cycle ----------------------------------------------------
-    def _spawn(self, name: str, *args: str) -> Component:
+    def _spawn(self, name: str, *args: str, append: bool = False) -> Component:
         log = self.workdir / f"{name}.log"
-        out = open(log, "wb")
+        out = open(log, "ab" if append else "wb")
         proc = subprocess.Popen([self.bin(name), *args], stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=clean_env(), cwd=self.workdir)
         out.close()
@@ -192,8 +197,7 @@ class ControlPlane:
         self._wait_healthy(etcd, f"http://127.0.0.1:{etcd_port}/health")
 
         (self.workdir / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
-        api = self._spawn(
-            "kube-apiserver",
+        self.api_args = [
             f"--etcd-servers=http://127.0.0.1:{etcd_port}",
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.api_port}",
             # The endpoint reconciler refuses a loopback address for the `kubernetes` Service.
@@ -206,9 +210,8 @@ class ControlPlane:
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=RBAC", "--allow-privileged=true",
             f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}", f"--audit-log-path={self.audit_log}",
-            "--audit-log-format=json", "--audit-log-mode=blocking")
-        certs = {"ca": p / "ca.crt", "cert": p / "admin.crt", "key": p / "admin.key"}
-        self._wait_healthy(api, f"{self.server}/readyz", **certs)
+            "--audit-log-format=json", "--audit-log-mode=blocking"]
+        self.start_apiserver()
         self.admin_kubeconfig.write_text(yaml.safe_dump(
             kubeconfig(self.server, p / "ca.crt", cert=p / "admin.crt", key=p / "admin.key")))
 
@@ -233,6 +236,30 @@ class ControlPlane:
         self._wait_healthy(kcm, f"https://127.0.0.1:{kcm_port}/healthz")
         self._wait_healthy(sched, f"https://127.0.0.1:{sched_port}/healthz")
         self._wait_healthy(kwok, f"http://127.0.0.1:{kwok_port}/healthz")
+
+    def _component(self, name: str) -> Component:
+        return next(c for c in reversed(self.components) if c.name == name)
+
+    def start_apiserver(self) -> None:
+        """(Re)start kube-apiserver with the same flags, port and etcd: the cluster's state is kept."""
+        restart = any(c.name == "kube-apiserver" for c in self.components)
+        if restart:
+            self.components.remove(self._component("kube-apiserver"))
+        began = datetime.datetime.now(datetime.timezone.utc)
+        api = self._spawn("kube-apiserver", *self.api_args, append=restart)
+        p = self.pki
+        self._wait_healthy(api, f"{self.server}/readyz", ca=p / "ca.crt", cert=p / "admin.crt", key=p / "admin.key")
+        self.api_starts.append((began, datetime.datetime.now(datetime.timezone.utc)))
+
+    def stop_apiserver(self) -> None:
+        """Stop kube-apiserver alone (etcd and the controllers keep running): a control-plane outage."""
+        api = self._component("kube-apiserver")
+        os.killpg(api.proc.pid, signal.SIGTERM)
+        try:
+            api.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(api.proc.pid, signal.SIGKILL)
+            api.proc.wait(timeout=10)
 
     def stop(self) -> list[str]:
         """Stop every component, newest first, each before the ones it needs (the API server

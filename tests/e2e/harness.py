@@ -44,10 +44,12 @@ def wait_for(fn: Callable[[], Any], timeout: float = 60.0, what: str = "conditio
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
-def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0) -> tuple[int, Any]:
+def http_json(method: str, url: str, body: Any = None, timeout: float = 10.0,
+              headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """A request without any proxy (pod IPs are loopback addresses)."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with NO_PROXY.open(req, timeout=timeout) as r:
             return r.status, json.loads(r.read() or b"null")
@@ -169,8 +171,10 @@ def isvc_manifest(name: str, ns: str, *, shards: int = 8, replicas: int = 1, man
 class OperatorProcess:
     """`gaudi-operator` (the CLI the chart's Deployment runs) as a child process, with a given kubeconfig."""
 
-    def __init__(self, kubeconfig: Path, workdir: Path, resync_seconds: float = 1.0) -> None:
+    def __init__(self, kubeconfig: Path, workdir: Path, resync_seconds: float = 1.0,
+                 env: dict[str, str] | None = None) -> None:
         self.kubeconfig, self.workdir, self.resync = kubeconfig, workdir, resync_seconds
+        self.env = dict(env or {})  # what the chart's Deployment would set beside the kubeconfig
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.log_path = workdir / "operator.log"
@@ -179,7 +183,7 @@ class OperatorProcess:
         port = free_port()
         self.starts += 1
         env = clean_env(KUBECONFIG=str(self.kubeconfig), GAUDI_OPERATOR_WATCH_TIMEOUT="60",
-                        GAUDI_OPERATOR_WARMUP_TIMEOUT="2", PYTHONUNBUFFERED="1")
+                        GAUDI_OPERATOR_WARMUP_TIMEOUT="2", PYTHONUNBUFFERED="1", **self.env)
         env.pop("KUBERNETES_SERVICE_HOST", None)
         with open(self.log_path, "ab") as out:
             out.write(f"\n===== operator start #{self.starts} =====\n".encode())

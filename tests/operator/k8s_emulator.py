@@ -54,6 +54,7 @@ RESOURCES = [
     Res("apps", "v1", "deployments", "Deployment", subresources=("status", "scale")),
     Res("apps", "v1", "replicasets", "ReplicaSet", subresources=("status", "scale")),
     Res("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", subresources=("status",)),
+    Res("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
     Res("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
         namespaced=False, subresources=("status",)),
     Res("gaudiserve.io", "v1alpha1", "inferenceservices", "InferenceService",

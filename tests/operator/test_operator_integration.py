@@ -24,6 +24,7 @@ ISVC = ("gaudiserve.io/v1alpha1", "InferenceService")
 DEPLOY = ("apps/v1", "Deployment")
 SVC = ("v1", "Service")
 PDB = ("policy/v1", "PodDisruptionBudget")
+NETPOL = ("networking.k8s.io/v1", "NetworkPolicy")
 POD = ("v1", "Pod")
 
 
@@ -146,7 +147,7 @@ def test_create_renders_children(cluster: tuple[ThreadedEmulator, _Errors]) -> N
     assert not _get(emu, ISVC, "llama")["metadata"].get("finalizers")
     # Children and pods are watched with a server-side label selector, not cluster-wide unfiltered.
     watches = [(p, q) for m, p, q, _ in emu.emu.requests if m == "GET" and "watch=true" in q]
-    for plural in ("pods", "deployments", "services", "poddisruptionbudgets"):
+    for plural in ("pods", "deployments", "services", "poddisruptionbudgets", "networkpolicies"):
         qs = [q for p, q in watches if p.endswith("/" + plural)]
         assert qs and all("managed-by%3Dgaudi-serve-operator" in q for q in qs), (plural, qs)
     # Children are written with server-side apply under our field manager.
@@ -170,6 +171,17 @@ def test_spec_change_updates_deployment(cluster: tuple[ThreadedEmulator, _Errors
     assert dep["metadata"]["generation"] > gen and dep["spec"]["replicas"] == 1
     wait_for(lambda: _get(emu, ISVC, "llama")["status"]["observedGeneration"] == 2, what="observedGeneration 2")
     wait_for(lambda: _get(emu, PDB, "llama") is None, what="pdb removed at 1 replica")
+
+
+def test_network_policy_follows_the_spec(cluster: tuple[ThreadedEmulator, _Errors]) -> None:
+    emu, _ = cluster
+    wait_for(lambda: _get(emu, DEPLOY, "llama"), what="deployment")
+    emu.patch(*ISVC, NS, "llama", {"spec": {"networkPolicy": {"from": [{"podSelector": {"matchLabels": {"app": "web"}}}]}}})
+    np = wait_for(lambda: _get(emu, NETPOL, "llama"), what="network policy")
+    assert np["spec"]["ingress"][0]["from"][0] == {"podSelector": {"matchLabels": {"app": "web"}}}
+    assert np["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    emu.patch(*ISVC, NS, "llama", {"spec": {"networkPolicy": None}})
+    wait_for(lambda: _get(emu, NETPOL, "llama") is None, what="network policy removed with the spec's")
 
 
 def test_child_deleted_by_hand_is_restored(cluster: tuple[ThreadedEmulator, _Errors]) -> None:

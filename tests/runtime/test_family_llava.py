@@ -30,7 +30,9 @@ ARGS = ["--dtype", "float32", "--max-input-tokens", str(MAX_INPUT_TOKENS), "--ma
         "--max-batch-size", "8", "--max-batch-prefill-tokens", "256", "--block-size", "4",
         "--max-concurrent-requests", "64"]
 ENV = {"PAD_SEQUENCE_TO_MULTIPLE_OF": "16", "BATCH_BUCKET_SIZE": "4", "PREFILL_BATCH_BUCKET_SIZE": "2",
-       "BASE_IMAGE_TOKENS": "48", "MAX_IMAGE_BYTES": "20000", "IMAGE_FETCH_TIMEOUT_S": "2"}
+       "BASE_IMAGE_TOKENS": "48", "MAX_IMAGE_BYTES": "20000", "IMAGE_FETCH_TIMEOUT_S": "2",
+       # Loopback is not fetched from unless allow-listed; `localhost` stays out, to be refused.
+       "ALLOWED_MEDIA_DOMAINS": "127.0.0.1"}
 
 
 def png(height: int, width: int, seed: int = 0) -> bytes:
@@ -204,10 +206,12 @@ def test_chat_image_url_part_matches_transformers(server):
 
 
 class ImageHost:
-    """An HTTP server on loopback serving one image, a 404 and a request that never answers."""
+    """An HTTP server on loopback serving one image, a 404 and a request that never answers;
+    `requests` lists the paths it was asked for."""
 
     def __init__(self, data: bytes):
         self.data = data
+        self.requests: list[str] = []
         self.loop = asyncio.new_event_loop()
         self.release = None
         started = threading.Event()
@@ -227,7 +231,13 @@ class ImageHost:
 
         async def start():
             self.release = asyncio.Event()
-            app = web.Application()
+
+            @web.middleware
+            async def record(request, handler):
+                self.requests.append(request.path)
+                return await handler(request)
+
+            app = web.Application(middlewares=[record])
             app.router.add_get("/cat.png", image)
             app.router.add_get("/slow.png", hang)
             self.runner = web.AppRunner(app)
@@ -264,6 +274,10 @@ def test_http_image_url_is_fetched_and_matches_transformers(server):
         assert status == 422 and "HTTP 404" in body["error"], body
         status, body = asyncio.run(run(host.url + "/slow.png"))
         assert status == 422 and "within 2s" in body["error"], body
+        asked = list(host.requests)
+        status, body = asyncio.run(run(host.url.replace("127.0.0.1", "localhost") + "/cat.png"))
+        assert status == 422 and "not in --allowed-media-domains" in body["error"], body
+        assert host.requests == asked  # refused before any connection
     finally:
         host.close()
 

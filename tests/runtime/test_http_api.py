@@ -311,24 +311,50 @@ async def test_engine_errors_map_to_status_codes(fake_server):
     assert status == 200 and b["generated_text"] == "hello"
 
 
-async def test_unhealthy_engine(make_server):
-    s = make_server()
+# A body each route takes, to show that the rule does not depend on what is asked.
+ROUTE_BODIES = {"/generate": {"inputs": "hello"}, "/generate_stream": {"inputs": "hello"}, "/": {"inputs": "hello"},
+                "/invocations": {"inputs": "hello"}, "/tokenize": {"inputs": "hello"},
+                "/v1/completions": {"prompt": "hello"},
+                "/v1/chat/completions": {"messages": [{"role": "user", "content": "hello"}]}}
+
+
+async def _walk_routes(url: str) -> dict[str, tuple[int, object]]:
+    from gaudi_runtime.router.routes import ROUTES
+
+    out = {}
+    for r in ROUTES:
+        path = r.path.replace("{name}", "swagger-ui.css")
+        status, body, _ = await call(url, path, ROUTE_BODIES.get(r.path), method=r.method)
+        out[r.path] = (status, body, r.open)
+    return out
+
+
+async def test_until_ready_every_route_but_the_open_ones_answers_503_with_the_warmup(make_server):
+    """One readiness rule for the whole route table: a client probing /v1/models or /info learns
+    that the server is warming up, as one sending /generate does."""
+    s = make_server(API_KEY="k")
     s.engine.healthy = False
-    s.engine.health_body = {"status": "warming_up", "warmup": {"done": 3, "total": 10}}
-    status, body, _ = await call(s.url, "/health", method="GET")
-    assert status == 503 and body == {"status": "warming_up", "warmup": {"done": 3, "total": 10}}
-    status, body, _ = await call(s.url, "/generate", {"inputs": "hello"})
-    assert_error(status, body, 503, "unhealthy", "warming_up")
-    status, body, _ = await call(s.url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
-    assert_error(status, body, 503, "unhealthy")
-    status, _, _ = await call(s.url, "/ping", method="GET")
-    assert status == 200
+    s.engine.health_body = {"status": "warming_up", "warmup": {"done": 3, "total": 10, "phase": "prefill"}}
+    async with aiohttp.ClientSession() as session:
+        async with session.get(s.url + "/v1/models") as r:
+            assert r.status == 401  # the key is checked first: an unknown caller learns nothing more
+    s.config.api_key = None
+    seen = await _walk_routes(s.url)
+    for path, (status, body, is_open) in seen.items():
+        if is_open:
+            assert status == (503 if path == "/health" else 200), (path, status, body)
+            continue
+        assert status == 503, (path, status, body)
+        assert body == {"error": "the server cannot serve requests yet (warming_up)", "error_type": "unhealthy",
+                        "warmup": {"done": 3, "total": 10, "phase": "prefill"}}, (path, body)
+    assert seen["/health"][1] == {"status": "warming_up", "warmup": {"done": 3, "total": 10, "phase": "prefill"}}
+    s.engine.health_body = {"status": "failed", "error": "shard 1 died"}  # failed: the same 503, no progress
+    status, body, _ = await call(s.url, "/info", method="GET")
+    assert_error(status, body, 503, "unhealthy", "failed")
     s.engine.healthy = True
     s.engine.health_body = {"status": "ready"}
-    status, body, _ = await call(s.url, "/health", method="GET")
-    assert status == 200 and body == {"status": "ready"}
-    status, body, _ = await call(s.url, "/generate", {"inputs": "hello"})
-    assert status == 200
+    seen = await _walk_routes(s.url)
+    assert all(status == 200 for status, _, _ in seen.values()), seen
 
 
 # --- other TGI routes ----------------------------------------------------------------------
@@ -499,7 +525,9 @@ async def test_completions_errors(fake_server):
     url = fake_server.url
     for body, message in [({}, "missing field `prompt`"), ({"prompt": ""}, "`inputs` cannot be empty"),
                           ({"prompt": "x", "max_tokens": 0}, "`max_new_tokens` must be strictly positive"),
-                          ({"prompt": "x", "n": 2}, "`n` != 1"), ({"prompt": 3}, "`prompt` must be")]:
+                          ({"prompt": "x", "n": 17}, "`n` must be <= 16 (--max-n)"),
+                          ({"prompt": "x", "best_of": 3}, "`best_of` must be <= 2 (--max-best-of)"),
+                          ({"prompt": 3}, "`prompt` must be")]:
         status, b, _ = await call(url, "/v1/completions", body)
         assert_error(status, b, 422, "validation", message)
 
@@ -554,8 +582,13 @@ async def test_chat_errors(fake_server):
     for body, message in [
         ({}, "`messages`"), ({"messages": []}, "`messages`"), ({"messages": [{"content": "x"}]}, "`role`"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "text parts"),
-        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "grammar"),
-        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+         "`response_format.json_schema` is required"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "`tool_choice`: 'required' needs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "`tools`: this model's chat template does not render tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 6},
+         "`top_logprobs` must be <= 5"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "`temperature`"),
     ]:
         status, b, _ = await call(url, "/v1/chat/completions", body)
@@ -566,3 +599,34 @@ async def test_concurrent_requests(fake_server):
     prompts = [f"hello world {w}" for w in ("the", "a", "deep", "model", "token", "batch", "cache", "東京")]
     results = await asyncio.gather(*(call(fake_server.url, "/generate", {"inputs": p}) for p in prompts))
     assert [b["generated_text"] for _, b, _ in results] == prompts
+
+
+async def test_n_choices_are_gathered_in_order(fake_server):
+    body = {"prompt": ["hello", "the gaudi card"], "n": 2, "max_tokens": 3, "seed": 1}
+    status, b, _ = await call(fake_server.url, "/v1/completions", body)
+    assert status == 200, b
+    assert [c["index"] for c in b["choices"]] == [0, 1, 2, 3]
+    started = fake_server.engine.finished[-4:]
+    assert sorted(r.sampling.seed for r in started) == [1, 1, 2, 2]  # the client's seed, plus the choice's index
+    prompt_tokens = sum(len(r.input_ids) for r in started) // 2
+    assert b["usage"]["prompt_tokens"] == prompt_tokens  # each prompt counted once
+    status, events, _ = await stream(fake_server.url, "/v1/chat/completions",
+                                     {"messages": [{"role": "user", "content": "hello"}], "n": 3, "max_tokens": 2,
+                                      "stream": True})
+    assert status == 200
+    finishes = {e["choices"][0]["index"]: e["choices"][0]["finish_reason"] for e in events[:-1]
+                if e["choices"][0]["finish_reason"]}
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+
+
+async def test_disabled_grammar_support_is_tgis_422(make_server):
+    url = make_server(DISABLE_GRAMMAR_SUPPORT="true").url
+    for path, body, message in [
+        ("/generate", {"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": "a"}}},
+         "grammar is not supported"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "response_format": {"type": "json_object"}},
+         "`response_format`: grammar is not supported (--disable-grammar-support)"),
+    ]:
+        status, b, _ = await call(url, path, body)
+        assert_error(status, b, 422, "validation", message)

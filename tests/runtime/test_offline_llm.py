@@ -109,3 +109,13 @@ def test_two_shards_match_and_close_leaves_no_process(model_dir):
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate("hello", GREEDY)
     llm.close()  # idempotent
+
+
+def test_penalties_mean_what_they_mean_in_vllm(llm, model_dir):
+    """SamplingParams' frequency and presence penalties count the generated tokens, as in vLLM and OpenAI."""
+    from tests.runtime.test_openai_penalties import MAX_TOKENS, PROMPT, penalised_greedy
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, presence_penalty=2.0, frequency_penalty=0.5,
+                            ignore_eos=True)
+    out = llm.generate(PROMPT, params)[0].outputs[0]
+    assert out.text == penalised_greedy(model_dir, PROMPT, MAX_TOKENS, presence=2.0, frequency=0.5)

@@ -148,7 +148,8 @@ def test_conversations_with_cached_history_match_one_shard(server):
 _RUNNERS: dict[str, object] = {}
 
 
-def _one_shard_sampled(model_dir, input_ids: list[int], seed: int, max_new_tokens: int) -> list[int]:
+def _one_shard_sampled(model_dir, input_ids: list[int], seed: int, max_new_tokens: int,
+                       grammar: tuple[str, str] | None = None) -> list[int]:
     """The 1-shard shard path in process: the same ModelRunner and sampler `launch` runs on rank 0."""
     from gaudi_runtime.device.cpu import CpuBackend
     from gaudi_runtime.proto import generate_pb2 as pb
@@ -163,7 +164,7 @@ def _one_shard_sampled(model_dir, input_ids: list[int], seed: int, max_new_token
     runner = _RUNNERS[key]
     params = to_params(pb.NextTokenChooserParameters(seed=seed, **SAMPLING))
     blocks = list(range(1, 1 + (len(input_ids) + max_new_tokens + 3) // 4 + 1))
-    step = runner.prefill(1, [PrefillInput(1, input_ids, params, 0, blocks, False)])
+    step = runner.prefill(1, [PrefillInput(1, input_ids, params, 0, blocks, False, grammar=grammar)])
     out = step.sample.next_ids[:1].tolist()
     while len(out) < max_new_tokens:
         _, step = runner.decode([(1, [1])])
@@ -197,6 +198,30 @@ def test_seeded_sampling_matches_one_shard(server):
         assert details["seed"] == seed
         # the server stops early at EOS; the in-process run does not
         assert got == want[:len(got)] and (len(got) == 20 or details["finish_reason"] == "eos_token"), seed
+
+
+def test_constrained_sampling_is_the_same_on_every_rank(server):
+    """With a grammar, every rank masks the same tokens and picks the same one: N shards give the
+    tokens of one shard, and the output follows the grammar."""
+    import re
+
+    regex = "[a-z]{2,6}-[0-9]{2}"
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*(
+                generate(s, server.url, p, 20, seed=seed, decoder_input_details=True,
+                         grammar={"type": "regex", "value": regex}, **SAMPLING)
+                for p, seed in zip(PROMPTS[:3], (21, 22, 23))))
+
+    def text(details):
+        return "".join(t["text"] for t in details["tokens"] if not t["special"])
+
+    for seed, details in zip((21, 22, 23), asyncio.run(run())):
+        got = [t["id"] for t in details["tokens"]]
+        input_ids = [t["id"] for t in details["prefill"]]
+        assert got == _one_shard_sampled(server.model_dir, input_ids, seed, 20, ("regex", regex))[:len(got)]
+        assert details["finish_reason"] == "eos_token" and re.fullmatch(regex, text(details))
 
 
 # ---- memory per rank ---------------------------------------------------------------------------------

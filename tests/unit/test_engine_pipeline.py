@@ -77,3 +77,32 @@ def test_tokens_stream_in_order_when_answers_arrive_out_of_order(tokenizer, deco
     (first, first_end), (second, second_end) = serve(shards, tokenizer, [10, 12], decode_steps)
     assert first == [TOKEN + n for n in range(1, 5)] + [eos] and first_end.finish_reason == FinishReason.EOS_TOKEN
     assert second == [TOKEN + n for n in range(1, 13)] and second_end.finish_reason == FinishReason.LENGTH
+
+
+def test_a_request_the_shards_protocol_cannot_carry_fails_alone(tokenizer):
+    """Validation refuses such values; should one get through, its request ends with an error and
+    the engine goes on serving the others."""
+    import asyncio
+    from dataclasses import replace
+
+    from gaudi_runtime.router.types import GenerationError
+    from tests.unit.scripted_shards import collect, make_engine, request
+
+    eos = tokenizer.eos_token_ids[0]
+    engine = make_engine(ScriptedShards(eos, eos_at={}), tokenizer)
+    bad = request(4)
+    bad = replace(bad, sampling=replace(bad.sampling, top_k=2**32))  # a uint32 on the wire
+
+    async def run():
+        await engine.start()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(collect(engine, bad), collect(engine, request(4)),
+                                                            return_exceptions=True), 30)
+            return results, engine.health()
+        finally:
+            await engine.stop()
+
+    (failed, (tokens, end)), (ok, _) = asyncio.run(run())
+    assert isinstance(failed, GenerationError) and "cannot be sent to the shards" in str(failed)
+    assert tokens == [TOKEN] * 4 and end.finish_reason == FinishReason.LENGTH
+    assert ok

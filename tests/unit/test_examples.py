@@ -147,11 +147,14 @@ def test_references_resolve(name: str, doc: dict[str, Any]) -> None:
     secret = PREREQ[("Secret", token["name"])]
     assert token["key"] in secret["stringData"]
     assert ("PersistentVolumeClaim", spec["model"]["cache"]["persistentVolumeClaim"]["claimName"]) in PREREQ
+    same_file = {(d["kind"], d["metadata"]["name"]): d for d in FILES[name]}
+    if "apiKeySecretRef" in spec:
+        key = spec["apiKeySecretRef"]
+        assert key.get("key", "API_KEY") in {**PREREQ, **same_file}[("Secret", key["name"])]["stringData"]
     if spec["precision"] != "fp8":
         assert "quantization" not in spec
         return
     q = spec["quantization"]
-    same_file = {(d["kind"], d["metadata"]["name"]): d for d in FILES[name]}
     cm = same_file[("ConfigMap", q["configMapRef"]["name"])]
     quant = json.loads(cm["data"][q["configMapRef"]["key"]])
     assert quant["mode"] == "QUANTIZE" and quant["method"] == "HOOKS"

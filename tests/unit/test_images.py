@@ -19,10 +19,10 @@ from gaudi_runtime.router.images import (
     ImagePrompter,
     check_image_budget,
     decode_data_url,
-    fetch_url,
     image_size,
     split_markdown,
 )
+from gaudi_runtime.router.media_fetch import FetchPolicy, fetch_url
 
 TINY = ImageGeometry.from_config({"vision_config": {"image_size": 32, "patch_size": 8},
                                   "image_grid_pinpoints": [[32, 64], [64, 32], [64, 64]]})
@@ -107,6 +107,12 @@ def test_expand_errors(text, message):
     assert message in str(e.value)
 
 
+def test_expand_refuses_more_images_than_the_limit_before_fetching_any():
+    text = "".join(f"![](http://127.0.0.1:9/{i}.png)" for i in range(3))  # port 9: nothing is fetched
+    with pytest.raises(ValidationError, match=r"holds 3 images, more than --max-images-per-request \(2\)"):
+        asyncio.run(prompter(max_images_per_request=2).expand(text))
+
+
 def test_expand_applies_the_byte_limit():
     with pytest.raises(ValidationError, match="image 0: image too large"):
         asyncio.run(prompter(max_image_bytes=50).expand(f"![]({url(png(40, 40))})"))
@@ -140,6 +146,9 @@ async def _serve(handlers: dict):
     return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
 
 
+LOOPBACK = FetchPolicy(allowed_hosts=frozenset({"127.0.0.1"}))  # loopback is refused unless allow-listed
+
+
 def test_fetch_on_loopback():
     """The image, then every error path: 404, a declared or streamed size over the limit, a timeout,
     nothing listening."""
@@ -164,19 +173,19 @@ def test_fetch_on_loopback():
         runner, base = await _serve({"/a.png": image, "/big": streamed, "/hang": hang})
         errors = {}
         try:
-            got = await fetch_url(base + "/a.png", 10_000, 5)
+            got = await fetch_url(base + "/a.png", 10_000, 5, LOOPBACK)
             for name, (path, limit, timeout) in {
                 "404": ("/missing", 10_000, 5), "declared": ("/a.png", 10, 5), "streamed": ("/big", 5_000, 5),
                 "timeout": ("/hang", 10_000, 0.3),
             }.items():
                 with pytest.raises(ValidationError) as e:
-                    await fetch_url(base + path, limit, timeout)
+                    await fetch_url(base + path, limit, timeout, LOOPBACK)
                 errors[name] = str(e.value)
         finally:
             never.set()
             await runner.cleanup()
         with pytest.raises(ValidationError) as e:
-            await fetch_url(base + "/a.png", 10_000, 5)  # the server is gone
+            await fetch_url(base + "/a.png", 10_000, 5, LOOPBACK)  # the server is gone
         errors["refused"] = str(e.value)
         return got, errors
 

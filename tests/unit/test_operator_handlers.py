@@ -85,7 +85,8 @@ def _pod(f: FakeKube, ready: bool) -> dict[str, Any]:
 async def test_status_patched_only_on_change_and_events_only_on_phase_change(fake: FakeKube) -> None:
     await handlers.reconcile("ml", "llama", CONFIG)
     assert [c["kind"] for c in fake.applied] == ["Deployment", "Service"]
-    assert fake.deleted == [("PodDisruptionBudget", "ml", "llama")]  # none wanted at 1 replica
+    # None wanted at 1 replica, nor without spec.networkPolicy.
+    assert fake.deleted == [("PodDisruptionBudget", "ml", "llama"), ("NetworkPolicy", "ml", "llama")]
     assert len(fake.status_patches) == 1 and fake.body["status"]["phase"] == "Pending"
     assert [e[1] for e in fake.events] == ["Pending"]
 
@@ -109,6 +110,24 @@ async def test_status_patched_only_on_change_and_events_only_on_phase_change(fak
     assert fake.events[-1][:2] == ("Normal", "Ready")
 
 
+async def test_network_policy_admits_the_operator_where_it_runs_and_goes_with_the_spec(fake: FakeKube) -> None:
+    assert fake.body is not None
+    fake.body["spec"]["networkPolicy"] = {"from": [{"namespaceSelector": {"matchLabels": {"team": "web"}}}]}
+    config = OperatorConfig.from_env({"GAUDI_OPERATOR_NAMESPACE": "gaudi-system",
+                                      "GAUDI_OPERATOR_POD_LABELS": "app.kubernetes.io/name=gaudi-serve-operator,"
+                                                                   "app.kubernetes.io/instance=gso"})
+    await handlers.reconcile("ml", "llama", config)
+    (np,) = [c for c in fake.applied if c["kind"] == "NetworkPolicy"]
+    assert np["spec"]["ingress"][0]["from"][-1] == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gaudi-system"}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "gaudi-serve-operator",
+                                        "app.kubernetes.io/instance": "gso"}}}
+    assert ("NetworkPolicy", "ml", "llama") not in fake.deleted
+    del fake.body["spec"]["networkPolicy"]
+    await handlers.reconcile("ml", "llama", config)
+    assert fake.deleted[-1] == ("NetworkPolicy", "ml", "llama")
+
+
 async def test_gone_or_deleting_object_is_left_alone(fake: FakeKube) -> None:
     fake.body = None
     assert await handlers.reconcile("ml", "llama", CONFIG) is None
@@ -125,6 +144,26 @@ async def test_invalid_spec_is_reported_not_applied(fake: FakeKube) -> None:
     assert fake.applied == []
     assert fake.body["status"]["phase"] == "Failed"
     assert fake.events == [("Warning", "Failed", "spec.shards must be one of 1, 2, 4 or 8 (Gaudi cards per replica)")]
+
+
+async def test_a_child_the_api_server_refuses_is_reported_in_the_status(fake: FakeKube,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    message = ('Deployment.apps "llama" is invalid: spec.template.spec.priorityClassName: Invalid value: '
+               '"Bad Name": a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters')
+
+    async def refuse(obj: dict[str, Any]) -> dict[str, Any]:
+        raise kube.Invalid(message)
+    monkeypatch.setattr(kube, "apply", refuse)
+    assert fake.body is not None
+    fake.body["spec"]["podTemplate"] = {"spec": {"priorityClassName": "Bad Name"}}
+    await handlers.reconcile("ml", "llama", CONFIG)
+    status = fake.body["status"]
+    assert status["phase"] == "Failed"
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (degraded["reason"], degraded["message"]) == ("InvalidSpec", message)
+    assert fake.events == [("Warning", "Failed", message)]
+    await handlers.reconcile("ml", "llama", CONFIG)  # the same refusal again: nothing new to say
+    assert len(fake.status_patches) == 1 and len(fake.events) == 1
 
 
 async def test_reconciler_coalesces_triggers(fake: FakeKube) -> None:

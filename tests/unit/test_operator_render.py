@@ -137,6 +137,18 @@ def test_runtime_env(spec: dict[str, Any], name: str, value: Any) -> None:
     assert env(**spec).get(name) == value
 
 
+def test_api_key_comes_from_the_secret_and_never_appears_in_the_pod() -> None:
+    c = container(apiKeySecretRef={"name": "llama-api-key"})
+    (api_key,) = [e for e in c["env"] if e["name"] == "API_KEY"]
+    # The kubelet resolves the reference; the operator never holds the key, the args never carry it.
+    assert api_key == {"name": "API_KEY", "valueFrom": {"secretKeyRef": {"name": "llama-api-key", "key": "API_KEY"}}}
+    assert not any("api-key" in a or "API_KEY" in a for a in c["args"])
+    assert env(apiKeySecretRef={"name": "s", "key": "token"})["API_KEY"] == {"secretKeyRef": {"name": "s", "key": "token"}}
+    assert "API_KEY" not in env()
+    # The probes stay on the routes the runtime leaves open with a key set.
+    assert {c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} <= {"/health", "/ping"}
+
+
 def test_user_env_overrides_without_duplicates() -> None:
     names = [e["name"] for e in container(env=[{"name": "WARMUP_ENABLED", "value": "false"}])["env"]]
     assert names.count("WARMUP_ENABLED") == 1
@@ -235,6 +247,50 @@ def test_service_port_and_type() -> None:
                                      "appProtocol": "http"}]
 
 
+OPERATOR = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gaudi-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "gaudi-serve-operator"}}}
+
+
+def network_policy(operator: dict[str, Any] | None = OPERATOR, **spec: Any) -> dict[str, Any] | None:
+    rendered = render(body(**spec), operator=operator)
+    return next((c for c in rendered.children if c["kind"] == "NetworkPolicy"), None)
+
+
+def test_network_policy_only_when_asked() -> None:
+    assert network_policy() is None
+    assert "NetworkPolicy" in render(body()).unwanted  # a policy dropped from the spec is deleted
+    assert "NetworkPolicy" not in render(body(networkPolicy={})).unwanted
+
+
+def test_network_policy_admits_the_listed_peers_and_the_operator_on_the_http_port() -> None:
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}},
+             {"podSelector": {"matchExpressions": [{"key": "app", "operator": "In", "values": ["web"]},
+                                                   {"key": "canary", "operator": "DoesNotExist"}]}},
+             {"namespaceSelector": {}, "podSelector": {"matchLabels": {"role": "client"}}}]
+    np = network_policy(networkPolicy={"from": peers})
+    assert np["metadata"]["name"] == "llama" and np["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
+    dep = children()["Deployment"]
+    assert np["spec"]["podSelector"] == dep["spec"]["selector"]
+    assert np["spec"]["policyTypes"] == ["Ingress"]  # outbound stays open: the model download
+    assert np["spec"]["ingress"] == [{"from": [*peers, OPERATOR], "ports": [{"protocol": "TCP", "port": 8080}]}]
+
+
+def test_network_policy_without_peers_admits_only_the_operator_or_nothing() -> None:
+    assert network_policy(networkPolicy={})["spec"]["ingress"] == [
+        {"from": [OPERATOR], "ports": [{"protocol": "TCP", "port": 8080}]}]
+    # An operator that does not know where it runs: no rule at all, never a rule without peers
+    # (which would admit every source).
+    assert network_policy(None, networkPolicy={})["spec"]["ingress"] == []
+
+
+def test_operator_peer_from_where_the_operator_runs() -> None:
+    from gaudi_operator.render import operator_peer
+
+    assert operator_peer("gaudi-system", "app.kubernetes.io/name=gaudi-serve-operator") == OPERATOR
+    assert operator_peer("ops", "") == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}}
+    assert operator_peer("", "a=b") is None
+
+
 FULL = dict(
     replicas=3, shards=8, precision="fp8",
     quantization={"configMapRef": {"name": "q"}, "measurements": {"persistentVolumeClaim": {"claimName": "m"}}},
@@ -250,12 +306,15 @@ FULL = dict(
         "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
                                            "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "llama"}}}}]}},
     serviceAccountName="llm", service={"type": "NodePort"},
+    apiKeySecretRef={"name": "llama-api-key"},
+    networkPolicy={"from": [{"namespaceSelector": {"matchLabels": {"team": "web"}},
+                             "podSelector": {"matchExpressions": [{"key": "app", "operator": "NotIn", "values": ["x"]}]}}]},
 )
 
 
 @pytest.mark.parametrize("spec", [{}, FULL], ids=["minimal", "full"])
 def test_children_validate_against_kubernetes_openapi(spec: dict[str, Any]) -> None:
-    for child in render(body(**spec)).children:
+    for child in render(body(**spec), operator=OPERATOR).children:
         # strict: unknown fields are errors too.
         kubernetes_validate.validate(copy.deepcopy(child), K8S_VERSION, strict=True)
 
@@ -270,8 +329,11 @@ def test_children_round_trip_through_kubernetes_client_models() -> None:
             import json
             self.data = json.dumps(data)
 
-    models = {"Deployment": "V1Deployment", "Service": "V1Service", "PodDisruptionBudget": "V1PodDisruptionBudget"}
-    for child in render(body(**FULL)).children:
+    models = {"Deployment": "V1Deployment", "Service": "V1Service", "PodDisruptionBudget": "V1PodDisruptionBudget",
+              "NetworkPolicy": "V1NetworkPolicy"}
+    rendered = render(body(**FULL), operator=OPERATOR)
+    assert {c["kind"] for c in rendered.children} == set(models)
+    for child in rendered.children:
         model = api.deserialize(_Rsp(child).data, models[child["kind"]], "application/json")
         assert api.sanitize_for_serialization(model) == child
 

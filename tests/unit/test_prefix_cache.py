@@ -246,3 +246,32 @@ def test_under_memory_pressure_cached_blocks_are_evicted_and_nothing_fails_or_re
     assert shards.bad_reads == [] and shards.stale_writes == []
     assert any(shards.cached_tokens.values())
     assert len(shards.owner) == 3 * 11  # every block was filled by some request's prefill
+
+
+def test_a_request_sharing_the_prompt_of_one_the_shards_cannot_carry_waits_and_reads_no_empty_block(tokenizer):
+    """The two share a prompt and one prefill; the first cannot be sent (validation should have
+    refused it), so the blocks the second was to read from it are never written: the second waits
+    for the next prefill and computes them itself."""
+    from dataclasses import replace
+
+    from gaudi_runtime.router.types import GenerationError
+    from tests.unit.scripted_shards import collect
+
+    shards = ScriptedShards(tokenizer.eos_token_ids[0], eos_at={}, varied=True)
+    engine = make_engine(shards, tokenizer)
+    prompt = tokens(3 * BS + 5)
+    bad = valid(prompt, max_new_tokens=4)
+    bad = replace(bad, sampling=replace(bad.sampling, top_k=2**32))  # a uint32 on the wire
+
+    async def run():
+        await engine.start()
+        try:
+            return await asyncio.wait_for(asyncio.gather(collect(engine, bad), collect(engine, valid(prompt, 4)),
+                                                         return_exceptions=True), 30)
+        finally:
+            await engine.stop()
+
+    failed, (answer, end) = asyncio.run(run())
+    assert isinstance(failed, GenerationError) and len(answer) == 4 and end is not None
+    assert shards.bad_reads == [] and list(shards.cached_tokens.values()) == [0]
+    assert engine.requests.allocator.free_count == engine.requests.allocator.num_blocks

@@ -531,3 +531,120 @@ def test_call_has_no_data_dependent_host_sync():
     assert out.next_ids.shape == (2,) and out.top_ids.shape == (2, 3)
     s = BatchSampler.concat([s.filter([1]), s.filter([0])])
     assert s(torch.empty(2, 32, device="meta")).logprobs.shape == (2,)
+
+
+# ---------------------------------------------------------------------------- grammar masks
+
+
+@pytest.fixture(scope="module")
+def grammars(tmp_path_factory):
+    """A grammar cache over the tiny models' byte-level vocabulary (EOS is id 1)."""
+    from gaudi_runtime.shard.grammar import GrammarCache
+    from gaudi_runtime.tools.tiny_model import train_tokenizer
+
+    d = tmp_path_factory.mktemp("tok")
+    tok = train_tokenizer()
+    tok.save_pretrained(d)
+    cache = GrammarCache(str(d), len(tok), [1])
+    cache.tokenizer = tok
+    return cache
+
+
+def test_allowed_tokens_unpacks_xgrammars_bit_order():
+    from gaudi_runtime.shard.grammar import allowed_tokens
+
+    bitmask = torch.zeros((2, 2), dtype=torch.int32)
+    bitmask[0, 0] = 1 | (1 << 5)
+    bitmask[0, 1] = -(1 << 31)  # bit 31 of word 1: token 63
+    bitmask[1] = -1
+    allowed = allowed_tokens(bitmask, 40)  # a vocabulary that is no multiple of 32: the tail is cut
+    assert allowed.shape == (2, 40)
+    assert allowed[0].nonzero().flatten().tolist() == [0, 5]
+    assert allowed[1].all()
+    assert allowed_tokens(bitmask, 64)[0].nonzero().flatten().tolist() == [0, 5, 63]
+
+
+def _generate(sampler, steps, vocab, seed=0):
+    """Run `sampler` on random logits as the runner does (fill, sample, accept); the token ids per row."""
+    out = [[] for _ in range(len(sampler))]
+    for step in range(steps):
+        bitmask = sampler.grammar.fill(len(sampler) + 3) if sampler.grammar is not None else None  # padded rows
+        ids = sampler(rand_logits(len(sampler) + 3, vocab, seed=seed * 1000 + step, scale=3.0), bitmask).next_ids
+        sampler.accept(ids.tolist())
+        for i, t in enumerate(ids.tolist()):
+            out[i].append(t)
+    return out
+
+
+def _text(tok, ids):
+    ids = ids[:ids.index(1)] if 1 in ids else ids
+    return tok.decode(ids)
+
+
+def test_grammar_rows_take_only_what_their_grammar_allows(grammars):
+    import re
+
+    from gaudi_runtime.shard.grammar import GrammarRows
+
+    tok, vocab = grammars.tokenizer, grammars.vocab_size
+    regex = "(yes|no|maybe)-[0-9]{2}"
+    params = [SamplingParameters(do_sample=True, seed=s) for s in range(4)] + [SamplingParameters()]
+    rows = GrammarRows.of(grammars, [grammars.matcher("regex", regex) for _ in range(4)] + [None])
+    sampler = BatchSampler(params, [0] * 5, [[]] * 5, vocab, CPU, rows)
+    out = _generate(sampler, 12, vocab)
+    for ids in out[:4]:
+        assert 1 in ids, "the grammar ends: the only token it then allows is EOS"
+        assert re.fullmatch(regex, _text(tok, ids))
+        assert set(ids[ids.index(1):]) == {1}, "a step past the end may take only EOS"
+    assert not re.fullmatch(regex, _text(tok, out[4]))  # the unconstrained row is free
+
+
+def test_grammar_state_survives_filter_and_concat(grammars):
+    import json
+
+    from gaudi_runtime.shard.grammar import GrammarRows
+
+    tok, vocab = grammars.tokenizer, grammars.vocab_size
+    schema = json.dumps({"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "boolean"}},
+                         "required": ["a", "b"]})
+    first = BatchSampler([SamplingParameters(do_sample=True, seed=s) for s in range(3)], [0] * 3, [[]] * 3, vocab,
+                         CPU, GrammarRows.of(grammars, [grammars.matcher("json", schema), None,
+                                                        grammars.matcher("regex", "[a-c]{12}")]))
+    head = _generate(first, 3, vocab, seed=1)
+    kept = first.filter([2, 0])  # the unconstrained row leaves
+    joining = BatchSampler([SamplingParameters(do_sample=True, seed=9)], [0], [[]], vocab, CPU,
+                           GrammarRows.of(grammars, [grammars.matcher("regex", "z+!")]))
+    merged = BatchSampler.concat([kept, joining, make([SamplingParameters()], vocab=vocab)])
+    tail = _generate(merged, 30, vocab, seed=2)
+    assert json.loads(_text(tok, head[0] + tail[1])) in ({"a": a, "b": b} for a in "xy" for b in (True, False))
+    abc = _text(tok, head[2] + tail[0])
+    assert len(abc) == 12 and set(abc) <= set("abc")
+    assert _text(tok, tail[2]).rstrip("!").strip("z") == "" and _text(tok, tail[2]).endswith("!")
+
+
+def test_bad_grammars_fail_with_xgrammars_reason_once(grammars):
+    from gaudi_runtime.shard.grammar import GrammarError
+
+    with pytest.raises(GrammarError, match="parenthesis is not closed"):
+        grammars.compile("regex", "(ab")
+    assert grammars.cached("regex", "(ab")  # the failure is remembered, not compiled again
+    with pytest.raises(GrammarError, match="Type should be a string"):
+        grammars.compile("json", '{"type": 5}')
+    with pytest.raises(GrammarError, match="unknown grammar type"):
+        grammars.compile("yaml", "a: 1")
+
+
+def test_string_length_bounds_yield_valid_json_strings(grammars):
+    import json
+
+    from gaudi_runtime.shard.grammar import GrammarRows
+
+    tok, vocab = grammars.tokenizer, grammars.vocab_size
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 6}},
+                         "required": ["s"]})
+    n = 16
+    sampler = BatchSampler([SamplingParameters(do_sample=True, seed=s) for s in range(n)], [0] * n, [[]] * n, vocab,
+                           CPU, GrammarRows.of(grammars, [grammars.matcher("json", schema) for _ in range(n)]))
+    for ids in _generate(sampler, 30, vocab, seed=3):
+        value = json.loads(_text(tok, ids))["s"]  # strict JSON: no raw control characters
+        assert 2 <= len(value) <= 6 and "\ufffd" not in value  # nor a surrogate, decoded as U+FFFD

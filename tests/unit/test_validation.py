@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+import re
 
 import pytest
 
@@ -108,7 +110,6 @@ def test_null_parameters_are_absent():
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"top_n_tokens": 4}, "`top_n_tokens` must be >= 0 and <= 3. Given: 4"),
     ({"watermark": True}, "`watermark` is not supported"),
-    ({"grammar": {"type": "json", "value": {}}}, "grammar is not supported"),
     ({"truncate": 0}, "`truncate` must be strictly positive and less than 10. Given: 0"),
     ({"truncate": 11}, "`truncate` must be strictly positive and less than 10. Given: 11"),
     ({"seed": -1}, "`seed`"),
@@ -227,7 +228,19 @@ def _openai(model, body: dict, tokenizer=TOK, config=None):
     ({"prompt": [], "max_tokens": 1}, "`prompt` must be a string, a non-empty list of strings, or a list of token ids"),
     ({"prompt": "a", "logprobs": -1}, "`logprobs` must be >= 0"),
     ({"prompt": "a", "max_tokens": 0}, "`max_new_tokens` must be strictly positive"),
-    ({"prompt": "a", "best_of": 2}, "`best_of` != 1 is not supported on this endpoint"),
+    ({"prompt": "a", "best_of": 3}, "`best_of` must be <= 2 (--max-best-of). Given: 3"),
+    ({"prompt": "a", "n": 3, "best_of": 2}, "`best_of` must be >= `n`. Given: best_of 2, n 3"),
+    ({"prompt": "a", "n": 17}, "`n` must be <= 16 (--max-n). Given: 17"),
+    ({"prompt": "a", "n": 0}, "`n` must be strictly positive"),
+    ({"prompt": "a", "logprobs": 4}, "`logprobs` must be <= 3 (--max-top-n-tokens). Given: 4"),
+    ({"prompt": "a", "guided_json": "{", "max_tokens": 1}, "`guided_json`: not valid JSON"),
+    ({"prompt": "a", "guided_json": {}, "guided_regex": "a", "max_tokens": 1},
+     "`guided_regex`: give only one of guided_json, guided_regex"),
+    ({"prompt": "a", "response_format": {"type": "json_schema"}, "max_tokens": 1},
+     "`response_format.json_schema` is required when `response_format.type` is json_schema"),
+    ({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
+     "`response_format.json_schema.schema` must be a JSON schema (an object)"),
+    ({"prompt": "a", "guided_choice": []}, "`guided_choice` must not be empty"),
 ])
 def test_completion_errors_name_the_field(body, message):
     from gaudi_runtime.router.request_models import CompletionRequest
@@ -276,3 +289,220 @@ def test_every_route_body_has_a_json_schema():
     for model in bodies:
         schema = model.model_json_schema()
         assert schema["type"] == "object" and schema["properties"], model
+
+
+# --- constrained generation, choices, tools ---------------------------------------------------------
+
+def test_tgi_grammar_becomes_the_shards_grammar():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    g = ok({"grammar": {"type": "json", "value": schema}}).request.grammar
+    assert (g.kind, json.loads(g.value), g.field) == ("json", schema, "grammar")
+    # TGI's clients may send the schema as JSON text
+    assert ok({"grammar": {"type": "json", "value": json.dumps(schema)}}).request.grammar == g
+    g = ok({"grammar": {"type": "regex", "value": "[a-z]+"}}).request.grammar
+    assert (g.kind, g.value) == ("regex", "[a-z]+")
+    assert ok().request.grammar is None
+    # a grammar's end is the output's end, whatever ignore_eos says
+    assert not ok({"grammar": {"type": "regex", "value": "a"}, "ignore_eos": True}).request.stopping.ignore_eos_token
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"grammar": {"type": "json", "value": "{nope"}}, "`grammar.value`: not valid JSON"),
+    ({"grammar": {"type": "json", "value": "[1]"}}, "`grammar.value`: a JSON schema must be an object"),
+    ({"grammar": {"type": "regex", "value": {"a": 1}}}, "`grammar.value`: a regex grammar's value must be a string"),
+    ({"grammar": {"type": "json", "value": 5}}, "`grammar.value` must be a JSON schema"),
+    ({"grammar": {"type": "json"}}, "missing field `value` in `grammar`"),
+])
+def test_bad_grammars_name_the_field(params, message):
+    assert message in bad(params)
+
+
+def test_disabled_grammar_support_is_tgis_422():
+    off = cfg(DISABLE_GRAMMAR_SUPPORT="true")
+    assert bad({"grammar": {"type": "regex", "value": "a"}}, config=off) == "grammar is not supported"
+    from gaudi_runtime.router.request_models import CompletionRequest
+
+    for field, value in [("response_format", {"type": "json_object"}), ("guided_regex", "a"),
+                         ("guided_choice", ["a"]), ("guided_json", {})]:
+        with pytest.raises(ValidationError) as e:
+            _openai(CompletionRequest, {"prompt": "a", field: value, "max_tokens": 1}, config=off)
+        assert str(e.value) == f"`{field}`: grammar is not supported (--disable-grammar-support)"
+
+
+def test_openai_constraints_become_grammars():
+    from gaudi_runtime.router.request_models import CompletionRequest
+
+    def grammar(**fields):
+        (r,) = _openai(CompletionRequest, {"prompt": "a", "max_tokens": 1, **fields})
+        return r.grammar
+
+    assert grammar() is None and grammar(response_format={"type": "text"}) is None
+    g = grammar(response_format={"type": "json_object"})
+    assert (g.kind, json.loads(g.value), g.field) == ("json", {"type": "object"}, "response_format")
+    schema = {"type": "object", "properties": {"x": {"enum": ["a", "b"]}}}
+    g = grammar(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}})
+    assert (json.loads(g.value), g.field) == (schema, "response_format")
+    assert json.loads(grammar(guided_json=json.dumps(schema)).value) == schema
+    assert grammar(guided_regex="[0-9]+").value == "[0-9]+"
+    g = grammar(guided_choice=["yes", "no (maybe).", 'a"b'])
+    assert g.kind == "regex" and g.field == "guided_choice"
+    assert g.value == '(yes|no \\(maybe\\)\\.|a\\"b)'
+
+
+def test_n_choices_are_ordinary_requests_with_seeds_of_their_own():
+    from gaudi_runtime.router.request_models import CompletionRequest
+
+    reqs = _openai(CompletionRequest, {"prompt": ["a", "b c"], "n": 3, "seed": 7, "max_tokens": 2})
+    assert [r.inputs for r in reqs] == ["a"] * 3 + ["b c"] * 3
+    assert [r.sampling.seed for r in reqs] == [7, 8, 9] * 2  # reproducible with a client seed
+    reqs = _openai(CompletionRequest, {"prompt": "a", "n": 4, "max_tokens": 2})
+    assert len({r.sampling.seed for r in reqs}) == 4
+    # best_of: that many sequences, the n best are returned
+    assert len(_openai(CompletionRequest, {"prompt": "a", "n": 1, "best_of": 2, "max_tokens": 2})) == 2
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+HERMES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools }}<tool_call>"
+
+
+def _chat_tools(body: dict, template: str | None = HERMES_TEMPLATE, config=None):
+    from gaudi_runtime.router.openai_validation import chat_tools
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
+
+    return chat_tools(parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **body}),
+                      config or cfg(), template)
+
+
+@pytest.mark.parametrize("body, template, message", [
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, HERMES_TEMPLATE,
+     "`tool_choice`: no function named 'nope' in `tools`"),
+    ({"tool_choice": "required"}, HERMES_TEMPLATE, "`tool_choice`: 'required' needs `tools`"),
+    ({"tools": [TOOL]}, "{{ messages }}", "`tools`: this model's chat template does not render tools"),
+    ({"tools": [TOOL]}, "{{ messages }}{{ tools }}", "`tools`: the model's tool-call format is not one this server"),
+])
+def test_tool_errors_name_the_field(body, template, message):
+    with pytest.raises(ValidationError) as e:
+        _chat_tools(body, template)
+    assert message in str(e.value)
+
+
+def test_tool_choice_decides_rendering_and_grammar():
+    assert _chat_tools({"tools": [TOOL], "tool_choice": "none"}).tools is None
+    auto = _chat_tools({"tools": [TOOL]})
+    assert auto.tools[0]["function"]["name"] == "get_weather" and auto.grammar is None and auto.fmt == "hermes"
+    required = _chat_tools({"tools": [TOOL], "tool_choice": "required"})
+    assert required.grammar.kind == "structural_tag" and required.grammar.field == "tools"
+    tag = json.loads(required.grammar.value)["format"]
+    assert tag["type"] == "tags_with_separator" and tag["stop_after_first"] is False
+    named = _chat_tools({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert json.loads(named.grammar.value)["format"]["stop_after_first"] is True
+    single = _chat_tools({"tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False})
+    assert json.loads(single.grammar.value)["format"]["stop_after_first"] is True
+    # --tool-call-parser names the format a template does not show
+    assert _chat_tools({"tools": [TOOL]}, "{{ tools }}", cfg(TOOL_CALL_PARSER="mistral")).fmt == "mistral"
+    with pytest.raises(ValidationError, match="grammar is not supported"):
+        _chat_tools({"tools": [TOOL], "tool_choice": "required"}, config=cfg(DISABLE_GRAMMAR_SUPPORT="true"))
+
+
+def test_history_tool_calls_reach_the_template_with_object_arguments():
+    from gaudi_runtime.router.openai_validation import chat_messages
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
+
+    req = parse_request(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]})
+    msgs = chat_messages(req.messages)
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert msgs[1]["content"] == "" and msgs[2]["tool_call_id"] == "c1"
+
+
+# --- JSON schemas in requests: size and depth ----------------------------------------------------
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_json_depth_is_measured_without_recursion():
+    from gaudi_runtime.router.schema_limits import json_depth
+
+    assert [json_depth(v, 10) for v in (3, "x", {}, [], {"a": [1]}, [[[]]])] == [0, 0, 1, 1, 2, 3]
+    deep: list = []
+    for _ in range(100_000):  # far past Python's recursion limit
+        deep = [deep]
+    assert json_depth(deep, 32) == 33  # counting stops once past the limit
+
+
+def test_json_schema_limits_name_the_setting():
+    from gaudi_runtime.router.schema_limits import check_json_schema
+
+    check_json_schema(_nested(4), "grammar", 1000, 8)
+    check_json_schema("[a-z]+", "grammar", 1000, 8)  # a regular expression: only its size counts
+    with pytest.raises(ValidationError, match=r"`grammar` is nested more than 8 levels deep \(--max-json-schema-depth\)"):
+        check_json_schema(_nested(5), "grammar", 1000, 8)  # each level is an object and its `properties`
+    with pytest.raises(ValidationError, match=r"more than 8 levels deep"):
+        check_json_schema("[" * 5000 + "]" * 5000, "grammar", 100_000, 8)  # JSON text is parsed first
+    with pytest.raises(ValidationError, match=r"more than 8 levels deep"):
+        check_json_schema("[" * 100_000 + "]" * 100_000, "grammar", 10**6, 8)  # past the parser's recursion
+    with pytest.raises(ValidationError, match=r"`tools\[0\].function.parameters` is 1\d\d bytes, "
+                                              r"more than --max-json-schema-bytes \(100\)"):
+        check_json_schema({"enum": ["x" * 30] * 4}, "tools[0].function.parameters", 100, 8)
+
+
+def test_grammar_limits_apply_before_anything_reads_it():
+    big = {"type": "json", "value": {"enum": ["x" * 100] * 400}}
+    assert "more than --max-json-schema-bytes (32768)" in bad({"grammar": big})
+    assert "more than 32 levels deep" in bad({"grammar": {"type": "json", "value": _nested(20)}})
+    assert "more than 2 levels deep" in bad({"grammar": {"type": "json", "value": _nested(2)}},
+                                            config=cfg(MAX_JSON_SCHEMA_DEPTH="2"))
+
+
+def test_chat_schemas_are_bounded():
+    from gaudi_runtime.router.openai_validation import check_chat_schemas
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
+
+    def chat(**fields):
+        return parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], **fields})
+
+    small = cfg(MAX_JSON_SCHEMA_BYTES="200", MAX_JSON_SCHEMA_DEPTH="4")
+    check_chat_schemas(chat(response_format={"type": "json_schema", "json_schema": {"name": "a",
+                                                                                     "schema": {"type": "object"}}},
+                            tools=[{"function": {"name": "f", "parameters": {"type": "object"}}}]), small)
+    with pytest.raises(ValidationError, match=r"`response_format.json_schema.schema` is nested more than 4"):
+        check_chat_schemas(chat(response_format={"type": "json_schema", "json_schema": {"name": "a",
+                                                                                        "schema": _nested(3)}}),
+                           small)
+    with pytest.raises(ValidationError, match=r"`guided_json` is nested more than 4"):
+        check_chat_schemas(chat(guided_json=_nested(5)), small)
+    with pytest.raises(ValidationError, match=r"`tools\[1\].function.parameters` is \d+ bytes"):
+        check_chat_schemas(chat(tools=[{"function": {"name": "f"}},
+                                       {"function": {"name": "g", "parameters": {"enum": ["y" * 300]}}}]), small)
+
+
+def test_a_body_nested_past_the_parsers_limit_is_a_422():
+    with pytest.raises(ValidationError, match="nested too deeply"):
+        parse_json_body(b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MAX_REQUEST_BYTES": "0"}, "--max-request-bytes must be positive"),
+    ({"MAX_JSON_SCHEMA_DEPTH": "0"}, "--max-json-schema-depth must be positive"),
+    ({"MAX_IMAGES_PER_REQUEST": "-1"}, "--max-images-per-request must be >= 0"),
+    ({"MAX_STOP_SEQUENCES": "-1"}, "--max-stop-sequences must be >= 0"),
+    ({"MAX_BEST_OF": "0"}, "--max-best-of must be positive"),
+])
+def test_limits_are_checked_at_start(env, message):
+    from gaudi_runtime.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve(None, {"MODEL_ID": "m", **env})
+
+
+def test_top_k_fits_tgis_type():
+    assert "`top_k`: expected a 32-bit unsigned integer, got 4294967296" in bad({"top_k": 2**32})
+    assert ok({"top_k": 2**32 - 1}).request.sampling.top_k == 2**32 - 1

@@ -75,7 +75,9 @@ any: true
   resources: ["inferenceservices/status"]
   verbs: ["patch"]
 # Children, applied server-side (create is needed when an apply creates the object); only the
-# PodDisruptionBudget is ever deleted (at one replica). The rest goes by garbage collection.
+# optional ones are ever deleted (the PodDisruptionBudget at one replica, the NetworkPolicy when
+# the spec drops it). The rest goes by garbage collection. No Secrets: a spec's Secret references
+# (hubTokenSecretRef, apiKeySecretRef) are resolved by the kubelet, never read by the operator.
 # Exactly what the operator uses: tests/e2e/test_8_rbac.py checks it against the audit log.
 - apiGroups: ["apps"]
   resources: ["deployments"]
@@ -85,6 +87,10 @@ any: true
   verbs: ["list", "watch", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+# NetworkPolicy (spec.networkPolicy): deleted when the spec drops it.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
   verbs: ["list", "watch", "create", "patch", "delete"]
 # Pods: observed (watched) for status and warmup progress, never changed.
 - apiGroups: [""]

@@ -4,7 +4,9 @@
         --requests 64 --concurrency 16 --input-len 128 --output-len 128
 
 Prompts are random token ids decoded to text. Prints throughput and time to
-first token / inter-token latency percentiles in milliseconds.
+first token / inter-token latency percentiles in milliseconds. `--json-schema N`
+puts a JSON schema of N string properties in every request (`response_format`),
+to measure constrained generation against none.
 """
 
 from __future__ import annotations
@@ -25,9 +27,15 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def one(session, url: str, prompt: str, max_tokens: int, ttft: list, itl: list) -> int:
+def string_properties_schema(n: int) -> dict:
+    """An object of `n` required string properties: long enough that outputs run to max_tokens."""
+    props = {f"field_{i}": {"type": "string"} for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+async def one(session, url: str, prompt: str, max_tokens: int, ttft: list, itl: list, extra: dict | None = None) -> int:
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, **(extra or {})}
     start = time.perf_counter()
     last = None
     tokens = 0
@@ -48,7 +56,7 @@ async def one(session, url: str, prompt: str, max_tokens: int, ttft: list, itl: 
     return tokens
 
 
-async def run(url: str, prompts: list[str], concurrency: int, output_len: int) -> dict:
+async def run(url: str, prompts: list[str], concurrency: int, output_len: int, extra: dict | None = None) -> dict:
     ttft: list[float] = []
     itl: list[float] = []
     queue = list(prompts)
@@ -57,7 +65,7 @@ async def run(url: str, prompts: list[str], concurrency: int, output_len: int) -
     async def user(session):
         nonlocal tokens
         while queue:
-            n = await one(session, url, queue.pop(), output_len, ttft, itl)
+            n = await one(session, url, queue.pop(), output_len, ttft, itl, extra)
             tokens += n  # not `tokens += await ...`: that reads tokens before the await
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
@@ -79,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--json-schema", type=int, default=0, metavar="N",
+                   help="every request follows a JSON schema of N string properties (0: unconstrained)")
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -87,7 +97,11 @@ def main(argv: list[str] | None = None) -> None:
     special = set(tok.all_special_ids)
     ids = [t for t in range(len(tok)) if t not in special]
     prompts = [tok.decode([rng.choice(ids) for _ in range(a.input_len)]) for _ in range(a.requests)]
-    r = asyncio.run(run(a.url.rstrip("/"), prompts, a.concurrency, a.output_len))
+    extra = None
+    if a.json_schema:
+        extra = {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "bench", "schema": string_properties_schema(a.json_schema)}}}
+    r = asyncio.run(run(a.url.rstrip("/"), prompts, a.concurrency, a.output_len, extra))
     print(f"RESULT requests={r['requests']} concurrency={r['concurrency']} tokens={r['tokens']} "
           f"seconds={r['seconds']:.2f} tok/s={r['tokens_per_s']:.1f} "
           f"ttft_ms p50={r['ttft_ms'][50]:.1f} p90={r['ttft_ms'][90]:.1f} p99={r['ttft_ms'][99]:.1f} "

@@ -37,5 +37,9 @@ class Backend:
         device has graphs; the first call with a new shape captures, later calls replay."""
         return fn
 
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device, copied without waiting for the device's queued work."""
+        return host.to(self.torch_device, non_blocking=True)
+
     def graph_stats(self) -> dict:
         return {}

@@ -21,8 +21,8 @@ from gaudi_runtime.layers.linear import LinearBase
 
 log = logging.getLogger(__name__)
 
-# oneDNN picks the blocked layout for this many rows; any row count still runs on it, and decode
-# batches (1-64) and prompts (100s-1000s of rows) measured no slower with 16 than with their own count.
+# oneDNN picks the blocked layout for this many rows; any row count still runs on it, and neither
+# decode batches nor long prompts run slower on it than on a layout picked for their own row count.
 ROWS_HINT = 16
 
 

@@ -121,6 +121,7 @@ class HpuBackend(Backend):
         self._htcore = htcore
         super().__init__(torch_device or torch.device("hpu"))
         self.graphs_enabled = graphs
+        self._uploads: dict[tuple, torch.Tensor] = {}
 
     def synchronize(self) -> None:
         import habana_frameworks.torch.hpu as hthpu
@@ -138,6 +139,16 @@ class HpuBackend(Backend):
         if not limit:
             return None
         return limit - stats.get("InUse", 0), limit
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """Into one device buffer per shape (a bucket's grammar bitmask): the same address every step,
+        so lazy mode reuses its compiled recipe for the ops that read it."""
+        key = (tuple(host.shape), host.dtype)
+        buf = self._uploads.get(key)
+        if buf is None:
+            buf = self._uploads[key] = torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
+        buf.copy_(host, non_blocking=True)
+        return buf
 
     def graphed(self, fn, name):
         if not self.graphs_enabled:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..download import WEIGHTS_INDEX, DownloadError, weight_files
 from ..layers.linear import LazyWeight, TPContext
 from .base import CausalLMBase
 from .falcon import FalconForCausalLM
@@ -75,18 +76,17 @@ def eos_token_ids(model_dir: str | Path, cfg: dict[str, Any]) -> list[int]:
 
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The weight files to load, chosen by the same rule `gaudi-serve download` fetches by."""
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    if (model_dir / "model.safetensors").is_file():
-        return [model_dir / "model.safetensors"]
-    # Mistral repos also ship "consolidated.safetensors" (mistral-inference names): not ours.
-    files = sorted(f for f in model_dir.glob("*.safetensors") if not f.name.startswith("consolidated"))
-    if not files:
+    index = model_dir / WEIGHTS_INDEX
+    indexed = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else None
+    try:
+        names = weight_files([p.name for p in model_dir.iterdir()], indexed)
+    except DownloadError as e:
+        raise FileNotFoundError(f"{model_dir}: {e}") from None
+    if not names:
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
-    return files
+    return [model_dir / n for n in names]
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:

@@ -105,7 +105,7 @@ class NextTokenChooserParameters(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., watermark: _Optional[bool] = ..., generated_frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "parameters", "top_n_tokens", "blocks", "prefill_logprobs", "images", "cached_tokens")
+    __slots__ = ("id", "input_ids", "parameters", "top_n_tokens", "blocks", "prefill_logprobs", "images", "grammar", "cached_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class Request(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -121,8 +122,17 @@ class Request(_message.Message):
     blocks: _containers.RepeatedScalarFieldContainer[int]
     prefill_logprobs: bool
     images: _containers.RepeatedScalarFieldContainer[bytes]
+    grammar: Grammar
     cached_tokens: int
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., prefill_logprobs: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., prefill_logprobs: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("type", "value")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    value: str
+    def __init__(self, type: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests")
@@ -209,3 +219,17 @@ class DecodeResponse(_message.Message):
     unwarmed_shapes: int
     next_steps: _containers.RepeatedCompositeFieldContainer[Generations]
     def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., next_steps: _Optional[_Iterable[_Union[Generations, _Mapping]]] = ...) -> None: ...
+
+class CompileGrammarRequest(_message.Message):
+    __slots__ = ("grammar",)
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    grammar: Grammar
+    def __init__(self, grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class CompileGrammarResponse(_message.Message):
+    __slots__ = ("error", "compile_ns")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_NS_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    compile_ns: int
+    def __init__(self, error: _Optional[str] = ..., compile_ns: _Optional[int] = ...) -> None: ...

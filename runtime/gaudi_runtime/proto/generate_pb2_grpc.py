@@ -69,6 +69,11 @@ class TextGenerationServiceStub:
                 request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.CompileGrammar = channel.unary_unary(
+                '/gaudi_serve.generate.v1.TextGenerationService/CompileGrammar',
+                request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarRequest.SerializeToString,
+                response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -120,6 +125,14 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CompileGrammar(self, request, context):
+        """Compile a grammar into the shard's cache (or say why it cannot be); runs on arrival, beside the
+        numbered calls, so a slow compilation holds back no forward pass.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +170,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.DecodeRequest.FromString,
                     response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.DecodeResponse.SerializeToString,
+            ),
+            'CompileGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompileGrammar,
+                    request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarRequest.FromString,
+                    response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -348,6 +366,33 @@ class TextGenerationService:
             '/gaudi_serve.generate.v1.TextGenerationService/Decode',
             gaudi__runtime_dot_proto_dot_generate__pb2.DecodeRequest.SerializeToString,
             gaudi__runtime_dot_proto_dot_generate__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompileGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gaudi_serve.generate.v1.TextGenerationService/CompileGrammar',
+            gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarRequest.SerializeToString,
+            gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Coroutine
@@ -37,6 +38,8 @@ from gaudi_runtime.router.output import OutputProcessor
 from gaudi_runtime.router.requests import Requests, RequestState
 from gaudi_runtime.router.scheduler import join_min_size, select_prefill
 from gaudi_runtime.router.types import GenerationError
+
+log = logging.getLogger(__name__)
 
 # Decode calls in flight: one computing on the shards, one queued behind it.
 PIPELINE_DEPTH = 2
@@ -160,10 +163,12 @@ class BatchingLoop:
         once and the shards go straight from one to the other.
         """
         oldest = (time.monotonic() - self.requests.waiting[0].enqueued) * 1000
-        chosen = self._take_waiting(running, join_min_size(running, waiting_steps, oldest, self.cfg))
-        if not chosen:
-            return False, None
-        batch_id, call = self._make_prefill(chosen)
+        taken = self._take_waiting(running, join_min_size(running, waiting_steps, oldest, self.cfg))
+        encoded = self._encoded(taken)
+        if not encoded:
+            return bool(taken), None
+        chosen = [state for state, _ in encoded]
+        batch_id, call = self._make_prefill(encoded)
         if any(s.req.images for s in chosen):
             # The shards may refuse a prompt's images: see the answer before a decode names the batch.
             # The calls made before it are handled first, to keep each request's tokens in order.
@@ -184,10 +189,33 @@ class BatchingLoop:
         return self.requests.take(select_prefill(view, running, self.requests.allocator.free_count, self.cfg,
                                                  min_size))
 
-    def _make_prefill(self, chosen: list[RequestState]) -> tuple[int, Call]:
+    def _encoded(self, taken: list[RequestState]) -> list[tuple[RequestState, pb.Request]]:
+        """Each request in the shards' protocol; one holding a value the protocol cannot carry ends
+        with its own error, and the others go on (validation should have refused it). Those that were
+        to read blocks such a request would have filled (prefix caching) wait for the next prefill."""
+        out, unfilled = [], set()
+        for state in taken:
+            try:
+                out.append((state, prefill_request(state)))
+            except ValueError as e:
+                log.error("request %d cannot be sent to the shards: %s", state.id, e)
+                unfilled.update(state.blocks[state.cached_tokens // self.cfg.block_size:])
+                self.requests.end(state, GenerationError(f"the request cannot be sent to the shards: {e}"))
+        stranded: list[RequestState] = []
+        for state, _ in out:  # in take order: a request reads only blocks of requests before it
+            if unfilled.intersection(state.blocks):
+                stranded.append(state)
+                unfilled.update(state.blocks[state.cached_tokens // self.cfg.block_size:])
+        if stranded:
+            self.requests.requeue(stranded)
+            self.wake()  # they are waiting again: serve them even if nothing else runs
+        return [(state, request) for state, request in out if state not in stranded]
+
+    def _make_prefill(self, encoded: list[tuple[RequestState, pb.Request]]) -> tuple[int, Call]:
         """Make the prefill call now; returns its batch id and the call, whose answer gives the running ids."""
         batch_id = next(self._batch_ids)
-        batch = pb.Batch(id=batch_id, requests=[prefill_request(s) for s in chosen])
+        chosen = [state for state, _ in encoded]
+        batch = pb.Batch(id=batch_id, requests=[request for _, request in encoded])
         rpc = asyncio.ensure_future(self.client.prefill(batch))
         return batch_id, Call(rpc, self._answer_prefill(chosen, rpc, time.monotonic()))
 
@@ -226,6 +254,7 @@ def prefill_request(state: RequestState) -> pb.Request:
     return pb.Request(
         id=state.id, input_ids=r.input_ids, top_n_tokens=r.top_n_tokens, blocks=state.blocks,
         prefill_logprobs=r.decoder_input_details, images=r.images, cached_tokens=state.cached_tokens,
+        grammar=pb.Grammar(type=r.grammar.kind, value=r.grammar.value) if r.grammar is not None else None,
         parameters=pb.NextTokenChooserParameters(
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
             do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,

@@ -87,6 +87,10 @@ class ShardClient:
         except grpc.aio.AioRpcError as e:
             raise ShardError(f"Warmup failed: {e.code().name}: {e.details()}") from e
 
+    async def compile_grammar(self, grammar: pb.Grammar, timeout: float) -> pb.CompileGrammarResponse:
+        """Every shard compiles `grammar` into its cache (not numbered: it changes no batch)."""
+        return await self._all("CompileGrammar", pb.CompileGrammarRequest(grammar=grammar), timeout=timeout)
+
     # Not coroutines themselves: each call takes its number when made, before the caller awaits it.
 
     def prefill(self, batch: pb.Batch) -> Awaitable[pb.PrefillResponse]:

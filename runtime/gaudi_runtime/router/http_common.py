@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from aiohttp import web
 
 from gaudi_runtime.router.errors import ValidationError
+from gaudi_runtime.router.grammars import check_grammars
 from gaudi_runtime.router.inference import Generation, RequestRecorder, check_health, collect_all
 from gaudi_runtime.router.state import AppState, get_state
 from gaudi_runtime.router.types import ValidRequest
@@ -50,10 +51,12 @@ def recorded(rec: RequestRecorder) -> Iterator[None]:
         raise
 
 
-def admit(state: AppState, rec: RequestRecorder, requests: list[ValidRequest]) -> None:
-    """Validated requests about to be generated: recorded, if the engine can serve now."""
-    rec.validated(requests)
+async def admit(state: AppState, rec: RequestRecorder, requests: list[ValidRequest]) -> None:
+    """Validated requests about to be generated, if the engine can serve now and their grammars
+    compile (the compilation counts as validation time)."""
     check_health(state)
+    await check_grammars(state.grammars, requests)
+    rec.validated(requests)
 
 
 async def generate_all(state: AppState, requests: list[ValidRequest], rec: RequestRecorder) -> list[Generation]:

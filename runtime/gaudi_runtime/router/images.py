@@ -1,6 +1,6 @@
 """Images in prompts, as TGI takes them: markdown `![](url)` in `inputs` (chat `image_url` parts
 become the same markdown), where the URL is a `data:image/...;base64,...` URL or an http(s)
-URL the router fetches (size limit, timeout).
+URL the router fetches (size limit, timeout, and only where `media_fetch` allows).
 
 For a vision model (Llava-NeXT) each image is decoded (Pillow) to learn its size and
 replaced in the prompt text by its placeholder tokens, as many as the model makes of
@@ -23,6 +23,7 @@ from gaudi_runtime.config import Config, ConfigError
 from gaudi_runtime.image_geometry import ImageGeometry
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.image_tokens import image_token_count
+from gaudi_runtime.router.media_fetch import FetchPolicy, fetch_url
 
 # TGI's pattern: `![alt](url)`, optionally with a "title" after the URL.
 IMAGE_MARKDOWN = re.compile(r"!\[[^\]]*\]\((.*?)\s*(\"(?:.*[^\"])\")?\s*\)")
@@ -84,30 +85,6 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     return data
 
 
-async def fetch_url(url: str, max_bytes: int, timeout_s: float) -> bytes:
-    """GET an http(s) image, refusing more than `max_bytes` and anything slower than `timeout_s`."""
-    import aiohttp
-
-    try:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(url) as resp:
-            if resp.status != 200:
-                raise ValidationError(f"could not fetch image {url}: HTTP {resp.status}")
-            if resp.content_length is not None and resp.content_length > max_bytes:
-                raise ValidationError(f"image too large: {url} has {resp.content_length} bytes, "
-                                      f"more than {max_bytes} (MAX_IMAGE_BYTES)")
-            data = bytearray()
-            async for chunk in resp.content.iter_chunked(64 << 10):
-                data += chunk
-                if len(data) > max_bytes:
-                    raise ValidationError(f"image too large: {url} has more than {max_bytes} bytes (MAX_IMAGE_BYTES)")
-            return bytes(data)
-    except asyncio.TimeoutError:
-        raise ValidationError(f"could not fetch image {url}: no answer within {timeout_s:g}s") from None
-    except aiohttp.ClientError as e:
-        raise ValidationError(f"could not fetch image {url}: {e}") from None
-
-
 def image_size(data: bytes) -> tuple[int, int]:
     """(height, width) of an encoded image, after fully decoding it (a truncated file fails here,
     not on the shard)."""
@@ -137,6 +114,7 @@ class ImagePrompter:
         self.geometry = geometry
         self.image_token_id = image_token_id
         self.config = config
+        self.fetch_policy = FetchPolicy.from_config(config)
 
     @classmethod
     def load(cls, model_dir: str | Path, config: Config) -> ImagePrompter | None:
@@ -155,7 +133,7 @@ class ImagePrompter:
             if url.startswith("data:"):
                 return decode_data_url(url, limit)
             if url.startswith(("http://", "https://")):
-                return await fetch_url(url, limit, self.config.image_fetch_timeout_s)
+                return await fetch_url(url, limit, self.config.image_fetch_timeout_s, self.fetch_policy)
             raise ValidationError("invalid image: the URL must be a data: URL or http(s)")
         except ValidationError as e:
             raise ValidationError(f"image {index}: {e}") from None
@@ -165,8 +143,10 @@ class ImagePrompter:
             raise ValidationError(f"the prompt contains the image placeholder `{IMAGE_TOKEN}` as text; "
                                   "give images as markdown `![](data:image/png;base64,...)`")
         out = PromptImages(text="", image_token_id=self.image_token_id)
+        parts = split_markdown(text)
+        check_image_count(sum(isinstance(p, tuple) for p in parts), self.config.max_images_per_request)
         pieces = []
-        for part in split_markdown(text):
+        for part in parts:
             if isinstance(part, str):
                 pieces.append(part)
                 continue
@@ -183,6 +163,12 @@ class ImagePrompter:
             pieces.append(IMAGE_TOKEN * count)
         out.text = "".join(pieces)
         return out
+
+
+def check_image_count(count: int, limit: int) -> None:
+    """Before any image is fetched or decoded: at most `limit` of them in one prompt."""
+    if count > limit:
+        raise ValidationError(f"the prompt holds {count} images, more than --max-images-per-request ({limit})")
 
 
 def _checked_size(data: bytes, index: int) -> tuple[int, int]:

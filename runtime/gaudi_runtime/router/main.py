@@ -12,11 +12,13 @@ from aiohttp import web
 from gaudi_runtime.config import Config
 from gaudi_runtime.router.client import ShardClient
 from gaudi_runtime.router.engine import BatchingEngine
+from gaudi_runtime.router.grammars import ShardGrammars
 from gaudi_runtime.router.images import ImagePrompter
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.server import build_app
 from gaudi_runtime.router.state import STATE
 from gaudi_runtime.router.tokenizer import RouterTokenizer
+from gaudi_runtime.router.tool_calls import detect_format
 from gaudi_runtime.router.tracing import make_tracer
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,9 @@ async def serve(cfg: Config, model_dir: str) -> int:
     engine = BatchingEngine(cfg, client, tokenizer, metrics)
     app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg))
     app[STATE].tracer = tracer = make_tracer(cfg)
+    if not cfg.disable_grammar_support:
+        app[STATE].grammars = ShardGrammars(client, cfg.grammar_compile_timeout_s)
+    log_tool_format(cfg, tokenizer)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, cfg.hostname, cfg.port).start()
@@ -63,6 +68,16 @@ async def serve(cfg: Config, model_dir: str) -> int:
         if tracer is not None:
             tracer.shutdown()
     return code
+
+
+def log_tool_format(cfg: Config, tokenizer: RouterTokenizer) -> None:
+    template = tokenizer.chat_template
+    fmt = detect_format(template, cfg.tool_call_parser)
+    if fmt is not None:
+        log.info("tool calls: %s format", fmt)
+    elif template and "tools" in template:
+        log.warning("tool calls: the chat template renders tools in a format this server does not parse; "
+                    "requests with tools get a 422 unless --tool-call-parser names the format")
 
 
 def main(cfg: Config, model_dir: str) -> int:

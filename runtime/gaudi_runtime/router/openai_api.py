@@ -3,6 +3,10 @@
 Requests are parsed by the OpenAI request models and validated by the same rules as /generate
 (`openai_validation`); this module turns the engine's tokens into OpenAI's response and stream
 shapes. Stop sequences stay in the returned text, as TGI does.
+
+Several choices (`n`, and `best_of` on completions) are ordinary requests, one per choice with a
+seed of its own, run together and gathered here. With tools, each choice's output is parsed into
+`tool_calls` in the model's format (`tool_calls`), as a whole or as stream deltas.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from gaudi_runtime.router.inference import Generation, RequestRecorder, merge
 from gaudi_runtime.router.openai_validation import (
     chat_parameters,
     chat_prompt,
-    chat_request,
+    chat_requests,
+    chat_tools,
+    check_chat_schemas,
     completion_requests,
 )
 from gaudi_runtime.router.request_models import (
@@ -40,6 +46,7 @@ from gaudi_runtime.router.request_models import (
     parse_request,
 )
 from gaudi_runtime.router.state import get_state
+from gaudi_runtime.router.tool_calls import MARKERS, ToolCallStream, parse, tool_calls_json
 from gaudi_runtime.router.types import FinishReason, StreamEvent, Token, ValidRequest
 
 FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop"}
@@ -59,15 +66,14 @@ class Envelope:
                 "usage": usage}
 
 
-def usage(counts: list[tuple[int, int]]) -> dict:
-    """OpenAI's usage from (prompt tokens, generated tokens) of each sequence."""
-    p = sum(a for a, _ in counts)
-    c = sum(b for _, b in counts)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def usage(reqs: list[ValidRequest], completion_tokens: int) -> dict:
+    """OpenAI's usage: each prompt counted once, however many choices it has."""
+    p = sum(len(ids) for ids in {id(r.input_ids): r.input_ids for r in reqs}.values())
+    return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
 
 
-def _generated(gens: list[Generation]) -> list[tuple[int, int]]:
-    return [(len(g.request.input_ids), g.end.generated_tokens) for g in gens]
+def _generated(gens: list[Generation]) -> dict:
+    return usage([g.request for g in gens], sum(g.end.generated_tokens for g in gens))
 
 
 def _include_usage(req: OpenAIRequest) -> bool:
@@ -76,18 +82,19 @@ def _include_usage(req: OpenAIRequest) -> bool:
 
 async def _stream(request: web.Request, reqs: list[ValidRequest], req: OpenAIRequest, rec: RequestRecorder,
                   envelope: Envelope, object_type: str, choice) -> web.StreamResponse:
-    """Stream the requests' tokens as chunks of `object_type`; `choice(i, event)` renders one token's
-    choice. Usage (when asked for) and `[DONE]` follow the last chunk."""
-    counts: list[tuple[int, int]] = []
+    """Stream the requests' tokens as chunks of `object_type`; `choice(i, event)` renders the choices
+    one token of request i gives (one chunk each). Usage (when asked for) and `[DONE]` follow the last chunk."""
+    generated = 0
 
     def render(item: tuple[int, StreamEvent]) -> list[dict]:
+        nonlocal generated
         i, ev = item
         if ev.end is not None:
-            counts.append((len(reqs[i].input_ids), ev.end.generated_tokens))
-        return [envelope.wrap(object_type, [choice(i, ev)])]
+            generated += ev.end.generated_tokens
+        return [envelope.wrap(object_type, [c]) for c in choice(i, ev)]
 
     def finish() -> list:
-        return ([envelope.wrap(object_type, [], usage(counts))] if _include_usage(req) else []) + ["[DONE]"]
+        return ([envelope.wrap(object_type, [], usage(reqs, generated))] if _include_usage(req) else []) + ["[DONE]"]
 
     return await sse.drive(request, merge(get_state(request), reqs, rec), rec, render, finish)
 
@@ -105,6 +112,19 @@ def completion_logprobs(tokens: list[Token], tops: list[list[Token]], offset: in
         "top_logprobs": [{t.text: finite_logprob(t.logprob) for t in ts} for ts in tops],
         "text_offset": text_offset,
     }
+
+
+def best_choices(gens: list[Generation], n: int) -> list[Generation]:
+    """Per prompt (its sequences are consecutive), the `n` with the highest mean log-probability per
+    token, best first (OpenAI's `best_of`); all of them, in order, when there are `n`."""
+    per_prompt = len(gens) // max(1, len({id(g.request.input_ids) for g in gens}))
+    if per_prompt == n:
+        return gens
+    out = []
+    for k in range(0, len(gens), per_prompt):
+        group = gens[k:k + per_prompt]
+        out += sorted(group, key=lambda g: g.logprob_sum / max(1, len(g.tokens)), reverse=True)[:n]
+    return out
 
 
 def _completion_choice(i: int, g: Generation, req: CompletionRequest) -> dict:
@@ -126,7 +146,7 @@ def _completion_chunk_choice(reqs: list[ValidRequest], req: CompletionRequest):
             text = reqs[i].inputs + text
         lp = completion_logprobs([ev.token], [list(ev.top_tokens)]) if req.logprobs is not None else None
         finish = None if ev.end is None else FINISH[ev.end.finish_reason]
-        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+        return [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]
 
     return choice
 
@@ -136,15 +156,15 @@ async def run_completions(request: web.Request, body: dict, rec: RequestRecorder
     with recorded(rec):
         req = parse_request(CompletionRequest, body)
         reqs = completion_requests(req, state.config, state.tokenizer)
-        admit(state, rec, reqs)
+        await admit(state, rec, reqs)
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", model_name(state))
     if req.stream:
         return await _stream(request, reqs, req, rec, envelope, "text_completion",
                              _completion_chunk_choice(reqs, req))
     gens = await generate_all(state, reqs, rec)
     rec.success_pending()
-    choices = [_completion_choice(i, g, req) for i, g in enumerate(gens)]
-    return json_response(envelope.wrap("text_completion", choices, usage(_generated(gens))))
+    choices = [_completion_choice(i, g, req) for i, g in enumerate(best_choices(gens, req.n))]
+    return json_response(envelope.wrap("text_completion", choices, _generated(gens)))
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
@@ -166,12 +186,42 @@ def chat_logprobs(tokens: list[Token], tops: list[list[Token]]) -> dict:
     return {"content": content}
 
 
-def _chat_chunk_choice(req: ChatCompletionRequest):
-    def choice(i: int, ev: StreamEvent) -> dict:
-        delta = {"role": "assistant", "content": "" if ev.token.special else ev.token.text}
+def _raw_text(tokens: list[Token], fmt: str) -> str:
+    """The output as the tool-call parser reads it: special tokens left out, but for the format's markers."""
+    return "".join(t.text for t in tokens if not t.special or t.text in MARKERS[fmt])
+
+
+def _chat_choice(i: int, g: Generation, req: ChatCompletionRequest, fmt: str | None) -> dict:
+    message: dict = {"role": "assistant", "content": g.end.generated_text}
+    finish = FINISH[g.end.finish_reason]
+    if fmt is not None:
+        parsed = parse(fmt, _raw_text(g.tokens, fmt), final=True)
+        calls = tool_calls_json(parsed.calls)
+        if calls:
+            message = {"role": "assistant", "content": parsed.content if parsed.content.strip() else None,
+                       "tool_calls": calls}
+            finish = "tool_calls" if finish == "stop" else finish
+    return {"index": i, "message": message,
+            "logprobs": chat_logprobs(g.tokens, g.top_tokens) if req.logprobs else None, "finish_reason": finish}
+
+
+def _chat_chunk_choice(req: ChatCompletionRequest, fmt: str | None):
+    streams: dict[int, ToolCallStream] = {}
+
+    def choice(i: int, ev: StreamEvent) -> list[dict]:
         lp = chat_logprobs([ev.token], [list(ev.top_tokens)]) if req.logprobs else None
         finish = None if ev.end is None else FINISH[ev.end.finish_reason]
-        return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        if fmt is None:
+            delta = {"role": "assistant", "content": "" if ev.token.special else ev.token.text}
+            return [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]
+        stream = streams.setdefault(i, ToolCallStream(fmt))
+        text = ev.token.text if not ev.token.special or ev.token.text in MARKERS[fmt] else ""
+        out = [{"index": i, "delta": {"role": "assistant", **d}, "logprobs": lp, "finish_reason": None}
+               for d in stream.add(text, final=ev.end is not None)]
+        if finish is not None:
+            finish = "tool_calls" if finish == "stop" and stream.called else finish
+            out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish})
+        return out
 
     return choice
 
@@ -180,23 +230,21 @@ async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> we
     state = get_state(request)
     with recorded(rec):
         req = parse_request(ChatCompletionRequest, body)
-        params = chat_parameters(req)
-        prompt = chat_prompt(req, state.tokenizer, images_allowed=state.images is not None)
+        check_chat_schemas(req, state.config)
+        params = chat_parameters(req, state.config)
+        tools = chat_tools(req, state.config, state.tokenizer.chat_template)
+        prompt = chat_prompt(req, state.tokenizer, tools, images_allowed=state.images is not None)
         images = await prompt_images(state, prompt)
-        vreq = chat_request(prompt, images, params, req, state.config, state.tokenizer)
-        admit(state, rec, [vreq])
+        reqs = chat_requests(prompt, images, params, req, state.config, state.tokenizer, tools)
+        await admit(state, rec, reqs)
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", model_name(state))
     if req.stream:
-        return await _stream(request, [vreq], req, rec, envelope, "chat.completion.chunk", _chat_chunk_choice(req))
-    (g,) = await generate_all(state, [vreq], rec)
+        return await _stream(request, reqs, req, rec, envelope, "chat.completion.chunk",
+                             _chat_chunk_choice(req, tools.fmt))
+    gens = await generate_all(state, reqs, rec)
     rec.success_pending()
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": g.end.generated_text},
-        "logprobs": chat_logprobs(g.tokens, g.top_tokens) if req.logprobs else None,
-        "finish_reason": FINISH[g.end.finish_reason],
-    }
-    return json_response(envelope.wrap("chat.completion", [choice], usage(_generated([g]))))
+    choices = [_chat_choice(i, g, req, tools.fmt) for i, g in enumerate(gens)]
+    return json_response(envelope.wrap("chat.completion", choices, _generated(gens)))
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:

@@ -9,7 +9,9 @@ divided by the length) is a different knob and stays off here.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+import random
+from dataclasses import dataclass, replace
 
 from gaudi_runtime.config import Config
 from gaudi_runtime.router.errors import ValidationError
@@ -22,15 +24,24 @@ from gaudi_runtime.router.request_models import (
     OpenAIRequest,
     parse_request,
 )
+from gaudi_runtime.router.schema_limits import check_json_schemas
 from gaudi_runtime.router.tokenizer import RouterTokenizer, TokenizerError
-from gaudi_runtime.router.types import ValidRequest
-from gaudi_runtime.router.validation import tokenize_input, validate_parameters, validate_with_images
+from gaudi_runtime.router.tool_calls import call_grammar, check_format, detect_format
+from gaudi_runtime.router.types import GrammarSpec, ValidRequest
+from gaudi_runtime.router.validation import (
+    json_schema_spec,
+    tokenize_input,
+    validate_parameters,
+    validate_with_images,
+)
+
+MAX_SEED = 2**64 - 1
 
 
-def generate_parameters(req: OpenAIRequest, max_tokens: int | None, **extra) -> GenerateParameters:
+def generate_parameters(req: OpenAIRequest, max_tokens: int | None, config: Config, **extra) -> GenerateParameters:
     """The TGI parameters of an OpenAI request; `extra` holds the route's own (echo, logprobs)."""
-    if req.n != 1:
-        raise ValidationError("`n` != 1 is not supported by this server")
+    if req.n > config.max_n:
+        raise ValidationError(f"`n` must be <= {config.max_n} (--max-n). Given: {req.n}")
     params = {"details": True, "max_new_tokens": max_tokens, "top_p": req.top_p, "seed": req.seed,
               "repetition_penalty": req.repetition_penalty, "stop": req.stop, "ignore_eos": req.ignore_eos,
               **extra}
@@ -47,18 +58,86 @@ def with_openai_penalties(request: ValidRequest, req: OpenAIRequest) -> ValidReq
     return replace(request, sampling=sampling)
 
 
+def choices(request: ValidRequest, n: int, seeded: bool, rng: random.Random | None = None) -> list[ValidRequest]:
+    """`n` requests for one prompt, each an ordinary request with a seed of its own: the client's seed
+    plus the choice's index when it gave one (reproducible), else random ones."""
+    if n == 1:
+        return [request]
+    rng = rng or random.Random()
+    seed = request.sampling.seed
+    return [replace(request, sampling=replace(request.sampling,
+                                              seed=(seed + i) & MAX_SEED if seeded else rng.getrandbits(63)))
+            for i in range(n)]
+
+
+# --- constrained output ---------------------------------------------------------------------------
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + c if c in "\\.^$|?*+()[]{}/-\"" else c for c in text)
+
+
+def output_grammar(req: OpenAIRequest, config: Config) -> GrammarSpec | None:
+    """The constraint `response_format` or vLLM's `guided_json` / `guided_regex` / `guided_choice` asks for."""
+    given = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(req, f) is not None]
+    if req.response_format is not None and req.response_format.type != "text":
+        given.insert(0, "response_format")
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValidationError(f"`{given[1]}`: give only one of {', '.join(given)}")
+    if config.disable_grammar_support:
+        raise ValidationError(f"`{given[0]}`: grammar is not supported (--disable-grammar-support)")
+    if req.guided_json is not None:
+        return json_schema_spec(req.guided_json, "guided_json")
+    if req.guided_regex is not None:
+        return GrammarSpec("regex", req.guided_regex, "guided_regex")
+    if req.guided_choice is not None:
+        return GrammarSpec("regex", "(" + "|".join(_regex_literal(c) for c in req.guided_choice) + ")",
+                           "guided_choice")
+    fmt = req.response_format
+    if fmt.type == "json_object":
+        return json_schema_spec({"type": "object"}, "response_format")
+    if fmt.json_schema is None:
+        raise ValidationError("`response_format.json_schema` is required when `response_format.type` is json_schema")
+    return json_schema_spec(fmt.json_schema.schema_, "response_format.json_schema.schema", "response_format")
+
+
 # --- /v1/completions ------------------------------------------------------------------------------
 
 def completion_requests(req: CompletionRequest, config: Config, tokenizer: RouterTokenizer) -> list[ValidRequest]:
-    """One validated request per prompt."""
-    if req.best_of is not None and req.best_of != 1:
-        raise ValidationError("`best_of` != 1 is not supported on this endpoint")
+    """One validated request per prompt and choice."""
+    check_json_schemas(output_schemas(req), config)
+    sequences = completion_sequences(req, config)
     extra: dict = {"return_full_text": req.echo}
     if req.logprobs:
+        _check_top(req.logprobs, "logprobs", config)
         extra["top_n_tokens"] = req.logprobs
-    params = generate_parameters(req, req.max_tokens, **extra)
-    return [with_openai_penalties(validate_parameters(text, ids, params, config, stream=req.stream).request, req)
-            for text, ids in prompts(req.prompt, config, tokenizer)]
+    params = generate_parameters(req, req.max_tokens, config, **extra)
+    grammar = output_grammar(req, config)
+    out = []
+    for text, ids in prompts(req.prompt, config, tokenizer):
+        request = validate_parameters(text, ids, params, config, stream=req.stream, grammar=grammar).request
+        out += choices(with_openai_penalties(request, req), sequences, req.seed is not None)
+    return out
+
+
+def completion_sequences(req: CompletionRequest, config: Config) -> int:
+    """Sequences to generate per prompt: `best_of` (the n best are returned), else `n`."""
+    if req.best_of is None or req.best_of == req.n:
+        return req.n
+    if req.best_of < req.n:
+        raise ValidationError(f"`best_of` must be >= `n`. Given: best_of {req.best_of}, n {req.n}")
+    if req.best_of > config.max_best_of:
+        raise ValidationError(f"`best_of` must be <= {config.max_best_of} (--max-best-of). Given: {req.best_of}")
+    if req.stream:
+        raise ValidationError("`best_of` != `n` is not supported when streaming")
+    return req.best_of
+
+
+def _check_top(n: int, name: str, config: Config) -> None:
+    """Top tokens per step, within --max-top-n-tokens; the error names the OpenAI field."""
+    if n > config.max_top_n_tokens:
+        raise ValidationError(f"`{name}` must be <= {config.max_top_n_tokens} (--max-top-n-tokens). Given: {n}")
 
 
 def prompts(prompt: str | list[str] | list[int], config: Config,
@@ -67,6 +146,10 @@ def prompts(prompt: str | list[str] | list[int], config: Config,
     if isinstance(prompt, str):
         return [(prompt, tokenize_input(prompt, tokenizer))]
     if isinstance(prompt[0], int):
+        try:
+            tokenizer.check_ids(prompt)
+        except TokenizerError as e:
+            raise ValidationError(f"`prompt`: {e}") from None
         return [(tokenizer.decode(prompt), list(prompt))]
     if len(prompt) > config.max_client_batch_size:
         raise ValidationError(
@@ -77,24 +160,69 @@ def prompts(prompt: str | list[str] | list[int], config: Config,
 
 # --- /v1/chat/completions -------------------------------------------------------------------------
 
-def chat_parameters(req: ChatCompletionRequest) -> GenerateParameters:
-    extra = {"top_n_tokens": req.top_logprobs} if req.logprobs and req.top_logprobs else {}
+def output_schemas(req: OpenAIRequest) -> list[tuple[str, object]]:
+    """The schemas and patterns a request's output constraint carries, by field."""
+    fmt = req.response_format.json_schema if req.response_format is not None else None
+    return [("response_format.json_schema.schema", None if fmt is None else fmt.schema_),
+            ("guided_json", req.guided_json), ("guided_regex", req.guided_regex)]
+
+
+def check_chat_schemas(req: ChatCompletionRequest, config: Config) -> None:
+    """The JSON schemas a chat request carries (`response_format`, vLLM's guided fields, each tool's
+    parameters), bounded before the template renders or a grammar compiles them."""
+    fields = output_schemas(req)
+    fields += [(f"tools[{i}].function.parameters", t.function.parameters) for i, t in enumerate(req.tools or [])]
+    check_json_schemas(fields, config)
+
+
+def chat_parameters(req: ChatCompletionRequest, config: Config) -> GenerateParameters:
+    extra = {}
+    if req.logprobs and req.top_logprobs:
+        _check_top(req.top_logprobs, "top_logprobs", config)
+        extra["top_n_tokens"] = req.top_logprobs
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-    return generate_parameters(req, max_tokens, **extra)
+    return generate_parameters(req, max_tokens, config, **extra)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer: RouterTokenizer, *, images_allowed: bool) -> str:
-    """The conversation rendered by the model's chat template."""
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ValidationError("grammar is not supported: `response_format` must be absent or of type `text`")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise ValidationError("tool calling is not supported: `tool_choice` must be `none` or `auto`")
-    tools = None
-    if req.tools and req.tool_choice != "none":
-        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+@dataclass
+class ChatTools:
+    """What a chat request's tools make of it: the tools for the template, the grammar that forces a
+    call (tool_choice required or named), and the format to parse calls from (None: no tools)."""
+
+    tools: list[dict] | None = None
+    grammar: GrammarSpec | None = None
+    fmt: str | None = None
+
+
+def chat_tools(req: ChatCompletionRequest, config: Config, chat_template: str | None) -> ChatTools:
+    choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+    named = None if isinstance(choice, str) else choice.function.name
+    if not req.tools:
+        if choice != "none" and choice != "auto":
+            raise ValidationError(f"`tool_choice`: {named or choice!r} needs `tools`")
+        return ChatTools()
+    names = [t.function.name for t in req.tools]
+    if named is not None and named not in names:
+        raise ValidationError(f"`tool_choice`: no function named {named!r} in `tools`")
+    if choice == "none":
+        return ChatTools()
+    fmt = check_format(detect_format(chat_template, config.tool_call_parser), chat_template)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    if choice == "auto":
+        return ChatTools(tools, None, fmt)
+    if config.disable_grammar_support:
+        raise ValidationError("`tool_choice`: grammar is not supported (--disable-grammar-support); use auto")
+    chosen = [(t.function.name, t.function.parameters) for t in req.tools if named in (None, t.function.name)]
+    grammar = call_grammar(fmt, chosen, several=named is None and req.parallel_tool_calls)
+    return ChatTools(tools, grammar, fmt)
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer: RouterTokenizer, tools: ChatTools, *,
+                images_allowed: bool) -> str:
+    """The conversation (and the tools, when the model may call them) rendered by the model's chat template."""
     try:
         return tokenizer.apply_chat_template(chat_messages(req.messages, images_allowed=images_allowed),
-                                             tools=tools)
+                                             tools=tools.tools)
     except TokenizerError as e:
         raise ValidationError(str(e)) from None
 
@@ -107,8 +235,22 @@ def chat_messages(messages: list[ChatMessage], *, images_allowed: bool = False) 
         content = m.content
         if isinstance(content, list):
             content = "".join(_content_part(i, p, images_allowed) for p in content)
-        out.append({**m.model_dump(exclude_none=True), "content": content or ""})
+        message = {**m.model_dump(exclude_none=True), "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = [_history_call(c.model_dump(exclude_none=True)) for c in m.tool_calls]
+        out.append(message)
     return out
+
+
+def _history_call(call: dict) -> dict:
+    """A call of the history as chat templates take it: arguments as an object (OpenAI sends JSON text)."""
+    args = call["function"]["arguments"]
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            pass  # a template may print it as it came
+    return {**call, "function": {**call["function"], "arguments": args}}
 
 
 def _content_part(i: int, part: ContentPart, images_allowed: bool) -> str:
@@ -124,13 +266,19 @@ def _content_part(i: int, part: ContentPart, images_allowed: bool) -> str:
     raise ValidationError(f"`messages[{i}].content`: only text and image_url parts are supported")
 
 
-def chat_request(prompt: str, images, params: GenerateParameters, req: ChatCompletionRequest, config: Config,
-                 tokenizer: RouterTokenizer) -> ValidRequest:
-    """The rendered prompt (its special tokens come from the template, none are added) validated."""
+def chat_requests(prompt: str, images, params: GenerateParameters, req: ChatCompletionRequest, config: Config,
+                  tokenizer: RouterTokenizer, tools: ChatTools) -> list[ValidRequest]:
+    """The rendered prompt (its special tokens come from the template, none are added) validated, one
+    request per choice."""
+    grammar = output_grammar(req, config)
+    if tools.grammar is not None:
+        if grammar is not None:
+            raise ValidationError(f"`{grammar.field}` cannot be combined with `tool_choice` required or named")
+        grammar = tools.grammar
     if images is not None:
         job = validate_with_images(prompt, images, params, config, tokenizer, stream=req.stream,
-                                   add_special_tokens=False)
+                                   add_special_tokens=False, grammar=grammar)
     else:
         ids = tokenize_input(prompt, tokenizer, add_special_tokens=False)
-        job = validate_parameters(prompt, ids, params, config, stream=req.stream)
-    return with_openai_penalties(job.request, req)
+        job = validate_parameters(prompt, ids, params, config, stream=req.stream, grammar=grammar)
+    return choices(with_openai_penalties(job.request, req), req.n, req.seed is not None)

@@ -37,6 +37,7 @@ from pydantic_core import PydanticCustomError
 from gaudi_runtime.router.errors import ValidationError
 
 MAX_SEED = 2**64 - 1
+MAX_U32 = 2**32 - 1  # TGI's type of top_k, and what the shards' protocol carries
 
 
 # --- field types -------------------------------------------------------------------------------
@@ -84,13 +85,26 @@ Penalty = Annotated[Float, Ge(-2.0), Le(2.0)]
 TopP = Annotated[Float, Gt(0.0), Le(1.0)]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
-StrList = Annotated[list[Str], BeforeValidator(_one_is_a_list), _must_be("a string or a list of strings")]
+StrList = Annotated[list[Str], BeforeValidator(_one_is_a_list, json_schema_input_type=Str | list[Str]),
+                    _must_be("a string or a list of strings")]
+
+
+def _null_is_absent_in_schema(schema: dict[str, Any]) -> None:
+    """The JSON schema of a request model says what `_null_is_absent` accepts: null for every field
+    that may be left out."""
+    required = set(schema.get("required", ()))
+    properties = schema.get("properties", {})
+    for name, prop in list(properties.items()):
+        if name in required or {"type": "null"} in prop.get("anyOf", ()):
+            continue
+        outer = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+        properties[name] = {"anyOf": [prop, {"type": "null"}], **outer}
 
 
 class RequestBody(BaseModel):
     """Base of every request model: unknown fields ignored, null fields absent."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_null_is_absent_in_schema)
 
     @model_validator(mode="before")
     @classmethod
@@ -104,7 +118,9 @@ class Grammar(RequestBody):
     """TGI's constrained generation: the output follows a JSON schema or a regular expression."""
 
     type: Literal["json", "regex"]
-    value: Any = Field(description="A JSON schema (type json) or a regular expression (type regex)")
+    value: Annotated[dict[str, Any] | Bool | Str,
+                     _must_be("a JSON schema (an object, or its JSON text) or a regular expression")] = Field(
+        description="A JSON schema (type json: an object, or its JSON text) or a regular expression (type regex)")
 
 
 class GenerateParameters(RequestBody):
@@ -124,7 +140,7 @@ class GenerateParameters(RequestBody):
     seed: Seed | None = None
     stop: StrList = Field(default_factory=list, validation_alias=AliasChoices("stop", "stop_sequences"))
     temperature: PositiveFloat | None = None
-    top_k: PositiveInt | None = None
+    top_k: PositiveInt | None = Field(None, json_schema_extra={"maximum": MAX_U32})  # checked by validation
     top_n_tokens: Int | None = Field(None, description="Return this many most likely tokens at each step")
     top_p: TopP | None = None
     truncate: Int | None = Field(None, description="Keep only the prompt's last tokens")
@@ -160,6 +176,27 @@ class StreamOptions(RequestBody):
     include_usage: Bool = False
 
 
+class JSONSchemaFormat(RequestBody):
+    """`response_format.json_schema`: the schema the output must follow."""
+
+    name: Str
+    description: Str | None = None
+    schema_: Annotated[dict[str, Any] | Bool, _must_be("a JSON schema (an object)")] = Field(
+        default_factory=dict, alias="schema", description="The JSON schema (default: any JSON object)")
+    strict: Bool | None = Field(None, description="Accepted; the schema is always enforced")
+
+
+class ResponseFormat(RequestBody):
+    """`{"type": "text"}`, `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema",
+    "json_schema": {...}}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+GuidedJSON = Annotated[dict[str, Any] | Str, _must_be("a JSON schema (an object, or its JSON text)")]
+
+
 class OpenAIRequest(RequestBody):
     """The fields OpenAI's completion and chat requests share (and vLLM's extensions of both)."""
 
@@ -167,7 +204,7 @@ class OpenAIRequest(RequestBody):
     frequency_penalty: Penalty = Field(0.0, description="Minus penalty x times the token was generated")
     presence_penalty: Penalty = Field(0.0, description="Minus penalty once the token was generated")
     max_tokens: Int | None = Field(None, description="Default: max_total_tokens - the prompt's length")
-    n: Int = 1
+    n: PositiveInt = Field(1, description="Choices to generate, each sampled with its own seed (at most --max-n)")
     seed: Seed | None = None
     stop: StrList = Field(default_factory=list)
     stream: Bool = False
@@ -177,10 +214,15 @@ class OpenAIRequest(RequestBody):
     user: Str | None = None
     repetition_penalty: PositiveFloat | None = Field(None, description="vLLM's extension")
     ignore_eos: Bool = Field(False, description="vLLM's extension: generate past the end-of-sequence token")
+    response_format: ResponseFormat | None = None
+    guided_json: GuidedJSON | None = Field(None, description="vLLM's extension: the output follows this JSON schema")
+    guided_regex: Str | None = Field(None, description="vLLM's extension: the output matches this regex")
+    guided_choice: Annotated[list[Str], MinLen(1)] | None = Field(
+        None, description="vLLM's extension: the output is one of these strings")
 
 
 Prompt = Annotated[
-    Str | Annotated[list[Str], MinLen(1)] | Annotated[list[Int], MinLen(1)],
+    Str | Annotated[list[Str], MinLen(1)] | Annotated[list[NonNegativeInt], MinLen(1)],
     _must_be("a string, a non-empty list of strings, or a list of token ids"),
 ]
 
@@ -189,7 +231,8 @@ class CompletionRequest(OpenAIRequest):
     """The body of /v1/completions."""
 
     prompt: Prompt
-    best_of: Int | None = None
+    best_of: PositiveInt | None = Field(
+        None, description="Sample this many sequences, return the n with the highest mean log-probability")
     echo: Bool = Field(False, description="Prepend the prompt to the generated text")
     logprobs: NonNegativeInt | None = Field(None, description="Return this many most likely tokens")
 
@@ -207,19 +250,28 @@ class ContentPart(RequestBody):
     image_url: Annotated[ImageURL | Str, _must_be("an object with a string `url`, or a URL")] | None = None
 
 
+class FunctionCall(RequestBody):
+    name: Str
+    arguments: Annotated[Str | dict[str, Any], _must_be("a string of JSON, or an object")] = "{}"
+
+
+class ToolCall(RequestBody):
+    """A call the assistant made, as the history carries it."""
+
+    id: Str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestBody):
-    """One message; fields other than `role` and `content` (`name`, `tool_calls`, ...) go to the
-    chat template as they came."""
+    """One message; fields other than these (`name`, ...) go to the chat template as they came."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Str
     content: Annotated[Str | list[ContentPart], _must_be("a string or a list of text parts")] | None = None
-
-
-class ResponseFormat(RequestBody):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls")
+    tool_call_id: Str | None = Field(None, description="A tool message: the call it answers")
 
 
 class FunctionDefinition(RequestBody):
@@ -258,10 +310,10 @@ class ChatCompletionRequest(OpenAIRequest):
     messages: Annotated[list[ChatMessage], MinLen(1)]
     max_completion_tokens: Int | None = Field(None, description="Preferred over max_tokens")
     logprobs: Bool = False
-    top_logprobs: NonNegativeInt | None = None
-    response_format: ResponseFormat | None = None
+    top_logprobs: NonNegativeInt | None = Field(None, description="With logprobs: the most likely tokens per step")
     tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
+    tool_choice: ToolChoice | None = Field(None, description="Default: auto with tools, none without")
+    parallel_tool_calls: Bool = Field(True, description="Whether the model may call several tools in one answer")
 
 
 # --- parsing, with errors in TGI's wording ---------------------------------------------------------

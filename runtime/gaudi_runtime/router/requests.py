@@ -102,6 +102,15 @@ class Requests:
             state.sent = 1  # the prefill computes the first token
         return chosen
 
+    def requeue(self, states: list[RequestState]) -> None:
+        """Put taken requests whose prefill was not made back at the head of the queue, in order; their
+        blocks go back, and the ones they were to fill are forgotten (nothing was written)."""
+        for state in reversed(states):
+            self.prefix.release(self.allocator, state, failed=True)
+            state.blocks, state.cached_tokens, state.started, state.sent = [], 0, None, 0
+            self.waiting.appendleft(state)
+        self.metrics.queue_size(len(self.waiting))
+
     def end(self, state: RequestState, last: StreamEvent | Exception | None = None) -> None:
         """End `state` for whatever reason; `last` (its final event, or the error its caller gets) is
         delivered. Ending an ended request does nothing."""

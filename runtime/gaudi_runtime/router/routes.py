@@ -6,13 +6,17 @@ API's body, lives here too.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from aiohttp import web
 from pydantic import BaseModel
 
-from gaudi_runtime.router import openai_api, tgi_api
+import gaudi_runtime
+from gaudi_runtime.router import docs_ui, openai_api, tgi_api
+from gaudi_runtime.router import response_models as rm
 from gaudi_runtime.router.http_common import read_body, recorder
+from gaudi_runtime.router.openapi import openapi_document
 from gaudi_runtime.router.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,28 +38,84 @@ async def handle_invocations(request: web.Request) -> web.StreamResponse:
 
 @dataclass(frozen=True)
 class Route:
+    """One route: its handler, what its body may be, what it answers (for the OpenAPI document),
+    and who may call it when."""
+
     method: str
     path: str
     handler: object
     bodies: tuple[type[BaseModel], ...] = ()  # the request models its body may be
+    replies: tuple[type[BaseModel], ...] = ()  # the JSON bodies of its 200
+    events: tuple[type[BaseModel], ...] = ()  # the JSON of each server-sent event, when it streams
+    media: str | None = None  # the media type of a 200 that is not JSON
+    summary: str = ""
+    tag: str = "Text Generation Inference"
+    generates: bool = False  # runs a generation: 424 and 429 are possible
+    done_marker: bool = False  # its streams end with `data: [DONE]` (OpenAI's)
+    open: bool = False  # neither the API key nor a ready server is needed: probes and the API's description
+    unready: type[BaseModel] | None = None  # an open route's own 503 body
+    documented: bool = True  # described by the OpenAPI document
 
 
+async def handle_openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_json())
+
+
+@functools.cache
+def openapi_json() -> dict:
+    return openapi_document(ROUTES, gaudi_runtime.__version__)
+
+
+TGI, OPENAI, OPS = "Text Generation Inference", "OpenAI", "Operations"
+GENERATE = dict(bodies=(GenerateRequest,), generates=True, tag=TGI)
 ROUTES = (
-    Route("POST", "/generate", tgi_api.handle_generate, (GenerateRequest,)),
-    Route("POST", "/generate_stream", tgi_api.handle_generate_stream, (GenerateRequest,)),
-    Route("POST", "/", tgi_api.handle_compat, (GenerateRequest,)),
-    Route("POST", "/invocations", handle_invocations, (ChatCompletionRequest, CompletionRequest, GenerateRequest)),
-    Route("POST", "/tokenize", tgi_api.handle_tokenize, (TokenizeRequest,)),
-    Route("POST", "/v1/completions", openai_api.handle_completions, (CompletionRequest,)),
-    Route("POST", "/v1/chat/completions", openai_api.handle_chat, (ChatCompletionRequest,)),
-    Route("GET", "/info", tgi_api.handle_info),
-    Route("GET", "/health", tgi_api.handle_health),
-    Route("GET", "/ping", tgi_api.handle_ping),
-    Route("GET", "/metrics", tgi_api.handle_metrics),
-    Route("GET", "/v1/models", openai_api.handle_models),
+    Route("POST", "/generate", tgi_api.handle_generate, replies=(rm.GenerateResponse,),
+          summary="Generate tokens", **GENERATE),
+    Route("POST", "/generate_stream", tgi_api.handle_generate_stream, events=(rm.StreamResponse,),
+          summary="Generate a stream of tokens (server-sent events)", **GENERATE),
+    Route("POST", "/", tgi_api.handle_compat, replies=(rm.CompatGenerateResponse,), events=(rm.StreamResponse,),
+          summary="Generate, streaming when the body's `stream` is true", **GENERATE),
+    Route("POST", "/invocations", handle_invocations, (ChatCompletionRequest, CompletionRequest, GenerateRequest),
+          replies=(rm.ChatCompletion, rm.Completion, rm.CompatGenerateResponse),
+          events=(rm.ChatCompletionChunk, rm.CompletionChunk, rm.StreamResponse), generates=True, done_marker=True,
+          summary="SageMaker: a chat, completions or TGI body", tag="SageMaker"),
+    Route("POST", "/tokenize", tgi_api.handle_tokenize, (TokenizeRequest,), replies=(rm.TokenizeResponse,),
+          summary="Tokenize the inputs", tag=TGI),
+    Route("POST", "/v1/completions", openai_api.handle_completions, (CompletionRequest,),
+          replies=(rm.Completion,), events=(rm.CompletionChunk,), generates=True, done_marker=True,
+          summary="OpenAI completions", tag=OPENAI),
+    Route("POST", "/v1/chat/completions", openai_api.handle_chat, (ChatCompletionRequest,),
+          replies=(rm.ChatCompletion,), events=(rm.ChatCompletionChunk,), generates=True, done_marker=True,
+          summary="OpenAI chat completions", tag=OPENAI),
+    Route("GET", "/info", tgi_api.handle_info, replies=(rm.Info,), summary="The model and the server's limits",
+          tag=TGI),
+    Route("GET", "/v1/models", openai_api.handle_models, replies=(rm.ModelList,), summary="The served model",
+          tag=OPENAI),
+    Route("GET", "/health", tgi_api.handle_health, replies=(rm.HealthResponse,), unready=rm.HealthResponse,
+          summary="Ready to serve (200), or not yet, with the warmup's progress (503)", tag=OPS, open=True),
+    Route("GET", "/ping", tgi_api.handle_ping, replies=(rm.PingResponse,), summary="The process answers",
+          tag=OPS, open=True),
+    Route("GET", "/metrics", tgi_api.handle_metrics, media="text/plain", summary="Prometheus metrics",
+          tag=OPS, open=True),
+    Route("GET", "/api-doc/openapi.json", handle_openapi, open=True, documented=False),
+    Route("GET", "/docs", docs_ui.handle_docs, open=True, documented=False),
+    Route("GET", "/docs/{name}", docs_ui.handle_docs_asset, open=True, documented=False),
 )
 
 
 def add_routes(app: web.Application) -> None:
     for route in ROUTES:
         app.router.add_route(route.method, route.path, route.handler)
+
+
+def open_route(request: web.Request) -> bool:
+    """Whether the request's route needs neither the API key nor a ready server (unknown paths
+    get their 404 or 405 either way)."""
+    info = request.match_info
+    if info.http_exception is not None:
+        return True
+    resource = info.route.resource
+    return resource is not None and resource.canonical in OPEN_PATHS
+
+
+OPEN_PATHS = frozenset(r.path for r in ROUTES if r.open)

@@ -1,4 +1,5 @@
-"""The router's aiohttp application: API key, CORS, error bodies, and the routes of `routes`.
+"""The router's aiohttp application: CORS, body size, API key, readiness, error bodies, and the
+routes of `routes`.
 
     app = build_app(config, engine, tokenizer, metrics=metrics)
     runner = web.AppRunner(app, handler_cancellation=True)   # see `start`
@@ -18,16 +19,14 @@ from aiohttp import web
 from gaudi_runtime.config import Config
 from gaudi_runtime.router.errors import UnhealthyError, ValidationError, error_response, json_error
 from gaudi_runtime.router.metrics import Metrics
-from gaudi_runtime.router.routes import add_routes
+from gaudi_runtime.router.routes import add_routes, open_route
 from gaudi_runtime.router.state import STATE, AppState
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.types import Engine, GenerationError, OverloadedError
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 METRICS = web.AppKey("gaudi_serve_metrics", Metrics)
-MAX_BODY = 8 * 1024 * 1024
 
 
 def _cors_origin(config: Config, origin: str | None) -> str | None:
@@ -52,7 +51,31 @@ def _cors_headers(config: Config, request: web.Request) -> dict[str, str]:
     return h
 
 
-def _middlewares(config: Config) -> list:
+def too_large(config: Config, size: int | None = None) -> web.Response:
+    given = f"{size} bytes, " if size is not None else ""
+    return json_error(413, f"Request body too large: {given}more than --max-request-bytes "
+                           f"({config.max_request_bytes})", "validation")
+
+
+def authorized(config: Config, request: web.Request) -> bool:
+    """The request carries the API key (compared in constant time), or none is set."""
+    if not config.api_key:
+        return True
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), config.api_key.encode())
+
+
+def not_ready(health: dict) -> web.Response:
+    """The one answer of every route but the open ones until the server can serve: TGI's error
+    body, with the warmup's progress while it warms up."""
+    status = health.get("status", "unhealthy") if isinstance(health, dict) else "unhealthy"
+    body = {"error": f"the server cannot serve requests yet ({status})", "error_type": "unhealthy"}
+    if isinstance(health, dict) and health.get("warmup") is not None:
+        body["warmup"] = health["warmup"]
+    return web.json_response(body, status=503)
+
+
+def _middlewares(config: Config, engine: Engine) -> list:
     @web.middleware
     async def cors(request: web.Request, handler):
         if request.method == "OPTIONS" and config.cors_allow_origin:
@@ -60,31 +83,37 @@ def _middlewares(config: Config) -> list:
         return await handler(request)
 
     @web.middleware
-    async def api_key(request: web.Request, handler):
-        if config.api_key and request.path not in OPEN_PATHS:
-            auth = request.headers.get("Authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                     config.api_key.encode()):
-                return json_error(401, "Unauthorized: a valid `Authorization: Bearer <api key>` header is required",
-                                  "authentication")
-        return await handler(request)
+    async def gate(request: web.Request, handler):
+        """Body size first (before anything reads it), then the API key, then readiness."""
+        if request.content_length is not None and request.content_length > config.max_request_bytes:
+            return too_large(config, request.content_length)
+        if open_route(request):
+            return await handler(request)
+        if not authorized(config, request):
+            return json_error(401, "Unauthorized: a valid `Authorization: Bearer <api key>` header is required",
+                              "authentication")
+        ready, health = engine.health()
+        return await handler(request) if ready else not_ready(health)
 
+    return [cors, gate, _errors(config)]
+
+
+def _errors(config: Config):
     @web.middleware
     async def errors(request: web.Request, handler):
         try:
             return await handler(request)
         except (ValidationError, OverloadedError, GenerationError, UnhealthyError) as e:
             return error_response(e)
-        except web.HTTPRequestEntityTooLarge as e:
-            return json_error(413, str(e), "validation")
+        except web.HTTPRequestEntityTooLarge:
+            return too_large(config)
         except web.HTTPException:
             raise
         except Exception as e:
             log.exception("unhandled error on %s %s", request.method, request.path)
             return json_error(500, f"internal error: {type(e).__name__}: {e}", "internal")
 
-    return [cors, api_key, errors]
+    return errors
 
 
 def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
@@ -92,7 +121,7 @@ def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
     """The HTTP application; pass `metrics` to share it with the engine (else one is made:
     `app[METRICS]` or `get_metrics(app)`)."""
     metrics = metrics or Metrics()
-    app = web.Application(middlewares=_middlewares(config), client_max_size=MAX_BODY)
+    app = web.Application(middlewares=_middlewares(config, engine), client_max_size=config.max_request_bytes)
     app[STATE] = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, images=images)
     app[METRICS] = metrics
 

@@ -112,7 +112,7 @@ async def run_generate(request: web.Request, body: dict | GenerateRequest, rec: 
     state = get_state(request)
     with recorded(rec):
         job = await validated_job(state, body, stream=False)
-        admit(state, rec, [job.request])
+        await admit(state, rec, [job.request])
     gens = await generate_all(state, best_of_requests(job), rec)
     resp, best = generate_response(gens)
     rec.success_pending()
@@ -141,7 +141,7 @@ async def run_generate_stream(request: web.Request, body: dict | GenerateRequest
     state = get_state(request)
     with recorded(rec):
         job = await validated_job(state, body, stream=True)
-        admit(state, rec, [job.request])
+        await admit(state, rec, [job.request])
     return await stream_tgi(request, state, job.request, rec)
 
 

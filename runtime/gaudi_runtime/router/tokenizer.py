@@ -70,7 +70,8 @@ def _fast_tokenizer_class(path: Path):
 
 class RouterTokenizer:
     def __init__(self, hf_tokenizer: Any | None, *, skip_tokenizer: bool = False,
-                 eos_token_ids: list[int] | None = None, bos_token_id: int | None = None):
+                 eos_token_ids: list[int] | None = None, bos_token_id: int | None = None,
+                 vocab_size: int | None = None):
         if hf_tokenizer is None and not skip_tokenizer:
             raise ValueError("a tokenizer is required unless SKIP_TOKENIZER_IN_TGI is set")
         self.hf = hf_tokenizer
@@ -83,6 +84,8 @@ class RouterTokenizer:
             bos_token_id = hf_tokenizer.bos_token_id
         self.bos_token_id = bos_token_id
         self.special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids if hf_tokenizer else ())
+        # Token ids a client may send (a prompt of ids, SKIP_TOKENIZER_IN_TGI): the tokenizer's, else the model's.
+        self.vocab_size = len(hf_tokenizer) if hf_tokenizer is not None else vocab_size
 
     @classmethod
     def load(cls, path: str, config: Config) -> RouterTokenizer:
@@ -98,8 +101,9 @@ class RouterTokenizer:
         if hf is not None and config.tokenizer_config_path:
             hf.chat_template = chat_template_from(config.tokenizer_config_path)
         bos = _ids_from_config(p, "bos_token_id")
-        return cls(hf, skip_tokenizer=config.skip_tokenizer_in_tgi,
-                   eos_token_ids=_ids_from_config(p, "eos_token_id"), bos_token_id=bos[0] if bos else None)
+        vocab = _ids_from_config(p, "vocab_size")
+        return cls(hf, skip_tokenizer=config.skip_tokenizer_in_tgi, eos_token_ids=_ids_from_config(p, "eos_token_id"),
+                   bos_token_id=bos[0] if bos else None, vocab_size=vocab[0] if vocab else None)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -108,12 +112,21 @@ class RouterTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.skip_tokenizer:
             try:
-                return [int(t) for t in text.split(",") if t.strip()]
+                ids = [int(t) for t in text.split(",") if t.strip()]
             except ValueError:
                 raise TokenizerError(
                     "SKIP_TOKENIZER_IN_TGI is set: `inputs` must be comma-separated token ids"
                 ) from None
+            self.check_ids(ids)
+            return ids
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_ids(self, ids: list[int]) -> None:
+        """Token ids sent by a client are ids of this model's vocabulary (TokenizerError if not)."""
+        top = "" if self.vocab_size is None else f" and < {self.vocab_size}"
+        for i in ids:
+            if i < 0 or (self.vocab_size is not None and i >= self.vocab_size):
+                raise TokenizerError(f"token id {i} is not in the vocabulary: ids must be >= 0{top}")
 
     def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> list[tuple[int, int, int]]:
         """[(id, start, stop)] with character offsets into `text` (for /tokenize)."""
@@ -126,6 +139,14 @@ class RouterTokenizer:
         if self.skip_tokenizer:
             return ",".join(str(i) for i in ids)
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template's text (the default one of a list of named templates), None without one."""
+        template = getattr(self.hf, "chat_template", None) if self.hf is not None else None
+        if isinstance(template, dict):
+            template = template.get("default")
+        return template if isinstance(template, str) else None
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if self.hf is None or not getattr(self.hf, "chat_template", None):

@@ -27,6 +27,17 @@ class StoppingParameters:
     ignore_eos_token: bool = False
 
 
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must follow: `kind` "json" (a JSON schema), "regex" or "structural_tag"
+    (xgrammar's, for tool calls), `value` its text; `field` names the request field it came from, for
+    the error when the shards cannot compile it."""
+
+    kind: str
+    value: str
+    field: str = "grammar"
+
+
 @dataclass
 class ValidRequest:
     """A request that passed validation: tokenized, truncated, within every limit."""
@@ -41,6 +52,7 @@ class ValidRequest:
     return_full_text: bool = False
     images: list[bytes] = field(default_factory=list)  # encoded prompt images (their tokens are in input_ids)
     image_starts: list[int] = field(default_factory=list)  # where each image's placeholder tokens start
+    grammar: GrammarSpec | None = None  # constrained generation
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,16 @@ from typing import Protocol
 from gaudi_runtime.config import Config
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.router.errors import ValidationError
-from gaudi_runtime.router.request_models import GenerateParameters, GenerateRequest, parse_request
+from gaudi_runtime.router.request_models import (
+    MAX_U32,
+    GenerateParameters,
+    GenerateRequest,
+    Grammar,
+    parse_request,
+)
+from gaudi_runtime.router.schema_limits import check_json_schemas
 from gaudi_runtime.router.tokenizer import TokenizerError
-from gaudi_runtime.router.types import StoppingParameters, ValidRequest
+from gaudi_runtime.router.types import GrammarSpec, StoppingParameters, ValidRequest
 
 
 class _Encoder(Protocol):
@@ -46,6 +53,8 @@ def parse_json_body(raw: bytes) -> dict:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValidationError(f"Failed to parse the request body as JSON: {e}") from None
+    except RecursionError:
+        raise ValidationError("Failed to parse the request body as JSON: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise ValidationError("Failed to deserialize the JSON body: expected a JSON object")
     return body
@@ -82,23 +91,26 @@ def validate_generate(body: dict | GenerateRequest, config: Config, tokenizer: _
 
 def validate_with_images(inputs: str, images, params: GenerateParameters | dict, config: Config,
                          tokenizer: _Encoder, *, stream: bool = False, rng: random.Random | None = None,
-                         add_special_tokens: bool = True) -> GenerateJob:
+                         add_special_tokens: bool = True, grammar: GrammarSpec | None = None) -> GenerateJob:
     """Validate a vision model's prompt: its text with each image expanded into placeholder tokens."""
     input_ids = tokenize_input(images.text, tokenizer, add_special_tokens=add_special_tokens)
-    job = validate_parameters(inputs, input_ids, params, config, stream=stream, rng=rng)
+    job = validate_parameters(inputs, input_ids, params, config, stream=stream, rng=rng, grammar=grammar)
     images.attach(job.request, input_ids)
     return job
 
 
 def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParameters | dict, config: Config, *,
-                        stream: bool = False, rng: random.Random | None = None) -> GenerateJob:
+                        stream: bool = False, rng: random.Random | None = None,
+                        grammar: GrammarSpec | None = None) -> GenerateJob:
     """A tokenized prompt and TGI's parameters (a model, or a dict to parse) -> GenerateJob, within
-    the limits in `config`."""
+    the limits in `config`. `grammar`: the OpenAI routes' constraint (TGI's is `params.grammar`)."""
     if not isinstance(params, GenerateParameters):
         params = parse_request(GenerateParameters, params)
     check_limits(params, config, stream=stream)
     input_ids, max_new_tokens = fit_input(input_ids, params.truncate, params.max_new_tokens, config)
     best_of = 1 if params.best_of is None else params.best_of
+    if params.grammar is not None:
+        grammar = grammar_spec(params.grammar)
     request = ValidRequest(
         input_ids=input_ids,
         inputs=inputs,
@@ -107,12 +119,15 @@ def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParam
             max_new_tokens=max_new_tokens,
             stop_sequences=tuple(params.stop),
             # `ignore_eos` is vLLM's extension (benchmark clients send it); the env var sets it server-wide.
-            ignore_eos_token=config.text_generation_server_ignore_eos_token or params.ignore_eos,
+            # A grammar's end is the output's: past it the grammar allows nothing but EOS.
+            ignore_eos_token=(config.text_generation_server_ignore_eos_token or params.ignore_eos)
+            and grammar is None,
         ),
         top_n_tokens=params.top_n_tokens or 0,
         decoder_input_details=params.decoder_input_details,
         details=params.details,
         return_full_text=params.return_full_text,
+        grammar=grammar,
     )
     return GenerateJob(request=request, best_of=best_of)
 
@@ -121,6 +136,7 @@ def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParam
 
 def check_limits(p: GenerateParameters, config: Config, *, stream: bool) -> None:
     """What TGI checks against its launch settings, and what this server does not implement."""
+    check_json_schemas([("grammar", None if p.grammar is None else p.grammar.value)], config)
     _check_best_of(p, config, stream=stream)
     if stream and p.decoder_input_details:
         raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
@@ -133,15 +149,40 @@ def check_limits(p: GenerateParameters, config: Config, *, stream: bool) -> None
         if not 0 <= p.top_n_tokens <= config.max_top_n_tokens:
             raise ValidationError(
                 f"`top_n_tokens` must be >= 0 and <= {config.max_top_n_tokens}. Given: {p.top_n_tokens}")
+    if p.top_k is not None and p.top_k > MAX_U32:
+        raise ValidationError(f"Failed to deserialize the JSON body: `top_k`: expected a 32-bit unsigned integer, "
+                              f"got {p.top_k}")
     if p.watermark:
         raise ValidationError("`watermark` is not supported by this server")
-    if p.grammar is not None:
+    if p.grammar is not None and config.disable_grammar_support:
         raise ValidationError("grammar is not supported")
     if p.adapter_id is not None:
         raise ValidationError("`adapter_id` is not supported: this server serves no LoRA adapters")
     if p.truncate is not None and (p.truncate <= 0 or p.truncate > config.max_input_tokens):
         raise ValidationError(
             f"`truncate` must be strictly positive and less than {config.max_input_tokens}. Given: {p.truncate}")
+
+
+def grammar_spec(g: Grammar, field: str = "grammar") -> GrammarSpec:
+    """TGI's grammar as the shards take it: a JSON schema (an object, or its JSON text) or a regex."""
+    if g.type == "regex":
+        if not isinstance(g.value, str):
+            raise ValidationError(f"`{field}.value`: a regex grammar's value must be a string")
+        return GrammarSpec("regex", g.value, field)
+    return json_schema_spec(g.value, f"{field}.value", field)
+
+
+def json_schema_spec(schema: object, where: str, field: str | None = None) -> GrammarSpec:
+    """A JSON schema (an object or a boolean, or the JSON text of one) as a grammar; `where` names
+    the field in errors, `field` the one named if the shards cannot compile it."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValidationError(f"`{where}`: not valid JSON: {e}") from None
+    if not isinstance(schema, dict | bool):
+        raise ValidationError(f"`{where}`: a JSON schema must be an object")
+    return GrammarSpec("json", json.dumps(schema, ensure_ascii=False, separators=(",", ":")), field or where)
 
 
 def _sampling_requested(p: GenerateParameters) -> bool:

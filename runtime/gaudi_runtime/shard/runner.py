@@ -26,6 +26,7 @@ from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.quant.setup import kv_cache_dtype, quantize_loaded
 from gaudi_runtime.recipe_cache import RecipeCache
 from gaudi_runtime.shard.batch import ShardBatch
+from gaudi_runtime.shard.grammar import GrammarCache, GrammarRows
 from gaudi_runtime.shard.profiler import make_profiler
 from gaudi_runtime.shard.sampling import BatchSampler, SampleOutput
 
@@ -41,6 +42,7 @@ class PrefillInput:
     blocks: list[int]
     prefill_logprobs: bool
     images: list[bytes] = field(default_factory=list)  # encoded images of a multimodal prompt, in order
+    grammar: tuple[str, str] | None = None  # (kind, text) the output must follow (shard/grammar.py)
     cached_tokens: int = 0  # prompt tokens the first blocks already hold (prefix caching): not computed
 
 
@@ -123,6 +125,9 @@ class ModelRunner:
                  self.load_seconds, self.num_blocks - 1, cfg.block_size,
                  self.num_blocks * per_block / 2**20)
         self.batches: dict[int, ShardBatch] = {}
+        # Grammars compiled against the model's vocabulary (xgrammar is loaded at the first grammar).
+        self.grammars = None if cfg.disable_grammar_support else GrammarCache(model_dir, m.vocab_size,
+                                                                              m.eos_token_ids)
         # Multimodal models (Llava) preprocess their prompt images here with the model's own processor.
         self.image_processor = None
         if m.takes_images:
@@ -200,6 +205,9 @@ class ModelRunner:
         tables = np.zeros((n, width), dtype=np.int64)
         for i, r in enumerate(reqs):
             tables[i, : len(r.blocks)] = r.blocks
+        dev = self.device
+        sampler = BatchSampler([r.params for r in reqs], [r.top_n_tokens for r in reqs],
+                               [r.input_ids for r in reqs], self.model.vocab_size, dev, self._grammar_rows(reqs))
         t0 = time.perf_counter_ns()
         if cached.any():
             hidden, logits, ids = self._run_prefill_with_context(reqs, lens, cached, tables)
@@ -212,11 +220,7 @@ class ModelRunner:
         if wanted:
             prefill_lp = self._prompt_logprobs(hidden, ids, lens, reqs, wanted)
 
-        dev = self.device
-        sampler = BatchSampler([r.params for r in reqs], [r.top_n_tokens for r in reqs],
-                               [r.input_ids for r in reqs], self.model.vocab_size, dev)
-        out = sampler(logits)
-        self.backend.mark_step()
+        out = self._sample(sampler, logits, logits.shape[0])
         self.batches[batch_id] = ShardBatch(
             id=batch_id,
             request_ids=[r.id for r in reqs],
@@ -324,6 +328,32 @@ class ModelRunner:
             result[reqs[i].id] = [math.nan] + lp.gather(1, nxt[:, None]).squeeze(1).tolist()
         return result
 
+    def _grammar_rows(self, reqs: list[PrefillInput]) -> GrammarRows | None:
+        """A matcher per constrained request (the router had the grammar compiled; a grammar dropped
+        from the cache since is compiled again here)."""
+        if self.grammars is None or all(r.grammar is None for r in reqs):
+            if any(r.grammar is not None for r in reqs):
+                raise ValueError("grammar is not supported")
+            return None
+        try:
+            return GrammarRows.of(self.grammars, [None if r.grammar is None else self.grammars.matcher(*r.grammar)
+                                                  for r in reqs])
+        except ValueError as e:
+            raise ValueError(f"grammar: {e}") from e
+
+    def _sample(self, sampler: BatchSampler, logits: torch.Tensor, rows: int):
+        """Sample the step whose forward pass was just queued. With grammars, the matchers fill the
+        bitmask on the host meanwhile (the device is still computing `logits` on HPU and CUDA), and
+        then take the sampled tokens, which costs every rank a read-back of the step's tokens."""
+        bitmask = None
+        if sampler.grammar is not None:
+            bitmask = self.backend.upload(sampler.grammar.fill(rows))
+        out = sampler(logits, bitmask)
+        self.backend.mark_step()
+        if sampler.grammar is not None:
+            sampler.accept(out.next_ids[:len(sampler)].tolist())
+        return out
+
     # ---- decode --------------------------------------------------------
 
     @torch.inference_mode()
@@ -363,8 +393,7 @@ class ModelRunner:
         t0 = time.perf_counter_ns()
         logits = self._decode_fn(input_ids, positions, slots, tables, positions + 1)
         self.backend.mark_step()
-        out = batch.sampler(logits)
-        self.backend.mark_step()
+        out = self._sample(batch.sampler, logits, rows)
         batch.last_ids = out.next_ids[:n]
         if self.profiler is not None:
             self.profiler.step()
@@ -379,6 +408,8 @@ class ModelRunner:
     def warmup(self):
         """Run every bucket once (capturing its graph where enabled); yields (done, total, phase)."""
         cfg = self.cfg
+        if self.grammars is not None:
+            self.grammars.prepare()  # the grammar engine and the vocabulary, not the first grammar's wait
         if not cfg.warmup_enabled:
             log.warning("WARMUP_ENABLED=false: no shape is compiled ahead; the first requests will be slow")
             self.warmup_summary = {"enabled": False}

@@ -24,6 +24,10 @@ Semantics (TGI's ``HeterogeneousNextTokenChooser``):
   the token so far; prompt tokens do not count.
 * Log-probabilities (chosen token and top-n) are ``log_softmax`` of the penalised logits divided by the
   temperature, before top-k/top-p/typical-p truncation.
+* A row with a grammar (``shard/grammar.py``) has the tokens its grammar forbids set to -inf first, from
+  a bitmask the caller fills on the host and passes to the call; its log-probabilities are therefore
+  those of the constrained distribution. The matchers ride along with the rows through
+  ``filter``/``concat``.
 
 Reproducible sampling without per-row ``torch.Generator``: the Gumbel-max trick, with the noise for
 vocabulary index ``i`` of a row computed by a counter-based hash (splitmix64) of ``(seed, step, i)``
@@ -41,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from gaudi_runtime.params import SamplingParameters
+from gaudi_runtime.shard.grammar import GrammarRows, allowed_tokens
 
 __all__ = ["BatchSampler", "SampleOutput", "gumbel_noise", "splitmix64"]
 
@@ -154,6 +159,7 @@ class _RowState:
     lengths: torch.Tensor  # [B] int64: prompt + generated tokens
     counts: torch.Tensor | None  # [B, V] float32 over prompt + generated, when a row uses such a penalty
     generated_counts: torch.Tensor | None  # [B, V] float32 over generated tokens, likewise
+    grammar: GrammarRows | None = None  # the rows' grammar matchers, when some row has a grammar
 
 
 class BatchSampler:
@@ -172,6 +178,7 @@ class BatchSampler:
         prompt_ids: Sequence[Sequence[int]],
         vocab_size: int,
         device: torch.device | str,
+        grammar: GrammarRows | None = None,
     ) -> None:
         if not (len(params) == len(top_n_tokens) == len(prompt_ids)):
             raise ValueError(
@@ -190,6 +197,7 @@ class BatchSampler:
             lengths=torch.tensor([len(ids) for ids in prompt_ids], dtype=torch.int64, device=device),
             counts=counts,
             generated_counts=generated,
+            grammar=grammar,
         )
         self._setup(list(params), list(top_n_tokens), vocab_size, device, state)
 
@@ -235,6 +243,7 @@ class BatchSampler:
         self.device = device
         self.steps = state.steps
         self.lengths = state.lengths
+        self.grammar = state.grammar
         self.counts = state.counts if any(_uses_penalty(p) for p in params) else None
         self.generated_counts = (
             state.generated_counts if any(_uses_generated_penalty(p) for p in params) else None
@@ -319,7 +328,9 @@ class BatchSampler:
             counts = self.counts.index_select(0, idx)
         if self.generated_counts is not None and any(_uses_generated_penalty(p) for p in params):
             generated = self.generated_counts.index_select(0, idx)
-        state = _RowState(self.steps.index_select(0, idx), self.lengths.index_select(0, idx), counts, generated)
+        grammar = self.grammar.filter(keep) if self.grammar is not None else None
+        state = _RowState(self.steps.index_select(0, idx), self.lengths.index_select(0, idx), counts, generated,
+                          grammar)
         return BatchSampler._from_state(
             params, [self.top_n_tokens[i] for i in keep], self.vocab_size, self.device, state)
 
@@ -336,6 +347,7 @@ class BatchSampler:
             lengths=torch.cat([s.lengths for s in samplers]),
             counts=_cat_counts(samplers, "counts"),
             generated_counts=_cat_counts(samplers, "generated_counts"),
+            grammar=GrammarRows.concat([(s.grammar, len(s)) for s in samplers]),
         )
         return BatchSampler._from_state(
             [p for s in samplers for p in s.params],
@@ -347,10 +359,13 @@ class BatchSampler:
 
     # ------------------------------------------------------------------ the hot path
 
-    def __call__(self, logits: torch.Tensor) -> SampleOutput:
+    def __call__(self, logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> SampleOutput:
         """Choose the next token of every row from ``logits`` [>= B, V] (rows past B are ignored).
 
-        Records the chosen tokens (step counters, lengths, penalty counts) for the next call.
+        ``bitmask`` [>= B, ceil(V / 32)] int32, on the logits' device: the tokens each row may take
+        (``GrammarRows.fill``), or None when no row has a grammar. Records the chosen tokens (step
+        counters, lengths, penalty counts) for the next call; the grammar matchers advance in
+        ``accept``, once the tokens are on the host.
         """
         b = len(self.params)
         if logits.dim() != 2 or logits.shape[0] < b or logits.shape[1] != self.vocab_size:
@@ -360,20 +375,9 @@ class BatchSampler:
         scores = logits[:b]
         if scores.dtype != torch.float32:
             scores = scores.float()
-
-        # Penalties.
-        if self.counts is not None:
-            if self.rep_penalty is not None:
-                penalised = torch.where(scores < 0, scores * self.rep_penalty, scores / self.rep_penalty)
-                scores = torch.where(self.counts > 0, penalised, scores)
-            if self.freq_penalty is not None:
-                length = self.lengths.clamp_min(1).to(torch.float32).unsqueeze(1)
-                scores = scores - self.freq_penalty * (self.counts / length)
-        if self.generated_counts is not None:
-            if self.generated_freq_penalty is not None:
-                scores = scores - self.generated_freq_penalty * self.generated_counts
-            if self.presence_penalty is not None:
-                scores = scores - self.presence_penalty * (self.generated_counts > 0).to(torch.float32)
+        if bitmask is not None:
+            scores = scores.masked_fill(~allowed_tokens(bitmask[:b], self.vocab_size), float("-inf"))
+        scores = self._penalise(scores)
 
         if not self.any_sample:
             logprobs_all = torch.log_softmax(scores, dim=-1)
@@ -397,6 +401,27 @@ class BatchSampler:
 
         self._record(next_ids)
         return SampleOutput(next_ids=next_ids, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
+
+    def _penalise(self, scores: torch.Tensor) -> torch.Tensor:
+        """Repetition, TGI's frequency, OpenAI's frequency and presence penalties (greedy and sampled rows)."""
+        if self.counts is not None:
+            if self.rep_penalty is not None:
+                penalised = torch.where(scores < 0, scores * self.rep_penalty, scores / self.rep_penalty)
+                scores = torch.where(self.counts > 0, penalised, scores)
+            if self.freq_penalty is not None:
+                length = self.lengths.clamp_min(1).to(torch.float32).unsqueeze(1)
+                scores = scores - self.freq_penalty * (self.counts / length)
+        if self.generated_counts is not None:
+            if self.generated_freq_penalty is not None:
+                scores = scores - self.generated_freq_penalty * self.generated_counts
+            if self.presence_penalty is not None:
+                scores = scores - self.presence_penalty * (self.generated_counts > 0).to(torch.float32)
+        return scores
+
+    def accept(self, next_ids: Sequence[int]) -> None:
+        """The tokens the rows took (on the host), for the rows' grammar matchers."""
+        if self.grammar is not None:
+            self.grammar.accept(next_ids)
 
     def _warp(self, scores: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """Top-k, top-p, typical-p truncation (TGI's semantics) on temperature-scaled scores."""

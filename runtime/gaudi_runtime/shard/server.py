@@ -23,10 +23,6 @@ from gaudi_runtime.shard.servicer import ShardServicer
 log = logging.getLogger(__name__)
 
 
-def uds_path(cfg: Config, rank: int) -> str:
-    return f"{cfg.shard_uds_path}-{rank}"
-
-
 def cpu_threads(world_size: int, environ=None) -> int | None:
     """Intra-op threads for one of `world_size` shards sharing this machine's cores (None: leave torch's).
 
@@ -83,11 +79,11 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
     group = join_process_group(backend.distributed_backend, rank, world_size)
     runner = ModelRunner(cfg, model_dir, backend, rank, world_size, group, recipe_cache=recipes,
                          download_seconds=download_seconds())
-    urls = [f"unix://{uds_path(cfg, r)}" for r in range(world_size)]
+    urls = [f"unix://{cfg.shard_socket(r)}" for r in range(world_size)]
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
     pb_grpc.add_TextGenerationServiceServicer_to_server(ShardServicer(runner, rank, world_size, urls), server)
-    path = uds_path(cfg, rank)
+    path = cfg.shard_socket(rank)
     if os.path.exists(path):
         os.unlink(path)
     server.add_insecure_port(f"unix://{path}")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -11,6 +13,7 @@ from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
 from gaudi_runtime.shard.call_order import CallOrder
+from gaudi_runtime.shard.grammar import GrammarError
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput, StepResult, WarmupError
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,9 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         self.world_size = world_size
         self.uds_urls = uds_urls
         self.order = CallOrder()
+        # Grammars compile one at a time beside the serving loop; one that takes too long is given up
+        # by the router (--grammar-compile-timeout-s), and later ones queue behind it.
+        self.compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
     async def Info(self, request, context):
         r = self.runner
@@ -86,7 +92,8 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         reqs = [
             PrefillInput(id=r.id, input_ids=list(r.input_ids), params=to_params(r.parameters),
                          top_n_tokens=r.top_n_tokens, blocks=list(r.blocks), prefill_logprobs=r.prefill_logprobs,
-                         images=list(r.images), cached_tokens=r.cached_tokens)
+                         images=list(r.images), cached_tokens=r.cached_tokens,
+                         grammar=(r.grammar.type, r.grammar.value) if r.HasField("grammar") else None)
             for r in request.batch.requests
         ]
         async with self.order.turn(request.sequence):
@@ -118,3 +125,21 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             forward_ns=sum(s.forward_ns for s in steps),
             unwarmed_shapes=self.runner.unwarmed_shapes,
         )
+
+    async def CompileGrammar(self, request, context):
+        grammars = self.runner.grammars
+        if grammars is None:
+            return pb.CompileGrammarResponse(error="grammar is not supported")
+        g = request.grammar
+        if grammars.cached(g.type, g.value):
+            try:
+                grammars.compile(g.type, g.value)
+            except GrammarError as e:
+                return pb.CompileGrammarResponse(error=str(e))
+            return pb.CompileGrammarResponse()
+        try:
+            compiled = await asyncio.get_running_loop().run_in_executor(
+                self.compiler, grammars.compile, g.type, g.value)
+        except GrammarError as e:
+            return pb.CompileGrammarResponse(error=str(e))
+        return pb.CompileGrammarResponse(compile_ns=compiled.compile_ns)

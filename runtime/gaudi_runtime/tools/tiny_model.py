@@ -15,6 +15,54 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 
+# The families whose models call tools get a template in their own format (shortened from the
+# originals, with the same tool rendering and call syntax), so that tool calling can be served and
+# tested: Llama 3.1's JSON, Mistral's [TOOL_CALLS], Qwen2.5's (Hermes) <tool_call>.
+LLAMA31_TEMPLATE = """{{- bos_token }}<|start_header_id|>system<|end_header_id|>\n\n
+{%- if tools is not none %}Environment: ipython\n{% endif %}Cutting Knowledge Date: December 2023<|eot_id|>
+{%- if tools is not none %}<|start_header_id|>user<|end_header_id|>\n\n
+{{- 'Given the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.\n\n' }}
+{{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.\n\n' }}
+{%- for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}<|eot_id|>
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n
+{%- for tc in message.tool_calls %}{"name": "{{ tc.function.name }}", "parameters": {{ tc.function.arguments | tojson }}}{% endfor %}<|eom_id|>
+{%- elif message.role in ('tool', 'ipython') %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ message.content }}<|eot_id|>
+{%- else %}<|start_header_id|>{{ message.role }}<|end_header_id|>\n\n{{ message.content | trim }}<|eot_id|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"""
+
+MISTRAL_TEMPLATE = """{{- bos_token }}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{%- if tools and loop.last %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST] {{ message.content }}[/INST]
+{%- elif message.role == 'system' %}[INST] {{ message.content }}[/INST]
+{%- elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS] [
+{%- for tc in message.tool_calls %}{"name": {{ tc.function.name | tojson }}, "arguments": {{ tc.function.arguments | tojson }}, "id": {{ (tc.id or '') | tojson }}}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}
+{%- elif message.role == 'tool' %}[TOOL_RESULTS] {"content": {{ message.content | tojson }}, "call_id": {{ (message.tool_call_id or '') | tojson }}}[/TOOL_RESULTS]
+{%- else %}{{ message.content }}{{ eos_token }}
+{%- endif %}
+{%- endfor %}"""
+
+QWEN25_TEMPLATE = """{%- if tools %}<|im_start|>system\n
+{%- if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}
+{{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+{%- for tool in tools %}\n{{ tool | tojson }}{% endfor %}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}
+{%- for tc in message.tool_calls or [] %}\n<tool_call>\n{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n
+{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n
+{%- elif message.role != 'system' or loop.index0 > 0 %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"""
+
+CHAT_TEMPLATES = {"llama31": LLAMA31_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "qwen2": QWEN25_TEMPLATE}
+
 _WORDS = (
     "the a deep learning model is what how why when gaudi card shard router token batch cache "
     "serve request stream answer question data train weight layer attention head vector "
@@ -35,7 +83,7 @@ def _corpus(n: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(5, 30))) for _ in range(n)]
 
 
-def train_tokenizer(vocab_size: int = 512, seed: int = 0):
+def train_tokenizer(vocab_size: int = 512, seed: int = 0, chat_template: str = CHAT_TEMPLATE):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,7 +97,7 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0):
     )
     tok.train_from_iterator(_corpus(2000, seed), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
@@ -227,7 +275,7 @@ def make_tiny_model(out: str | Path, family: str = "llama", size: str = "tiny", 
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab_size, seed)
+    tok = train_tokenizer(vocab_size, seed, CHAT_TEMPLATES.get(family, CHAT_TEMPLATE))
     if family in IMAGE_FAMILIES:
         tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tok.save_pretrained(out)

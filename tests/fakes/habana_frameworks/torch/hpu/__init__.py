@@ -52,6 +52,7 @@ class _Graphed(torch.nn.Module):
 
     def forward(self, *args):
         key = (getattr(self.module, "name", type(self.module).__name__), tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+        RECORD["events"].append(("graph", key[0]))
         if key in self.shapes:
             RECORD["replays"].append(key)
         else:
