@@ -3,7 +3,7 @@
 The pass (`reconcile`) goes one way through the data and never back: read the
 object, render its children, apply them, observe what the cluster made of them,
 report the status. Triggers: create/update/resume of an InferenceService, any
-event of a child (Deployment, Service, PodDisruptionBudget, NetworkPolicy) or pod carrying
+event of a child (Deployment, Service, PodDisruptionBudget, NetworkPolicy, autoscaler) or pod carrying
 our labels, and a resync timer that also polls warmup progress of warming pods.
 Runs for the same object are serialized; a trigger arriving during a run causes
 one more run after it, never a pile-up.
@@ -24,6 +24,7 @@ from typing import Any
 import kopf
 
 from . import kube
+from .autoscaling import KINDS as AUTOSCALER_KINDS
 from .config import OperatorConfig
 from .render import ISVC_LABEL, MANAGED_BY, Rendered, operator_peer, render
 from .spec import FIELD_MANAGER, GROUP, PLURAL, RUNTIME_PORT, VERSION, SpecError, parse_spec
@@ -36,7 +37,8 @@ WARNING_PHASES = ("Degraded", "Failed")
 # Every kind the operator renders, and the pods: their events trigger a pass of the owner.
 CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"),
                    ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies"),
-                   ("", "v1", "pods")]
+                   ("", "v1", "pods"),
+                   ("autoscaling", "v2", "horizontalpodautoscalers"), ("keda.sh", "v1alpha1", "scaledobjects")]
 
 
 def _now() -> str:
@@ -55,30 +57,44 @@ async def reconcile(namespace: str, name: str, config: OperatorConfig) -> dict[s
     rendered = render(body, spec, cluster_domain=config.cluster_domain,
                       operator=operator_peer(config.namespace, config.pod_labels))
     try:
-        live = await _apply(rendered, namespace, name)
+        live, unserved = await _apply(rendered, namespace, name)
     except kube.Invalid as exc:
         # Admitted, but a child is not: content the CRD hands through verbatim (podTemplate,
         # resources, tolerations, affinity, env's valueFrom) is checked only in the child.
         return await _report(body, invalid_spec_status(body, str(exc), now=_now()))
-    observed = await _observe(namespace, name, live, config)
+    observed = await _observe(namespace, name, live, config, unserved)
     return await _report(body, compute_status(body, spec, rendered, observed, now=_now()))
 
 
-async def _apply(rendered: Rendered, namespace: str, name: str) -> dict[str, dict[str, Any]]:
-    """Server-side apply every child, delete the optional ones this spec does not want; kind -> live object."""
-    live = {}
-    for child in rendered.children:
-        live[child["kind"]] = await kube.apply(child)
+async def _apply(rendered: Rendered, namespace: str,
+                 name: str) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
+    """Delete the optional children this spec does not want, server-side apply the others.
+
+    Returns kind -> live object, and the autoscaler kinds the cluster does not serve (KEDA's
+    ScaledObject without KEDA). Deleting first lets a new autoscaler take over the scale
+    subresource from the old one (KEDA refuses a target that an HPA already scales).
+    """
     for kind in rendered.unwanted:
         await kube.delete(kind, namespace, name)
-    return live
+    live, unserved = {}, []
+    for child in rendered.children:
+        try:
+            live[child["kind"]] = await kube.apply(child)
+        except kube.NotFound:
+            if child["kind"] not in AUTOSCALER_KINDS.values():
+                raise
+            unserved.append(child["kind"])
+    return live, tuple(unserved)
 
 
-async def _observe(namespace: str, name: str, live: dict[str, dict[str, Any]], config: OperatorConfig) -> Observed:
+async def _observe(namespace: str, name: str, live: dict[str, dict[str, Any]], config: OperatorConfig,
+                   unserved: tuple[str, ...] = ()) -> Observed:
     pods = await kube.list_pods(namespace, f"{ISVC_LABEL}={name}")
     warmup = await kube.fetch_warmup(pods, RUNTIME_PORT, concurrency=config.warmup_concurrency,
                                      timeout=config.warmup_timeout)
-    return Observed(deployment=live.get("Deployment"), pods=pods, warmup=warmup)
+    autoscaler = next((live[k] for k in AUTOSCALER_KINDS.values() if k in live), None)
+    return Observed(deployment=live.get("Deployment"), pods=pods, warmup=warmup, autoscaler=autoscaler,
+                    unserved=unserved)
 
 
 async def _report(body: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:

@@ -43,6 +43,7 @@ VALUE_SETS: dict[str, list[str]] = {
         "--set", "peering.enabled=true", "--set", "peering.name=gaudi", "--set", "peering.priority=7",
         "--set", "replicaCount=2",
         "--set", "metrics.podMonitor.enabled=true", "--set", "metrics.podMonitor.labels.release=prom",
+        "--set", "metrics.grafanaDashboard.enabled=true", "--set", "metrics.grafanaDashboard.namespace=monitoring",
         "--set", "image.repository=registry.example.com/gaudi-operator", "--set", "image.tag=1.2.3",
         "--set", "image.pullPolicy=Always", "--set", "imagePullSecrets[0].name=regcred",
         "--set", "operator.logLevel=debug", "--set", "operator.logFormat=plain",
@@ -225,6 +226,8 @@ NEEDED = {
     ("", "services"): {"list", "watch", "create", "patch"},
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
+    ("autoscaling", "horizontalpodautoscalers"): {"list", "watch", "create", "patch", "delete"},
+    ("keda.sh", "scaledobjects"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "events"): {"create"},
 }

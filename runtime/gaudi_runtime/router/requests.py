@@ -70,7 +70,7 @@ class Requests:
                              stop=StopSequenceMatcher(list(request.stopping.stop_sequences)))
         self._live[state.id] = state
         self.waiting.append(state)
-        self.metrics.queue_size(len(self.waiting))
+        self.report_load()
         return state
 
     def get(self, request_id: int) -> RequestState | None:
@@ -91,7 +91,6 @@ class Requests:
         fresh ones."""
         now = time.monotonic()
         chosen = [self.waiting.popleft() for _ in range(count)]
-        self.metrics.queue_size(len(self.waiting))
         for state in chosen:
             self.prefix.hold_hits(self.allocator, state)
         for state in chosen:
@@ -100,6 +99,7 @@ class Requests:
                              blocks_needed(len(state.req.input_ids), stopping.max_new_tokens, self.cfg))
             state.started = now
             state.sent = 1  # the prefill computes the first token
+        self.report_load()
         return chosen
 
     def requeue(self, states: list[RequestState]) -> None:
@@ -109,7 +109,7 @@ class Requests:
             self.prefix.release(self.allocator, state, failed=True)
             state.blocks, state.cached_tokens, state.started, state.sent = [], 0, None, 0
             self.waiting.appendleft(state)
-        self.metrics.queue_size(len(self.waiting))
+        self.report_load()
 
     def end(self, state: RequestState, last: StreamEvent | Exception | None = None) -> None:
         """End `state` for whatever reason; `last` (its final event, or the error its caller gets) is
@@ -123,9 +123,15 @@ class Requests:
         del self._live[state.id]
         if state.started is None:
             self.waiting.remove(state)
-            self.metrics.queue_size(len(self.waiting))
+        self.report_load()
         if last is not None:
             state.events.put_nowait(last)
+
+    def report_load(self) -> None:
+        """The load now (waiting, running, fraction of the KV blocks reserved) to the metrics."""
+        a = self.allocator
+        kv_usage = 1 - a.free_count / a.num_blocks if a is not None and a.num_blocks else 0.0
+        self.metrics.load(len(self.waiting), len(self._live) - len(self.waiting), kv_usage)
 
     def end_all(self, error: Exception) -> None:
         """End every live request with `error` (the shards failed)."""
