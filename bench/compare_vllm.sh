@@ -5,9 +5,16 @@
 #   bench/compare_vllm.sh              # needs ../shared/bench beside the repo (peer scripts)
 #   RUNS=3 bench/compare_vllm.sh       # repeat the whole comparison
 #
+#   MULTITURN_ONLY=1 bench/compare_vllm.sh   # only the multi-turn workload
+#
 # Workloads: offline 64 prompts x 128 random tokens -> 128 new tokens, EOS ignored;
 # online streaming /v1/completions, 128 in / 128 out, 64 requests at concurrency 16
 # and C1_REQUESTS (default 16) at concurrency 1. Both servers get the same requests (`ignore_eos`).
+# Multi-turn (issue 19's): `gaudi-serve loadtest --profile multiturn` against both servers,
+# MT_USERS (default 4) conversations at a time, MT_REQUESTS (default 32) requests: each conversation
+# has 4 turns of ~100 new tokens behind a shared 1,000-token system prompt, resends its whole history
+# every turn and gets 64 tokens back (EOS ignored); vLLM's prefix caching is on (its default), ours
+# runs with and without it. Reports TTFT by turn and the prefix-cache hit rate of each server.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 peer=${PEER_BENCH:-$root/../shared/bench}
@@ -15,7 +22,7 @@ cache=${XDG_CACHE_HOME:-$HOME/.cache}/gaudi-serve-bench
 model=${MODEL:-$cache/model-small}
 runs=${RUNS:-1}
 c1_requests=${C1_REQUESTS:-16}
-ours=$root/.venv/bin
+ours=${OURS_BIN:-$root/.venv/bin}  # a venv with gaudi-serve installed (its bin directory)
 out=${OUT:-$(mktemp -d)}
 port=${PORT:-18080}
 url=http://127.0.0.1:$port
@@ -25,6 +32,11 @@ ours_args=${OURS_ARGS:---max-input-tokens 1024 --max-total-tokens 2048 --max-bat
 # On a CPU each forward pass runs its batch's own shape; buckets only decide what warmup runs, and
 # exponential ones keep that to a few dozen shapes.
 ours_env=${OURS_ENV:-EXPONENTIAL_BUCKETING=true}
+# Multi-turn: the 4th turn of a conversation holds ~1,700 tokens.
+mt_ours_args=${MT_OURS_ARGS:---max-input-tokens 2048 --max-total-tokens 2304 --max-batch-size 16}
+mt_users=${MT_USERS:-4}
+mt_requests=${MT_REQUESTS:-32}
+multiturn_only=${MULTITURN_ONLY:-0}
 
 [ -x "$ours/gaudi-serve" ] || { echo "run 'make venv' first" >&2; exit 2; }
 [ -d "$peer" ] || { echo "peer scripts not found at $peer (set PEER_BENCH)" >&2; exit 2; }
@@ -50,6 +62,23 @@ wait_ready() {  # $1: path that answers 200 once the server can serve; deadline 
   done
 }
 
+start_ours() {  # $1: log file; $2...: extra `launch` arguments; OURS_EXTRA_ENV: extra environment
+  # shellcheck disable=SC2086  # OURS_ENV and OURS_EXTRA_ENV are lists
+  # Private shard sockets: another server on this machine may use the default path.
+  env $ours_env ${OURS_EXTRA_ENV:-} setsid "$ours/gaudi-serve" launch --shard-uds-path "$out/shard" \
+    --model-id "$model" --dtype bfloat16 --hostname 127.0.0.1 --port "$port" "${@:2}" >"$1" 2>&1 &
+  server=$!
+  wait_ready /health "$1"
+}
+
+multiturn() {  # $1: engine label; the multi-turn workload against $url, report in $log/multiturn-$1.json
+  "$ours/gaudi-serve" loadtest --url "$url" --api openai --profile multiturn --users "$mt_users" \
+    --requests "$mt_requests" --turns 4 --system-tokens 1000 --prompt-tokens 100 --output-tokens 64 \
+    --ignore-eos --tokenizer "$model" --model "$2" --no-progress --json "$log/multiturn-$1.json" \
+    >"$log/multiturn-$1.txt"
+  tail -n 8 "$log/multiturn-$1.txt" >&2
+}
+
 online() {  # $1: engine label; runs both concurrencies against $url
   "$ours/python" "$peer/online_load.py" "$url" "$model" 64 16 128 128 | sed "s/^RESULT /RESULT engine=$1 mode=c16 /"
   "$ours/python" "$peer/online_load.py" "$url" "$model" "$c1_requests" 1 128 128 | sed "s/^RESULT /RESULT engine=$1 mode=c1 /"
@@ -58,38 +87,83 @@ online() {  # $1: engine label; runs both concurrencies against $url
 for run in $(seq 1 "$runs"); do
   log=$out/run$run
   mkdir -p "$log"
-  echo "== run $run: vLLM offline" >&2
-  "$vllm/bin/python" "$peer/vllm_offline.py" "$model" 64 128 128 2>"$log/vllm-offline.log" \
-    | grep '^RESULT' | sed 's/^RESULT engine=vllm-cpu /RESULT engine=vllm mode=offline /' | tee "$log/results.txt"
-  echo "== run $run: gaudi-serve offline" >&2
-  # shellcheck disable=SC2086  # OURS_ENV is a list of assignments
-  env $ours_env "$ours/python" -m gaudi_runtime.bench.offline --model-id "$model" --dtype bfloat16 2>"$log/ours-offline.log" \
-    | grep '^RESULT' | sed 's/^RESULT engine=gaudi-serve /RESULT engine=ours mode=offline /' | tee -a "$log/results.txt"
+  : >"$log/results.txt"
+  if [ "$multiturn_only" != 1 ]; then
+    echo "== run $run: vLLM offline" >&2
+    "$vllm/bin/python" "$peer/vllm_offline.py" "$model" 64 128 128 2>"$log/vllm-offline.log" \
+      | grep '^RESULT' | sed 's/^RESULT engine=vllm-cpu /RESULT engine=vllm mode=offline /' | tee -a "$log/results.txt"
+    echo "== run $run: gaudi-serve offline" >&2
+    # shellcheck disable=SC2086  # OURS_ENV is a list of assignments
+    env $ours_env "$ours/python" -m gaudi_runtime.bench.offline --model-id "$model" --dtype bfloat16 2>"$log/ours-offline.log" \
+      | grep '^RESULT' | sed 's/^RESULT engine=gaudi-serve /RESULT engine=ours mode=offline /' | tee -a "$log/results.txt"
+  fi
 
   echo "== run $run: vLLM online" >&2
   VLLM_CPU_KVCACHE_SPACE=4 setsid "$vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" \
     --dtype bfloat16 --max-model-len 4096 --host 127.0.0.1 --port "$port" >"$log/vllm-server.log" 2>&1 &
   server=$!
   wait_ready /health "$log/vllm-server.log"
-  online vllm | tee -a "$log/results.txt"
+  [ "$multiturn_only" = 1 ] || online vllm | tee -a "$log/results.txt"
+  echo "== run $run: vLLM multi-turn" >&2
+  multiturn vllm "$model"
   stop_server
 
-  echo "== run $run: gaudi-serve online" >&2
-  # shellcheck disable=SC2086  # OURS_ENV and OURS_ARGS are lists
-  env $ours_env setsid "$ours/gaudi-serve" launch \
-    --model-id "$model" --dtype bfloat16 --hostname 127.0.0.1 --port "$port" $ours_args \
-    >"$log/ours-server.log" 2>&1 &
-  server=$!
-  wait_ready /health "$log/ours-server.log"
-  online ours | tee -a "$log/results.txt"
-  curl -sf "$url/metrics" | grep -E '^gaudi_serve_unwarmed_shapes_total|^tgi_request_failure' \
-    | sed 's/^/METRIC /' | tee -a "$log/results.txt" || true
-  stop_server
+  if [ "$multiturn_only" != 1 ]; then
+    echo "== run $run: gaudi-serve online" >&2
+    # shellcheck disable=SC2086  # OURS_ARGS is a list
+    start_ours "$log/ours-server.log" $ours_args
+    online ours | tee -a "$log/results.txt"
+    curl -sf "$url/metrics" | grep -E '^gaudi_serve_unwarmed_shapes_total|^tgi_request_failure' \
+      | sed 's/^/METRIC /' | tee -a "$log/results.txt" || true
+    stop_server
+  fi
+
+  for caching in true false; do
+    echo "== run $run: gaudi-serve multi-turn, prefix caching $caching" >&2
+    # shellcheck disable=SC2086  # MT_OURS_ARGS is a list
+    OURS_EXTRA_ENV="PREFIX_CACHING=$caching" start_ours "$log/ours-mt-$caching-server.log" $mt_ours_args
+    multiturn "ours-caching-$caching" "$model"
+    curl -sf "$url/metrics" | grep -E '^gaudi_serve_unwarmed_shapes_total|^tgi_request_failure' \
+      | sed "s/^/METRIC multiturn caching=$caching /" | tee -a "$log/results.txt" || true
+    stop_server
+  done
 done
 
 "$ours/python" - "$out" "$runs" <<'PY'
-import re, sys, pathlib
+import json, re, sys, pathlib
 out, runs = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+
+
+def p50(xs):
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else float("nan")
+
+
+def multiturn_table(run, d):
+    """TTFT (all turns, turns >= 2, each turn), output throughput and hit rate of each server."""
+    reports = {e: json.loads((d / f"multiturn-{e}.json").read_text())["steps"][0]
+               for e in ("vllm", "ours-caching-true", "ours-caching-false") if (d / f"multiturn-{e}.json").exists()}
+    if not reports:
+        return
+    def row(e):
+        s = reports[e]
+        ok = [r for r in s["records"] if r["status"] == "ok"]
+        later = p50([r["ttft_ms"] for r in ok if r["turn"] >= 2])
+        turns = " ".join(f"{p50([r['ttft_ms'] for r in ok if r['turn'] == t]):.0f}" for t in (1, 2, 3, 4))
+        hit = s.get("prefix_cache") or {}
+        rate = f"{100 * hit['hit_rate']:.1f}%" if hit.get("hit_rate") is not None else "n/a"
+        return s["ttft_ms"]["p50"], later, s["throughput"]["output_tokens_per_s"], turns, rate, len(ok), len(s["records"])
+    print(f"{'run':>3}  {'multi-turn':<20} {'TTFT p50':>9} {'turns>=2':>9} {'out tok/s':>9}  {'TTFT p50 by turn':<22} hit rate  ok")
+    rows = {e: row(e) for e in reports}
+    for e, (ttft, later, tput, turns, rate, ok, sent) in rows.items():
+        print(f"{run:>3}  {e:<20} {ttft:>9.1f} {later:>9.1f} {tput:>9.1f}  {turns:<22} {rate:>8}  {ok}/{sent}")
+    ours, vllm, off = rows.get("ours-caching-true"), rows.get("vllm"), rows.get("ours-caching-false")
+    if ours and vllm:
+        print(f"{run:>3}  ours/vLLM TTFT p50 {ours[0] / vllm[0]:.2f} (target <= 0.8), "
+              f"output tok/s {ours[2] / vllm[2]:.2f} (target >= 1.0)")
+    if ours and off:
+        print(f"{run:>3}  ours cached/uncached TTFT p50 of turns >= 2: {ours[1] / off[1]:.2f} (target <= 0.3)")
+
 rows = [("offline tok/s", "offline", "tok/s", "higher"), ("c16 tok/s", "c16", "tok/s", "higher"),
         ("c16 TTFT p50 ms", "c16", "ttft_p50_ms", "lower"), ("c16 ITL p50 ms", "c16", "itl_p50_ms", "lower"),
         ("c1 ITL p50 ms", "c1", "itl_p50_ms", "lower"), ("c1 ms/token", "c1", "ms_per_token", "lower")]
@@ -102,7 +176,7 @@ for run in range(1, runs + 1):
             if "stream_chunks" in kv:  # wall time per streamed token, first token included
                 kv["ms_per_token"] = 1000 * float(kv["seconds"]) / max(1, int(kv["stream_chunks"]))
             res[(kv["engine"], kv["mode"])] = kv
-    for label, mode, key, better in rows:
+    for label, mode, key, better in rows if ("vllm", "c16") in res else []:
         v, o = float(res[("vllm", mode)][key]), float(res[("ours", mode)][key])
         ok = o >= v if better == "higher" else o <= v
         # vLLM can write two tokens in one network read at c1, making its ITL p50 0: no ratio then.
@@ -111,5 +185,6 @@ for run in range(1, runs + 1):
     metrics = [line for line in (out / f"run{run}" / "results.txt").read_text().splitlines() if line.startswith("METRIC")]
     for m in metrics:
         print(f"{run:>3}  {m[7:]}")
+    multiturn_table(run, out / f"run{run}")
 print(f"logs: {out}")
 PY

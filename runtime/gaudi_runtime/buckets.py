@@ -6,6 +6,10 @@ Buckets grow linearly in steps (TGI-Gaudi's BATCH_BUCKET_SIZE,
 PREFILL_BATCH_BUCKET_SIZE, PAD_SEQUENCE_TO_MULTIPLE_OF) or, with
 EXPONENTIAL_BUCKETING, as step * 2^k (as vLLM on Gaudi), which keeps the count
 logarithmic for long contexts at the cost of more padding.
+
+A prefill whose prompts start with cached blocks (prefix caching) has a third
+dimension, the cached blocks its new tokens attend to; those buckets always grow
+exponentially, so that they multiply the prefill shapes by a few only.
 """
 
 from __future__ import annotations
@@ -108,3 +112,22 @@ def decode_buckets(cfg: Config) -> list[tuple[int, int]]:
     batches = bucket_values(cfg.batch_bucket_size, decode_batch_cap(cfg), exp)
     widths = bucket_values(block_step(cfg), decode_block_cap(cfg), exp)
     return [(b, w) for b in batches for w in widths]
+
+
+def context_block_cap(cfg: Config) -> int:
+    """Most cached blocks a prompt may start with: the block of its last token is always computed."""
+    return max(1, (cfg.max_input_tokens - 1) // cfg.block_size)
+
+
+def context_block_bucket(blocks: int, cfg: Config) -> int:
+    """Context width (in blocks) of a prefill whose longest cached part spans `blocks` blocks."""
+    return bucket(blocks, block_step(cfg), context_block_cap(cfg), exponential=True)
+
+
+def prefill_context_buckets(cfg: Config) -> list[tuple[int, int, int]]:
+    """Every (batch, seq, context blocks) shape a prefill with cached blocks may run on (none without
+    prefix caching). Rows and new tokens are bucketed as in any prefill."""
+    if not cfg.prefix_caching:
+        return []
+    widths = bucket_values(block_step(cfg), context_block_cap(cfg), exponential=True)
+    return [(rows, seq, w) for rows, seq in prefill_buckets(cfg) for w in widths]

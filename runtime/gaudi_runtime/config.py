@@ -48,6 +48,9 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--waiting-served-ratio", None, float, 0.3, "Waiting/running ratio that allows a prefill to interrupt decoding."),
     ("--decode-steps", None, int, 4, "Decode steps one call to the shards runs while no request waits; their "
      "tokens stream together (1: a call per token, as in TGI)."),
+    ("--prefix-caching", None, _bool, True, "Keep the KV blocks of prompts (and of generated text) to reuse for "
+     "requests that start with the same tokens: a shared system prompt or a conversation's earlier turns are "
+     "computed once."),
     ("--max-concurrent-requests", None, int, 128, "Requests in flight before new ones get 429."),
     ("--max-stop-sequences", None, int, 4, "Most stop sequences in one request."),
     ("--max-top-n-tokens", None, int, 5, "Largest top_n_tokens a request may ask for."),
@@ -148,6 +151,7 @@ class Config:
     max_waiting_tokens: int = 20
     waiting_served_ratio: float = 0.3
     decode_steps: int = 4
+    prefix_caching: bool = True
     max_concurrent_requests: int = 128
     max_stop_sequences: int = 4
     max_top_n_tokens: int = 5

@@ -111,6 +111,24 @@ def test_loadtest_openai_chat_completions(server, tmp_path):
     assert all(x["chunks"] <= x["generated_tokens"] for x in step["records"])
 
 
+def test_loadtest_multiturn_conversations_report_ttft_by_turn_and_the_hit_rate(server, tiny_model_dir, tmp_path):
+    # Two turns: the tiny tokenizer spells the "User:" / "Assistant:" framing out in letters.
+    r = loadtest(tmp_path, "--url", server.url, "--api", "tgi", "--profile", "multiturn", "--users", "2",
+                 "--requests", "6", "--turns", "2", "--system-tokens", "8", "--prompt-tokens", "2",
+                 "--output-tokens", "2", "--tokenizer", tiny_model_dir)
+    assert (r["profile"], r["turns"], r["system_tokens"]) == ("multiturn", 2, 8)
+    [step] = r["steps"]
+    assert step["requests"] == {"sent": 6, "ok": 6, "errors": {}, "failed": 0}
+    check_step(step)
+    first, second = (step["ttft_by_turn"][t]["count"] for t in ("1", "2"))
+    assert first + second == 6 and first >= second >= 2
+    # Each second turn resends the first and its answer: longer prompts, partly found cached.
+    longest = {t: max(x["prompt_tokens"] for x in step["records"] if x["turn"] == t) for t in (1, 2)}
+    assert longest[2] > longest[1] > 8
+    cache = step["prefix_cache"]
+    assert cache["queries"] >= step["tokens"]["prompt"] and 0 < cache["hits"] < cache["queries"]
+
+
 def test_loadtest_sweep_finds_saturation_then_plots_rates(server, tiny_model_dir, tmp_path):
     png = tmp_path / "sweep.png"
     # no --tokenizer: the server's /info names its model directory, whose tokenizer counts the prompts

@@ -14,6 +14,7 @@ import pytest
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, get_json, greedy_reference, launch, stream_ids
+from tests.runtime.prefix_checks import check_cancelled_request_leaves_valid_blocks, check_conversations
 
 FAMILIES = ["llama", "llama31", "mistral", "qwen2"]
 
@@ -96,6 +97,13 @@ def test_greedy_concurrent_requests_joining_and_leaving_match(server, reference)
     assert code == 200
     assert info["kv_blocks_free"] == info["kv_blocks"]
     assert "tgi_queue_size 0.0" in _metrics(server.url)
+
+
+def test_conversations_read_their_cached_history_and_still_match(server):
+    """Prefix caching (on by default): each turn resends the conversation, whose earlier turns and
+    shared system prompt are cached; concurrent conversations, and a request cancelled mid-answer."""
+    check_conversations(server)
+    check_cancelled_request_leaves_valid_blocks(server)
 
 
 def _metrics(url: str) -> str:

@@ -158,6 +158,30 @@ def test_concurrent_image_and_text_prompts_match_transformers(server):
     assert info["unwarmed_shapes"] == 0
 
 
+def test_cached_image_blocks_are_read_only_by_the_same_image(server):
+    """Prefix caching: the same image twice reads its blocks, the first time cut through the image's
+    placeholders; another image behind the same text reads only the text's blocks."""
+    text = "shard router cache token batch stream serve request answer question: "
+    cases = [(text, (40, 70, 7), " what", 8), (text, (40, 70, 7), " what", 8), (text, (40, 70, 8), " what", 8),
+             CASES[4], CASES[4]]
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            out = []
+            for b, im, a, n in cases:
+                before = get_json(server.url + "/info")[1]["prefix_cache_hits"]
+                ids = ids_of(*await generate(s, server.url, prompt(b, im, a), n))
+                out.append((ids, get_json(server.url + "/info")[1]["prefix_cache_hits"] - before))
+            return out
+
+    results = asyncio.run(run())
+    for (b, im, a, n), (ids, _) in zip(cases, results):
+        assert ids == reference(server.model_dir, b, im, a, n), (b, im, a)
+    first, same, other, _, cut = (hits for _, hits in results)
+    assert same > 52 > other > 0  # past the image's 52 placeholders; only the text before it
+    assert cut > 0
+
+
 def test_chat_image_url_part_matches_transformers(server):
     image = (100, 30, 5)
     body = {"messages": [{"role": "user", "content": [

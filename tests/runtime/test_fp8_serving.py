@@ -16,6 +16,7 @@ from gaudi_runtime.quant.fp8_linear import FP8_MAX, is_fp8
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, get_json, launch
+from tests.runtime.prefix_checks import bypassed, check_conversations
 
 pytestmark = pytest.mark.slow
 
@@ -132,5 +133,21 @@ def test_launch_serves_fp8_over_http(model_dir, calibrated, tmp_path, shards):
             assert "rank 1: 10 layers in FP8 (9 with static input scales)" in log
         else:
             assert "KV cache in fp8_e4m3fn" in log
+    finally:
+        assert server.stop() in (0, -15)
+
+
+def test_prompts_read_from_a_float8_kv_cache_answer_as_when_computed_whole(model_dir, tmp_path):
+    """Prefix caching over a float8 KV cache, 2 shards: a turn whose history is read from the cache gets
+    the tokens the same server gives with every prompt token computed (a request wanting its prompt's
+    log-probabilities bypasses the cache). Weights stay in fp32: dynamic FP8 activation scales would make
+    any answer depend on what else shares its batch, cached or not."""
+    server = launch(model_dir, tmp_path, *SMALL_ARGS, "--num-shard", "2", "--kv-cache-dtype", "fp8_e4m3fn",
+                    env=SMALL_ENV)
+    try:
+        server.wait_ready()
+        server.model_dir = model_dir
+        check_conversations(server, conversations=2, turns=3, reference=bypassed(server))
+        assert get_json(server.url + "/info")[1]["kv_cache_dtype"] == "fp8_e4m3fn"
     finally:
         assert server.stop() in (0, -15)

@@ -40,6 +40,7 @@ from tests.runtime.launched import (
     launch,
     stream_ids,
 )
+from tests.runtime.prefix_checks import check_conversations
 
 FAMILIES = ["llama", "llama31", "mistral", "qwen2"]
 # qwen2 at 4 shards: 2 KV heads each replicated on 2 ranks (with q/k/v biases), tied embeddings, vocab
@@ -137,6 +138,11 @@ def test_greedy_concurrent_requests_match_one_shard(server):
         assert [t["id"] for t in details["tokens"]] == reference(server.model_dir, prompt, n), prompt
     code, info = get_json(server.url + "/info")
     assert info["kv_blocks_free"] == info["kv_blocks"]
+
+
+def test_conversations_with_cached_history_match_one_shard(server):
+    """Every rank reads the same cached blocks: the prefill of the uncached tail agrees across ranks."""
+    check_conversations(server, conversations=2, seed=server.shards)
 
 
 _RUNNERS: dict[str, object] = {}

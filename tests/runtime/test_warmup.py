@@ -70,11 +70,12 @@ def test_hpu_graphs_capture_each_bucket_once_and_only_replay_while_serving(fake_
     cfg = config(model_dir)
     runner = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
     progress = list(runner.warmup())
-    total = len(buckets.prefill_buckets(cfg)) + len(buckets.decode_buckets(cfg))
+    total = sum(len(shapes) for shapes in (buckets.prefill_buckets(cfg), buckets.prefill_context_buckets(cfg),
+                                           buckets.decode_buckets(cfg)))
     assert progress[-1] == (total, total, "done")
     captured = fake_hpu["captures"]
     assert len(captured) == total == len(set(captured))  # one capture per bucket
-    assert {k[0] for k in captured} == {"prefill", "decode"}
+    assert {k[0] for k in captured} == {"prefill", "prefill_context", "decode"}
     steps_after_warmup = fake_hpu["mark_step"]
     assert steps_after_warmup >= total
 
@@ -215,3 +216,68 @@ def test_grammar_masks_on_hpu_are_bucket_shaped_and_filled_while_the_step_runs(f
         batch_id, _ = runner.decode([(batch_id, [0, 1, 2])])
     assert len(fake_hpu["captures"]) == captured
     assert len({id(u) for u in uploads}) == 1  # the same device buffer every step of the bucket
+
+
+async def serve_in_process(runner: ModelRunner, cfg, model_dir, sock: str, traffic) -> dict:
+    """The router's engine over one shard served in this process (real gRPC on a unix socket), running
+    `traffic(engine)`; returns the engine's /info fields."""
+    import grpc
+
+    from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
+    from gaudi_runtime.router.client import ShardClient
+    from gaudi_runtime.router.engine import BatchingEngine
+    from gaudi_runtime.router.tokenizer import RouterTokenizer
+    from gaudi_runtime.shard.servicer import ShardServicer
+
+    server = grpc.aio.server()
+    pb_grpc.add_TextGenerationServiceServicer_to_server(ShardServicer(runner, 0, 1, [f"unix://{sock}"]), server)
+    server.add_insecure_port(f"unix://{sock}")
+    await server.start()
+    engine = BatchingEngine(cfg, ShardClient([sock]), RouterTokenizer.load(str(model_dir), cfg))
+    try:
+        await engine.start(connect_timeout_s=30)
+        await traffic(engine)
+        return engine.info()
+    finally:
+        await engine.stop()
+        await server.stop(grace=None)
+
+
+def conversation_traffic(rng: random.Random, conversations: int, turns: int, max_input: int):
+    """Random conversations behind one system prompt, each turn resending the whole history, several
+    conversations at once: prefills with and without cached blocks, of every size, joining decodes."""
+    from gaudi_runtime.router.types import StoppingParameters, ValidRequest
+
+    system = [rng.randrange(3, 400) for _ in range(rng.randint(4, 20))]
+
+    async def converse(engine, seed: int):
+        crng, history = random.Random(seed), list(system)
+        for _ in range(turns):
+            history = (history + [crng.randrange(3, 400) for _ in range(crng.randint(1, 12))])[-max_input:]
+            req = ValidRequest(input_ids=list(history), inputs="", sampling=SamplingParameters(),
+                               stopping=StoppingParameters(max_new_tokens=crng.randint(1, 12)))
+            history += [ev.token.id async for ev in engine.generate(req)]
+
+    async def traffic(engine):
+        await asyncio.gather(*(converse(engine, rng.randrange(1 << 30)) for _ in range(conversations)))
+
+    return traffic
+
+
+@pytest.mark.parametrize("exponential", ["false", "true"])
+def test_multi_turn_traffic_with_prefix_caching_runs_only_warmed_graphs(fake_hpu, model_dir, tmp_path, exponential):
+    """On Gaudi, a prefill whose prompts start with cached blocks has shapes of its own (new tokens x
+    cached blocks): warmup compiles them all, and conversations that hit the cache compile nothing new."""
+    from gaudi_runtime.device.hpu import HpuBackend
+
+    cfg = config(model_dir, EXPONENTIAL_BUCKETING=exponential, MAX_BATCH_TOTAL_TOKENS="400")
+    runner = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
+    traffic = conversation_traffic(random.Random(11), conversations=6, turns=4, max_input=cfg.max_input_tokens)
+    info = asyncio.run(serve_in_process(runner, cfg, model_dir, str(tmp_path / "shard"), traffic))
+    warmed = len(buckets.prefill_buckets(cfg)) + len(buckets.prefill_context_buckets(cfg)) + len(
+        buckets.decode_buckets(cfg))
+    assert len(fake_hpu["captures"]) == warmed  # serving captured (compiled) nothing
+    assert {k[0] for k in fake_hpu["replays"]} == {"prefill", "prefill_context", "decode"}
+    assert info["unwarmed_shapes"] == 0 and runner.unwarmed_shapes == 0
+    assert info["prefix_cache_hits"] > 0
+    assert info["kv_blocks_free"] == info["kv_blocks"]

@@ -1,6 +1,12 @@
 """Scripted shards for driving the router's engine without a model: they run calls in the order they
 were made, as numbered calls do on real shards, answer a fixed token, and check every KV block
-write."""
+write and read.
+
+The KV cache is simulated token by token: a prefill writes its prompt's tokens after the cached ones
+(`Request.cached_tokens`), a decode step writes the token it feeds; every request that a call names
+then reads its whole sequence back through its block table, as attention does, and any position that
+does not hold the request's own token there is a bad read (a block holding another request's tokens,
+or a cached block whose contents are not what its hash said)."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from gaudi_runtime.router.engine import BatchingEngine
 from gaudi_runtime.router.types import StoppingParameters, ValidRequest
 
 TOKEN = 40  # what the scripted shards generate, until a request's scripted EOS
+BLOCK_SIZE = 16
 
 
 class ScriptedShards:
@@ -26,18 +33,24 @@ class ScriptedShards:
     order calls were made) fails as a crashed shard's would."""
 
     def __init__(self, eos_id: int, eos_at: dict[int, int], num_blocks: int = 64, swap_answers: bool = False,
-                 gate: asyncio.Event | None = None, fail_at: int | None = None):
+                 gate: asyncio.Event | None = None, fail_at: int | None = None, varied: bool = False):
         self.eos_id, self.eos_at, self.num_blocks = eos_id, eos_at, num_blocks
         self.gate, self.fail_at = gate, fail_at
         # Answer calls in pairs, the second first (gRPC does not promise answers in call order); the
         # n-th token of a request is then TOKEN + n, so that its order shows.
         self.swap_answers = swap_answers
+        self.varied = varied  # the n-th token is TOKEN + n % 5 (different sequences, not one token repeated)
         self.answered: set[int] = set()
         self.made = 0
         self.blocks: dict[int, list[int]] = {}  # request id -> its KV blocks
-        self.owner: dict[int, int] = {}  # block -> the request whose prefill wrote it last
+        self.owner: dict[int, int] = {}  # block -> the request whose prefill wrote it last (blocks it filled)
         self.stale_writes: list[tuple[int, int]] = []  # (request, block another request owns) a step wrote
+        self.kv: dict[int, list[int | None]] = {}  # block -> the token whose KV each slot holds
+        self.sequences: dict[int, list[int]] = {}  # request id -> the tokens its KV should hold, in order
+        self.bad_reads: list[tuple[int, int]] = []  # (request, first position holding another token)
+        self.cached_tokens: dict[int, int] = {}  # request id -> prompt tokens its prefill found cached
         self.generated: dict[int, int] = {}  # request id -> tokens computed for it
+        self.fed: dict[int, int] = {}  # request id -> positions its KV holds
         # Each decode call: the requests it names, decodes unanswered when it was made, its steps, and
         # how many requests waited for a prefill then.
         self.decodes: list[tuple[list[int], int, int, int]] = []
@@ -86,21 +99,48 @@ class ScriptedShards:
         out = []
         for rid in ids:
             self.generated[rid] = self.generated.get(rid, 0) + 1
-            token = TOKEN + self.generated[rid] if self.swap_answers else TOKEN
-            out.append(self.eos_id if self.generated[rid] == self.eos_at.get(rid) else token)
+            n = self.generated[rid]
+            token = TOKEN + n if self.swap_answers else TOKEN + n % 5 if self.varied else TOKEN
+            out.append(self.eos_id if n == self.eos_at.get(rid) else token)
+            self.sequences[rid].append(out[-1])  # the next step feeds it: its KV goes at that position
         return pb.Generations(request_ids=ids, token_ids=out, logprobs=[0.0] * len(ids))
 
+    def _write(self, rid: int, position: int) -> None:
+        block = self.blocks[rid][position // BLOCK_SIZE]
+        if self.owner.get(block) != rid:
+            self.stale_writes.append((rid, block))
+        self.kv.setdefault(block, [None] * BLOCK_SIZE)[position % BLOCK_SIZE] = self.sequences[rid][position]
+
+    def _read(self, rid: int, length: int) -> None:
+        """Attention over the request's first `length` positions, through its block table."""
+        table, expected = self.blocks[rid], self.sequences[rid]
+        for p in range(length):
+            if self.kv.get(table[p // BLOCK_SIZE], [None] * BLOCK_SIZE)[p % BLOCK_SIZE] != expected[p]:
+                self.bad_reads.append((rid, p))
+                return
+
     def _write_kv(self, ids: list[int]) -> None:
+        """One decode step: each request writes the token it feeds, then attends over its sequence."""
         for rid in ids:
-            self.stale_writes += [(rid, b) for b in self.blocks[rid] if self.owner[b] != rid]
+            self._write(rid, self.fed[rid])
+            self.fed[rid] += 1
+        for rid in ids:
+            self._read(rid, self.fed[rid])
 
     def prefill(self, batch: pb.Batch):
         ids = [r.id for r in batch.requests]
-        blocks = {r.id: list(r.blocks) for r in batch.requests}
+        prompts = {r.id: (list(r.input_ids), list(r.blocks), r.cached_tokens) for r in batch.requests}
 
         def answer():
-            self.blocks.update(blocks)
-            self.owner.update({b: rid for rid, bs in blocks.items() for b in bs})
+            for rid, (prompt, blocks, cached) in prompts.items():
+                assert cached % BLOCK_SIZE == 0 and cached < len(prompt), (rid, cached, len(prompt))
+                self.blocks[rid], self.sequences[rid], self.cached_tokens[rid] = blocks, prompt, cached
+                self.owner.update({b: rid for b in blocks[cached // BLOCK_SIZE:]})
+                for p in range(cached, len(prompt)):
+                    self._write(rid, p)
+                self.fed[rid] = len(prompt)
+            for rid, (prompt, _, _) in prompts.items():  # each layer writes its batch's K/V, then attends
+                self._read(rid, len(prompt))
             return pb.PrefillResponse(generations=self._tokens(ids), batch=pb.CachedBatch(id=batch.id, request_ids=ids))
         return self._in_turn(self._turn(), answer)
 

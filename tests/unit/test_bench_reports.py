@@ -8,7 +8,7 @@ import pytest
 
 from gaudi_runtime.bench import benchmark, loadtest
 from gaudi_runtime.bench.loadtest import Record, on_event, request_body, summarize_step, sweep_rates
-from gaudi_runtime.bench.profiles import PromptMaker, parse_length
+from gaudi_runtime.bench.profiles import ConversationMaker, PromptMaker, parse_length
 from gaudi_runtime.config import ConfigError, resolve
 
 
@@ -160,3 +160,62 @@ def test_benchmark_render_has_a_table_per_batch_size():
     text = benchmark.render(report)
     assert "Batch size 1" in text and "Batch size 2" in text
     assert text.count("| Decode (token) | Latency (ms)") == 2
+
+
+def test_a_conversation_resends_its_history_each_turn():
+    maker = ConversationMaker(PromptMaker(), 30, parse_length("50"), parse_length("7"), turns=3, seed=1)
+    conv, again = maker.conversation(4), maker.conversation(4)
+    assert conv == again and conv.system == maker.conversation(5).system  # one system prompt for all
+    assert conv.user_messages != maker.conversation(5).user_messages and conv.max_new_tokens == [7, 7, 7]
+    conv.answers = [" first answer", " second"]
+    first, second, third = (conv.prompt(t) for t in range(3))
+    assert first.startswith(conv.system) and second.startswith(first + " first answer")
+    assert third.startswith(second + " second") and third.endswith(conv.user_messages[2] + "\n\nAssistant:")
+    assert [m["role"] for m in conv.messages(2)] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert conv.messages(2)[4]["content"] == " second"
+    workload = loadtest.ConversationWorkload(parse_length("5"), parse_length("7"), maker)
+    p = workload.plan(conv, 1, index=9)
+    assert (p.index, p.turn, p.prompt, p.max_new_tokens) == (9, 2, second, 7)
+    path, body = request_body("openai-chat", p, "m", ignore_eos=False)
+    assert body["messages"] == conv.messages(1)
+
+
+def test_streamed_text_is_kept_for_the_next_turn():
+    r = Record(index=0, start_s=0)
+    on_event("tgi", {"token": {"id": 5, "text": "Hi", "special": False}}, r)
+    on_event("tgi", {"token": {"id": 2, "text": "</s>", "special": True}}, r)
+    on_event("tgi", {"token": {"id": 6, "text": " you"}}, r)
+    assert r.text == "Hi you"
+    chat = Record(index=0, start_s=0)
+    on_event("openai-chat", {"choices": [{"delta": {"content": "a"}}]}, chat)
+    on_event("openai-chat", {"choices": [{"delta": {"content": "b"}}]}, chat)
+    assert chat.text == "ab" and "text" not in loadtest._record_json(chat)  # not in the JSON report
+
+
+def test_prefix_cache_hit_rate_is_read_from_either_servers_metrics():
+    ours = "# HELP x\ngaudi_serve_prefix_cache_queries_total 200.0\ngaudi_serve_prefix_cache_hits_total 150.0\n"
+    vllm = ('vllm:prefix_cache_queries_total{engine="0",model_name="m"} 90.0\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 30.0\n'
+            'vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9\n')
+    assert loadtest.parse_prefix_cache_counters(ours) == (200.0, 150.0)
+    assert loadtest.parse_prefix_cache_counters(vllm) == (90.0, 30.0)
+    assert loadtest.parse_prefix_cache_counters("tgi_queue_size 0\n") is None
+    delta = loadtest.prefix_cache_delta((100.0, 50.0), (200.0, 150.0))
+    assert delta == {"queries": 100.0, "hits": 100.0, "hit_rate": 1.0}
+    assert loadtest.prefix_cache_delta(None, (1.0, 1.0)) is None
+
+
+def test_multiturn_report_shows_ttft_by_turn_and_the_hit_rate():
+    records = [rec(i, ttft=10.0 * (i % 2 + 1)) for i in range(4)]
+    for i, r in enumerate(records):
+        r.turn = i % 2 + 1
+    step = summarize_step(records, 1.0, users=2)
+    assert step["ttft_by_turn"]["1"]["p50"] == 10.0 and step["ttft_by_turn"]["2"]["p50"] == 20.0
+    step.update(label="2 users", prefix_cache={"queries": 400.0, "hits": 300.0, "hit_rate": 0.75})
+    report = {"api": "openai", "url": "http://x", "model": "m", "profile": "multiturn", "prompt_tokens": "100",
+              "output_tokens": "64", "turns": 2, "system_tokens": 1000, "steps": [step]}
+    text = loadtest.render(report)
+    assert "75.0% of prompt tokens found cached (300 of 400)" in text
+    assert "| Turn |" in text and "1000-token system prompt" in text
+    with pytest.raises(SystemExit):
+        loadtest.main(["--url", "http://127.0.0.1:1", "--profile", "multiturn", "--rate", "2"])

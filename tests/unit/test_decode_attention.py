@@ -11,6 +11,7 @@ from gaudi_runtime.layers import attention
 from gaudi_runtime.layers.attention import (
     GROUPED_MAX_KV_HEADS,
     GROUPED_MIN_BATCH,
+    GROUPED_MIN_POSITIONS,
     grouped_decode_attention,
     select_attention,
 )
@@ -61,9 +62,11 @@ def test_selected_for_cpu_decode_only():
         select_attention(True, False, "cuda")
 
 
-def test_batched_matmuls_serve_large_batches_with_few_kv_heads(monkeypatch):
-    """Where it is faster (batch >= 16, at most 4 KV heads) SDPA is not called at all."""
-    q, k, v, mask = gathered(GROUPED_MIN_BATCH, GROUPED_MAX_KV_HEADS, 2, 32, 8)
+@pytest.mark.parametrize("b,length", [(GROUPED_MIN_BATCH, 32), (4, GROUPED_MIN_POSITIONS // 4)],
+                         ids=["large-batch", "long-context"])
+def test_batched_matmuls_serve_large_batches_or_long_contexts_with_few_kv_heads(monkeypatch, b, length):
+    """Where it is faster (batch >= 16 or long contexts, at most 4 KV heads) SDPA is not called at all."""
+    q, k, v, mask = gathered(b, GROUPED_MAX_KV_HEADS, 2, length, 8)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def no_sdpa(*args, **kwargs):

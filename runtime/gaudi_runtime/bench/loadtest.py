@@ -13,6 +13,14 @@ Profiles:
   chat      chat-like length histograms shipped with the tool (chat-prompt, chat-output); --users or --rate
   sweep     a closed-loop step at --users to find the saturation rate, then open-loop steps at
             1/K .. K/K of it (K = --sweep-steps), or at the given --rates; chat lengths unless given
+  multiturn conversations of --turns turns (default 4) behind one shared system prompt of
+            --system-tokens tokens (default 1000), each turn sending the whole history (the earlier
+            messages and answers) and a new user message of --prompt-tokens (default 100), answered
+            with --output-tokens (default 64); --users conversations at a time (closed loop). The
+            report gives time to first token by turn number
+
+Every report gives the prefix-cache hit rate (the share of prompt tokens the server found cached)
+when the server's /metrics has it (gaudi-serve's and vLLM's counters).
 
 Each step sends --requests requests (default 100) or runs for --duration seconds, whichever ends
 first, then waits for the requests in flight. Streaming is used throughout (TGI: /generate_stream;
@@ -37,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 
 from gaudi_runtime.bench.profiles import (
     TOKENS_PER_WORD,
+    Conversation,
+    ConversationMaker,
     LengthSpecError,
     PromptMaker,
     parse_length,
@@ -45,7 +55,10 @@ from gaudi_runtime.bench.profiles import (
 from gaudi_runtime.bench.stats import STAT_COLUMNS, fmt, summarize, table, write_json
 
 PROFILE_LENGTHS = {"constant": ("128", "128"), "chat": ("chat-prompt", "chat-output"),
-                   "sweep": ("chat-prompt", "chat-output")}
+                   "sweep": ("chat-prompt", "chat-output"), "multiturn": ("100", "64")}
+# Prefix-cache counters (prompt tokens looked up, found) in /metrics: ours, then vLLM's.
+PREFIX_CACHE_COUNTERS = (("gaudi_serve_prefix_cache_queries_total", "gaudi_serve_prefix_cache_hits_total"),
+                         ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"))
 
 
 @dataclass
@@ -55,6 +68,8 @@ class Planned:
     prompt_tokens: int
     counted_by: str  # tokenizer | estimate (replaced by "server" when the server reports usage)
     max_new_tokens: int
+    messages: list[dict] | None = None  # a conversation's turn, for the chat API (else `prompt` is the turn)
+    turn: int | None = None  # from 1, in a conversation
 
 
 @dataclass
@@ -72,6 +87,8 @@ class Record:
     itl_ms: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    turn: int | None = None
+    text: str = ""  # the answer (a conversation's next turn sends it back); not in the JSON report
 
 
 # ---- one request -------------------------------------------------------------
@@ -90,7 +107,8 @@ def request_body(api: str, p: Planned, model: str, ignore_eos: bool) -> tuple[st
     if ignore_eos:
         body["ignore_eos"] = True
     if api == "openai-chat":
-        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": p.prompt}]}
+        messages = p.messages or [{"role": "user", "content": p.prompt}]
+        return "/v1/chat/completions", {**body, "messages": messages}
     return "/v1/completions", {**body, "prompt": p.prompt}
 
 
@@ -103,6 +121,8 @@ def on_event(api: str, data: dict, rec: Record) -> bool:
     if api == "tgi":
         if "token" not in data:
             return False
+        if not data["token"].get("special"):
+            rec.text += data["token"].get("text") or ""
         rec.generated_tokens += 1
         details = data.get("details")
         if details:
@@ -116,6 +136,7 @@ def on_event(api: str, data: dict, rec: Record) -> bool:
             rec.finish_reason = choices[0]["finish_reason"]
         choices = []
     if choices:
+        rec.text += choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or ""
         rec.generated_tokens += 1  # one chunk, one token, unless the server reports usage (below)
         if choices[0].get("finish_reason"):
             rec.finish_reason = choices[0]["finish_reason"]
@@ -132,7 +153,7 @@ async def send(session, base: str, api: str, p: Planned, model: str, ignore_eos:
     import aiohttp
 
     rec = Record(index=p.index, start_s=time.perf_counter() - t0, prompt_tokens=p.prompt_tokens,
-                 prompt_counted_by=p.counted_by, max_new_tokens=p.max_new_tokens)
+                 prompt_counted_by=p.counted_by, max_new_tokens=p.max_new_tokens, turn=p.turn)
     path, body = request_body(api, p, model, ignore_eos)
     start = time.perf_counter()
     last = None
@@ -190,61 +211,152 @@ class Workload:
         return Planned(index, prompt, counted, how, n_out)
 
 
-async def run_step(args, workload: Workload, *, users: int | None = None, rate: float | None = None,
-                   label: str = "", model: str = "tgi", first_index: int = 0) -> dict:
+@dataclass
+class ConversationWorkload:
+    """--profile multiturn: `prompt_dist` is the length of each new user message."""
+
+    prompt_dist: object
+    output_dist: object
+    conversations: ConversationMaker
+
+    def plan(self, conversation: Conversation, turn: int, index: int) -> Planned:
+        prompt = conversation.prompt(turn)
+        tokenizer = self.conversations.maker.tokenizer
+        if tokenizer is not None:
+            counted, how = len(tokenizer(prompt).input_ids), "tokenizer"
+        else:
+            counted, how = round(len(prompt.split()) * TOKENS_PER_WORD), "estimate"
+        return Planned(index, prompt, counted, how, conversation.max_new_tokens[turn],
+                       messages=conversation.messages(turn), turn=turn + 1)
+
+
+async def run_step(args, workload: Workload | ConversationWorkload, *, users: int | None = None,
+                   rate: float | None = None, label: str = "", model: str = "tgi", first_index: int = 0) -> dict:
     import aiohttp
     from tqdm import tqdm
 
     n = args.requests
-    duration = args.duration
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     records: list[Record] = []
     bar = tqdm(total=n if n != math.inf else None, desc=label or "loadtest", unit="req",
                disable=args.no_progress, file=sys.stderr)
     errors: dict[str, int] = {}
 
-    def done(rec: Record) -> None:
+    def done(rec: Record) -> Record:
         records.append(rec)
         if rec.status != "ok":
             errors[rec.status] = errors.get(rec.status, 0) + 1
             bar.set_postfix(errors=sum(errors.values()))
         bar.update(1)
+        return rec
 
     base = args.url.rstrip("/")
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn) as session:
+    cache_before = await prefix_cache_counters(base, headers)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
 
-        def go(i: int):
-            return send(session, base, args.api, workload.plan(first_index + i), model, args.ignore_eos, t0,
-                        args.timeout, headers)
+        async def go(p: Planned) -> Record:
+            return done(await send(session, base, args.api, p, model, args.ignore_eos, t0, args.timeout, headers))
 
-        if users is not None:
-            counter = iter(range(n) if n != math.inf else _count())
-
-            async def user() -> None:
-                for i in counter:
-                    if duration is not None and time.perf_counter() - t0 >= duration:
-                        return
-                    done(await go(i))
-
-            await asyncio.gather(*(user() for _ in range(users)))
+        if isinstance(workload, ConversationWorkload):
+            await _conversations(args, workload, users, go, t0, first_index)
+        elif users is not None:
+            await _closed_loop(args, users, lambda i: go(workload.plan(first_index + i)), t0)
         else:
-            rng = random.Random(args.seed * 7919 + first_index)
-            count = n if n != math.inf else 10**9
-            schedule = poisson_schedule(rate, count, rng, duration) if duration is not None else \
-                poisson_schedule(rate, count, rng)
-
-            async def at(i: int, when: float) -> None:
-                delay = t0 + when - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                done(await go(i))
-
-            await asyncio.gather(*(at(i, when) for i, when in enumerate(schedule)))
+            await _open_loop(args, rate, lambda i: go(workload.plan(first_index + i)), t0, first_index)
         elapsed = time.perf_counter() - t0
     bar.close()
-    return summarize_step(records, elapsed, users=users, rate=rate)
+    step = summarize_step(records, elapsed, users=users, rate=rate)
+    step["prefix_cache"] = prefix_cache_delta(cache_before, await prefix_cache_counters(base, headers))
+    return step
+
+
+async def _closed_loop(args, users: int, go, t0: float) -> None:
+    """`users` virtual users, each sending its next request when its previous one ended."""
+    n, duration = args.requests, args.duration
+    counter = iter(range(n) if n != math.inf else _count())
+
+    async def user() -> None:
+        for i in counter:
+            if duration is not None and time.perf_counter() - t0 >= duration:
+                return
+            await go(i)
+
+    await asyncio.gather(*(user() for _ in range(users)))
+
+
+async def _open_loop(args, rate: float, go, t0: float, first_index: int) -> None:
+    """Requests arriving as a Poisson process of `rate` requests/s."""
+    n, duration = args.requests, args.duration
+    rng = random.Random(args.seed * 7919 + first_index)
+    count = n if n != math.inf else 10**9
+    schedule = poisson_schedule(rate, count, rng, duration) if duration is not None else \
+        poisson_schedule(rate, count, rng)
+
+    async def at(i: int, when: float) -> None:
+        delay = t0 + when - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await go(i)
+
+    await asyncio.gather(*(at(i, when) for i, when in enumerate(schedule)))
+
+
+async def _conversations(args, workload: ConversationWorkload, users: int, go, t0: float, first_index: int) -> None:
+    """`users` virtual users, each holding one conversation at a time, turn after turn; a turn that
+    fails ends its conversation. Stops after --requests requests (turns) or --duration seconds."""
+    n, duration = args.requests, args.duration
+    requests, conversations = iter(range(n) if n != math.inf else _count()), _count()
+
+    async def user() -> None:
+        while True:
+            conversation = workload.conversations.conversation(first_index + next(conversations))
+            for turn in range(conversation.turns):
+                i = next(requests, None)
+                if i is None or duration is not None and time.perf_counter() - t0 >= duration:
+                    return
+                rec = await go(workload.plan(conversation, turn, first_index + i))
+                if rec.status != "ok":
+                    break
+                conversation.answers.append(rec.text)
+
+    await asyncio.gather(*(user() for _ in range(users)))
+
+
+async def prefix_cache_counters(base: str, headers: dict) -> tuple[float, float] | None:
+    """(prompt tokens looked up, found cached) so far, from the server's /metrics; None without them."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession() as s, s.get(base + "/metrics", headers=headers,
+                                                       timeout=aiohttp.ClientTimeout(total=30)) as r:
+            text = await r.text() if r.status == 200 else ""
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    return parse_prefix_cache_counters(text)
+
+
+def parse_prefix_cache_counters(metrics_text: str) -> tuple[float, float] | None:
+    """The prefix-cache counters of a Prometheus text page, summed over their labels."""
+    for queries, hits in PREFIX_CACHE_COUNTERS:
+        found = {queries: 0.0, hits: 0.0}
+        seen = False
+        for line in metrics_text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in found:
+                found[name] += float(line.rsplit(" ", 1)[-1])
+                seen = True
+        if seen:
+            return found[queries], found[hits]
+    return None
+
+
+def prefix_cache_delta(before, after) -> dict | None:
+    """What a step added to the counters: tokens looked up, found, and the hit rate (None: not exposed)."""
+    if before is None or after is None:
+        return None
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries else math.nan}
 
 
 def _count():
@@ -286,12 +398,15 @@ def summarize_step(records: list[Record], elapsed: float, users: int | None = No
         "e2e_ms": summarize(r.e2e_ms for r in ok),
         "prompt_tokens": summarize(r.prompt_tokens for r in ok if r.prompt_tokens is not None),
         "output_tokens": summarize(r.generated_tokens for r in ok),
+        "ttft_by_turn": {str(t): summarize(r.ttft_ms for r in ok if r.turn == t and r.ttft_ms is not None)
+                         for t in sorted({r.turn for r in ok if r.turn is not None})},
         "records": [_record_json(r) for r in records],
     }
 
 
 def _record_json(r: Record) -> dict:
     d = asdict(r)
+    del d["text"]
     d["itl_ms"] = summarize(r.itl_ms)["mean"] if r.itl_ms else None  # per-request mean, not every gap
     return d
 
@@ -360,6 +475,7 @@ async def run(args, workload: Workload) -> dict:
         "max_output_tokens": workload.output_dist.cap,
         "ignore_eos": args.ignore_eos,
         "seed": args.seed,
+        **({"turns": args.turns, "system_tokens": args.system_tokens} if args.profile == "multiturn" else {}),
         "steps": steps,
     }
 
@@ -367,6 +483,9 @@ async def run(args, workload: Workload) -> dict:
 def render(report: dict) -> str:
     out = [f"{report['api']} API at {report['url']} (model {report['model']}), profile {report['profile']}: "
            f"prompt tokens {report['prompt_tokens']}, output tokens {report['output_tokens']}"]
+    if "turns" in report:
+        out[0] += (f"; conversations of {report['turns']} turns behind a {report['system_tokens']}-token system "
+                   "prompt, each turn sending the whole history (prompt tokens: each new user message)")
     summary_rows = []
     for s in report["steps"]:
         req = s["requests"]
@@ -385,11 +504,29 @@ def render(report: dict) -> str:
                    f"{fmt(s['throughput']['input_tokens_per_s'], 1)} input tokens/s "
                    f"(prompt tokens counted by {s['tokens']['prompt_counted_by']})")
         out.append(table(["Metric", "Mean", "Min", "Max", "p50", "p90", "p99"], rows))
+        out.extend(_render_cache_and_turns(s))
     if len(report["steps"]) > 1:
         out.append("\nSummary")
         out.append(table(["Step", "Sent", "OK", "Errors", "Seconds", "Req/s", "Out tok/s", "TTFT p50",
                           "ITL p50", "E2E p50"], summary_rows))
     return "\n".join(out)
+
+
+def _render_cache_and_turns(step: dict) -> list[str]:
+    """The prefix-cache hit rate, and TTFT by turn (multiturn), of one step."""
+    out = []
+    cache = step.get("prefix_cache")
+    if cache is None:
+        out.append("prefix cache: not reported by the server")
+    else:
+        out.append(f"prefix cache: {fmt(100 * cache['hit_rate'], 1)}% of prompt tokens found cached "
+                   f"({cache['hits']:.0f} of {cache['queries']:.0f})")
+    by_turn = step.get("ttft_by_turn") or {}
+    if by_turn:
+        rows = [[turn, str(st["count"]), *(fmt(st[c], 1) for c in ("mean", "p50", "p90", "p99"))]
+                for turn, st in by_turn.items()]
+        out.append(table(["Turn", "Requests", "TTFT mean", "TTFT p50", "TTFT p90", "TTFT p99"], rows))
+    return out
 
 
 def plot(report: dict, path: str) -> None:
@@ -461,7 +598,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8080")
     p.add_argument("--api", choices=("tgi", "openai", "openai-chat"), default="tgi",
                    help="tgi: /generate_stream; openai: /v1/completions; openai-chat: /v1/chat/completions")
-    p.add_argument("--profile", choices=("chat", "constant", "sweep"), default="chat")
+    p.add_argument("--profile", choices=("chat", "constant", "sweep", "multiturn"), default="chat")
+    p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    p.add_argument("--system-tokens", type=int, default=1000,
+                   help="multiturn: tokens of the system prompt every conversation starts with")
     p.add_argument("--users", type=int, default=None, help="closed loop: virtual users (default 4)")
     p.add_argument("--rate", type=float, default=None, help="open loop: Poisson arrivals, requests/s")
     p.add_argument("--rates", type=_rates, default=None, help="sweep: these open-loop rates (comma-separated)")
@@ -495,6 +635,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --users (closed loop) or --rate (open loop), not both")
     if a.profile == "sweep" and a.rate is not None:
         p.error("--profile sweep takes --rates (or finds them), not --rate")
+    if a.profile == "multiturn" and a.rate is not None:
+        p.error("--profile multiturn runs --users conversations at a time (closed loop), not --rate")
+    if a.turns < 1 or a.system_tokens < 1:
+        p.error("--turns and --system-tokens must be positive")
     if a.users is None:
         a.users = 4
     if a.users < 1 or a.sweep_steps < 1 or (a.rate is not None and a.rate <= 0):
@@ -523,7 +667,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"note: prompt lengths are estimated ({TOKENS_PER_WORD} tokens per word); give --tokenizer "
               "for exact ones", file=sys.stderr)
-    workload = Workload(prompt_dist, output_dist, PromptMaker(tok, a.seed), a.seed)
+    maker = PromptMaker(tok, a.seed)
+    if a.profile == "multiturn":
+        workload = ConversationWorkload(prompt_dist, output_dist, ConversationMaker(
+            maker, a.system_tokens, prompt_dist, output_dist, a.turns, a.seed))
+    else:
+        workload = Workload(prompt_dist, output_dist, maker, a.seed)
     report = asyncio.run(run(a, workload))
     print(render(report))
     if a.json_path:

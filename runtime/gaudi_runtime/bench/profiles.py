@@ -226,3 +226,62 @@ class PromptMaker:
         start = rng.randrange(0, len(self._ids) - tokens)
         text = self.tokenizer.decode(self._ids[start:start + tokens], skip_special_tokens=True).strip()
         return text, len(self.tokenizer(text).input_ids), "tokenizer"
+
+
+# ---- conversations (--profile multiturn) --------------------------------------------------------
+
+@dataclass
+class Conversation:
+    """A conversation behind a system prompt, each turn sending its whole history as chat clients do:
+    the system prompt, every earlier user message and answer, then the new user message."""
+
+    system: str
+    user_messages: list[str]  # one per turn
+    max_new_tokens: list[int]  # one per turn
+    answers: list[str] = field(default_factory=list)  # as the server returned them, turn by turn
+
+    @property
+    def turns(self) -> int:
+        return len(self.user_messages)
+
+    def prompt(self, turn: int) -> str:
+        """Turn `turn` (from 0) as one text: the previous turn's prompt, its answer, the new message."""
+        out = self.system
+        for i in range(turn + 1):
+            out += f"\n\nUser: {self.user_messages[i]}\n\nAssistant:"
+            if i < turn:
+                out += self.answers[i]
+        return out
+
+    def messages(self, turn: int) -> list[dict]:
+        """Turn `turn` (from 0) as chat messages."""
+        out = [{"role": "system", "content": self.system}]
+        for i in range(turn + 1):
+            out.append({"role": "user", "content": self.user_messages[i]})
+            if i < turn:
+                out.append({"role": "assistant", "content": self.answers[i]})
+        return out
+
+
+@dataclass
+class ConversationMaker:
+    """Conversations of `turns` turns behind one shared system prompt of about `system_tokens` tokens;
+    user messages follow `user_dist`, answers are asked for `output_dist` tokens."""
+
+    maker: PromptMaker
+    system_tokens: int
+    user_dist: LengthDist
+    output_dist: LengthDist
+    turns: int
+    seed: int = 0
+    system: str = ""
+
+    def __post_init__(self):
+        if not self.system:
+            self.system = self.maker.make(random.Random(self.seed * 7 + 1), self.system_tokens)[0]
+
+    def conversation(self, index: int) -> Conversation:
+        """The `index`-th conversation, the same on every run with the same seed."""
+        rng = random.Random(self.seed * 1_000_003 + index)
+        users = [self.maker.make(rng, self.user_dist.sample(rng))[0] for _ in range(self.turns)]
+        return Conversation(self.system, users, [self.output_dist.sample(rng) for _ in range(self.turns)])

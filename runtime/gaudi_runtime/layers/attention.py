@@ -2,7 +2,15 @@
 
 Prefill: right-padded ``[B, S]`` batch; K/V of every token are written into
 its slot; attention is causal within each row (pads come after real tokens, so
-real tokens never see them).
+real tokens never see them). A prefill whose prompts start with cached blocks
+(prefix caching) attends over those blocks, gathered through ``block_tables``
+(the first ``context_lens`` positions of each row), then causally over its own
+new tokens; the gather follows this layer's write, so a row may read blocks
+another row of the same batch has just filled.
+
+With a float8 cache, prefill attends to the K/V values the cache holds (rounded
+to float8 and back), as decode and a prefill reading them later do, so that a
+prompt's output does not depend on which of its blocks were cached.
 
 Decode (``S == 1``): the new K/V are written, then each sequence attends over
 its cache gathered through ``block_tables`` with positions ``>= context_lens``
@@ -29,12 +37,17 @@ def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
     if is_causal:
         scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device)
                                     .tril().logical_not(), float("-inf"))
-    if attn_mask is not None:
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
         scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+    elif attn_mask is not None:  # additive
+        scores = scores + attn_mask
     return torch.matmul(scores.float().softmax(-1).to(v.dtype), v)
 
 
 GROUPED_MIN_BATCH = 16
+# ... or from this many gathered positions over the batch (a few long conversations: the prefix cache
+# makes their turns cheap to prefill, and then their decode steps are what is left).
+GROUPED_MIN_POSITIONS = 16 * 256
 # Each query head's row spans every KV head's slice, so the matmuls do Hkv times the useful work;
 # past a few KV heads that outgrows what SDPA loses on this shape.
 GROUPED_MAX_KV_HEADS = 4
@@ -55,12 +68,14 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     mask) as B x Hkv tiny problems and copies the transposed K/V; here each row's heads are flattened
     into one ``[L, Hkv * D]`` matrix and every query head gets a block-diagonal row that only meets its
     own KV head, so one ``bmm`` scores all heads without copying K or V (the zero blocks cost Hkv x the
-    flops of a memory-bound op). It wins from batch GROUPED_MIN_BATCH up (docs/performance.md has the
-    measurements); smaller batches, and models with more than GROUPED_MAX_KV_HEADS KV heads, keep SDPA.
+    flops of a memory-bound op). It wins from batch GROUPED_MIN_BATCH up, or from GROUPED_MIN_POSITIONS
+    gathered positions (docs/performance.md has the measurements); smaller work, and models with more than
+    GROUPED_MAX_KV_HEADS KV heads, keep SDPA.
     """
     b, hkv, g, d = q.shape
     keys, values = k.transpose(1, 2), v.transpose(1, 2)  # back to the gathered [B, L, Hkv, D]
-    if b < GROUPED_MIN_BATCH or hkv > GROUPED_MAX_KV_HEADS or not (keys.is_contiguous() and values.is_contiguous()):
+    small = b < GROUPED_MIN_BATCH and b * keys.shape[1] < GROUPED_MIN_POSITIONS
+    if small or hkv > GROUPED_MAX_KV_HEADS or not (keys.is_contiguous() and values.is_contiguous()):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     length = keys.shape[1]
     q_rows = (q.unsqueeze(3) * _head_blocks(hkv, q.dtype, q.device)).view(b, hkv * g, hkv * d)  # [B, Hq, Hkv * D]
@@ -80,9 +95,11 @@ class AttentionImpl:
     name: str
     prefill: object
     decode: object
+    # Whether `prefill` takes torch SDPA's enable_gqa (K/V with fewer heads than Q, not repeated).
+    prefill_gqa: bool = False
 
 
-IMPL = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention)
+IMPL = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
 
 
 def select_attention(use_flash: bool, recompute: bool, device: str) -> AttentionImpl:
@@ -96,10 +113,11 @@ def select_attention(use_flash: bool, recompute: bool, device: str) -> Attention
 
         impl = AttentionImpl("fused_sdpa", fused_sdpa(recompute), fused_sdpa(False))
     elif device == "cpu":
-        impl = AttentionImpl("sdpa (decode: grouped bmm)", F.scaled_dot_product_attention, grouped_decode_attention)
+        impl = AttentionImpl("sdpa (decode: grouped bmm)", F.scaled_dot_product_attention, grouped_decode_attention,
+                             True)
     else:
-        impl = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention)
-    IMPL.name, IMPL.prefill, IMPL.decode = impl.name, impl.prefill, impl.decode
+        impl = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
+    IMPL.name, IMPL.prefill, IMPL.decode, IMPL.prefill_gqa = impl.name, impl.prefill, impl.decode, impl.prefill_gqa
     return IMPL
 
 
@@ -107,11 +125,22 @@ def select_attention(use_flash: bool, recompute: bool, device: str) -> Attention
 class AttentionMetadata:
     is_prefill: bool
     slots: torch.LongTensor  # [B, S] flat slot per input token; padding -> 0 (trash block 0)
-    block_tables: torch.LongTensor | None = None  # decode: [B, nb], padded with 0
-    context_lens: torch.LongTensor | None = None  # decode: [B], including the current token
+    # decode: [B, nb], padded with 0; prefill: the cached blocks each row starts with (None: no row has any)
+    block_tables: torch.LongTensor | None = None
+    # decode: [B], including the current token; prefill: [B] the cached tokens before each row's first
+    context_lens: torch.LongTensor | None = None
     # decode: which gathered positions each row attends to, [B, 1, 1, L]; the first layer builds it
     # and the others reuse it (one forward pass, one metadata object).
     decode_mask: torch.Tensor | None = None
+    # prefill with cached blocks: [B, 1, S, L + S] (gathered context, then the new tokens), additive
+    # (0 or -inf: CPU SDPA runs a float mask faster than a boolean one), built once
+    context_mask: torch.Tensor | None = None
+
+
+def fp8_round_trip(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as a float8 cache stores it and attention reads it back (`write_kv`, then ``* scale``)."""
+    limit = torch.finfo(cache_dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(cache_dtype).to(x.dtype) * scale
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -162,23 +191,54 @@ class Attention(nn.Module):
         if kv_cache is not None:
             write_kv(kv_cache[0], kv_cache[1], k, v, meta.slots, self.k_scale, self.v_scale)
         if meta.is_prefill:
-            out = self._prefill(q, k, v)
+            if kv_cache is not None and kv_cache[0].dtype in FP8_KV_DTYPES:
+                k = fp8_round_trip(k, kv_cache[0].dtype, self.k_scale)
+                v = fp8_round_trip(v, kv_cache[1].dtype, self.v_scale)
+            if meta.block_tables is not None:
+                out = self._prefill_with_context(q, k, v, kv_cache[0], kv_cache[1], meta)
+            else:
+                out = self._prefill(q, k, v)
         else:
             if kv_cache is None:
                 raise ValueError("decode needs a KV cache")
             out = self._decode(q, kv_cache[0], kv_cache[1], meta)
         return out.reshape(b, s, self.num_heads * self.head_dim)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, s = q.shape[:2]
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q ``[B, S, Hq, D]`` over k/v ``[B, L, Hkv, D]``: causal (L == S) unless a mask is given."""
+        b, length = k.shape[:2]
+        if self.group > 1 and attn_mask is not None and IMPL.prefill_gqa:  # the long keys of a cached prefix
+            out = IMPL.prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+                               scale=self.scale, enable_gqa=True)
+            return out.transpose(1, 2)
         if self.group > 1:
-            k = k.unsqueeze(3).expand(b, s, self.num_kv_heads, self.group, self.head_dim).reshape(
-                b, s, self.num_heads, self.head_dim)
-            v = v.unsqueeze(3).expand(b, s, self.num_kv_heads, self.group, self.head_dim).reshape(
-                b, s, self.num_heads, self.head_dim)
-        out = IMPL.prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                           is_causal=True, scale=self.scale)
+            k = k.unsqueeze(3).expand(b, length, self.num_kv_heads, self.group, self.head_dim).reshape(
+                b, length, self.num_heads, self.head_dim)
+            v = v.unsqueeze(3).expand(b, length, self.num_kv_heads, self.group, self.head_dim).reshape(
+                b, length, self.num_heads, self.head_dim)
+        out = IMPL.prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+                           is_causal=attn_mask is None, scale=self.scale)
         return out.transpose(1, 2)  # [B, S, Hq, D]
+
+    def _prefill_with_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The new tokens attend to their rows' cached blocks, then causally to each other."""
+        b, s = q.shape[:2]
+        length = meta.block_tables.shape[1] * k_cache.shape[1]
+        flat = meta.block_tables.reshape(-1)
+        keys = k_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim)
+        values = v_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim)
+        if k_cache.dtype in FP8_KV_DTYPES:
+            keys, values = keys.to(q.dtype) * self.k_scale, values.to(q.dtype) * self.v_scale
+        if meta.context_mask is None:
+            cached = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, L]
+            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            allowed = torch.cat([cached[:, None, :].expand(b, s, length), causal.expand(b, s, s)], dim=-1)
+            meta.context_mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
+                allowed.logical_not(), float("-inf"))[:, None]
+        return self._prefill(q, torch.cat([keys.to(k.dtype), k], 1), torch.cat([values.to(v.dtype), v], 1),
+                             meta.context_mask)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

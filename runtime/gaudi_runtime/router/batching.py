@@ -36,7 +36,7 @@ from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.output import OutputProcessor
 from gaudi_runtime.router.requests import Requests, RequestState
-from gaudi_runtime.router.scheduler import Waiting, join_min_size, select_prefill
+from gaudi_runtime.router.scheduler import join_min_size, select_prefill
 from gaudi_runtime.router.types import GenerationError
 
 log = logging.getLogger(__name__)
@@ -188,21 +188,31 @@ class BatchingLoop:
 
     def _take_waiting(self, running: int, min_size: int | None) -> list[RequestState]:
         """The requests the next prefill takes (TGI's rules), their KV blocks reserved."""
-        view = [Waiting(len(s.req.input_ids), s.req.stopping.max_new_tokens) for s in self.requests.waiting]
+        view = self.requests.waiting_view(max(0, self.cfg.max_batch_size - running))
         return self.requests.take(select_prefill(view, running, self.requests.allocator.free_count, self.cfg,
                                                  min_size))
 
     def _encoded(self, taken: list[RequestState]) -> list[tuple[RequestState, pb.Request]]:
         """Each request in the shards' protocol; one holding a value the protocol cannot carry ends
-        with its own error, and the others go on (validation should have refused it)."""
-        out = []
+        with its own error, and the others go on (validation should have refused it). Those that were
+        to read blocks such a request would have filled (prefix caching) wait for the next prefill."""
+        out, unfilled = [], set()
         for state in taken:
             try:
                 out.append((state, prefill_request(state)))
             except ValueError as e:
                 log.error("request %d cannot be sent to the shards: %s", state.id, e)
+                unfilled.update(state.blocks[state.cached_tokens // self.cfg.block_size:])
                 self.requests.end(state, GenerationError(f"the request cannot be sent to the shards: {e}"))
-        return out
+        stranded: list[RequestState] = []
+        for state, _ in out:  # in take order: a request reads only blocks of requests before it
+            if unfilled.intersection(state.blocks):
+                stranded.append(state)
+                unfilled.update(state.blocks[state.cached_tokens // self.cfg.block_size:])
+        if stranded:
+            self.requests.requeue(stranded)
+            self.wake()  # they are waiting again: serve them even if nothing else runs
+        return [(state, request) for state, request in out if state not in stranded]
 
     def _make_prefill(self, encoded: list[tuple[RequestState, pb.Request]]) -> tuple[int, Call]:
         """Make the prefill call now; returns its batch id and the call, whose answer gives the running ids."""
@@ -246,7 +256,7 @@ def prefill_request(state: RequestState) -> pb.Request:
     r, s = state.req, state.req.sampling
     return pb.Request(
         id=state.id, input_ids=r.input_ids, top_n_tokens=r.top_n_tokens, blocks=state.blocks,
-        prefill_logprobs=r.decoder_input_details, images=r.images,
+        prefill_logprobs=r.decoder_input_details, images=r.images, cached_tokens=state.cached_tokens,
         grammar=pb.Grammar(type=r.grammar.kind, value=r.grammar.value) if r.grammar is not None else None,
         parameters=pb.NextTokenChooserParameters(
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,

@@ -123,7 +123,8 @@ class BatchingEngine:
         return len(self.requests.waiting)
 
     def info(self) -> dict:
-        info = {"state": self.state, "unwarmed_shapes": self.metrics.unwarmed_shapes}
+        info = {"state": self.state, "unwarmed_shapes": self.metrics.unwarmed_shapes,
+                "prefix_caching": self.cfg.prefix_caching}
         if self.shard_info is not None:
             s = self.shard_info
             info.update({
@@ -141,7 +142,10 @@ class BatchingEngine:
             for key in ("quantization", "kv_cache_dtype", "warmup_from_cache", "recipe_cache", "startup_seconds"):
                 info[key] = details.get(key)
         if self.requests.allocator is not None:
-            info["kv_blocks_free"] = self.requests.allocator.free_count
+            info["kv_blocks_free"] = self.requests.allocator.free_count  # cached blocks no request holds count
+            info["kv_blocks_cached"] = self.requests.allocator.cached_count
+            info["prefix_cache_queries"] = self.metrics.prefix_queries
+            info["prefix_cache_hits"] = self.metrics.prefix_hits
         return info
 
     async def generate(self, request: ValidRequest):

@@ -1,5 +1,6 @@
 """Every Prometheus metric the engine sets, in one place: queue and batch sizes, batch timings,
-warmup progress, passes on unwarmed shapes, and the load gauges an autoscaler reads.
+warmup progress, passes on unwarmed shapes, prefix-cache lookups, and the load gauges an autoscaler
+reads.
 
 The life cycle, the request registry and the batching loop each call this object rather than the
 registry, so that what a metric means is decided here once. Without a registry (the offline
@@ -19,6 +20,8 @@ class EngineMetrics:
         self._m = metrics
         self.unwarmed_shapes = 0  # forward passes the shards ran on a shape warmup did not cover
         self._last_decode_answer = 0.0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (also kept without a registry)
+        self.prefix_hits = 0
         self.serving = False  # the load gauges are published from the moment the engine is ready
 
     def warmup(self, done: int, total: int) -> None:
@@ -66,6 +69,18 @@ class EngineMetrics:
         m.tgi_batch_inference_success.labels(method=method).inc()
         m.tgi_batch_inference_duration.labels(method=method).observe(seconds)
         m.tgi_batch_forward_duration.labels(method=method).observe(forward_ns / 1e9)
+
+    def prefix_lookup(self, queried: int, found: int) -> None:
+        """A prompt of `queried` tokens was looked up in the prefix cache; `found` were cached."""
+        self.prefix_queries += queried
+        self.prefix_hits += found
+        if self._m is not None:
+            self._m.gaudi_serve_prefix_cache_queries_total.inc(queried)
+            self._m.gaudi_serve_prefix_cache_hits_total.inc(found)
+
+    def cached_blocks(self, count: int) -> None:
+        if self._m is not None:
+            self._m.gaudi_serve_prefix_cache_blocks.set(count)
 
     def _unwarmed(self, count: int) -> None:
         """The shards report a running total; the counter gets what it grew by."""

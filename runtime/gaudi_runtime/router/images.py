@@ -51,6 +51,8 @@ class PromptImages:
             raise ValidationError(f"the prompt has {placeholders} image placeholder tokens but its images "
                                   f"need {sum(self.token_counts)}")
         request.images = list(self.images)
+        positions = [i for i, t in enumerate(request.input_ids) if t == self.image_token_id]
+        request.image_starts = [positions[sum(self.token_counts[:k])] for k in range(len(self.images))]
 
 
 def split_markdown(text: str) -> list[str | tuple[str]]:

@@ -146,13 +146,7 @@ class Metrics:
         self.tgi_batch_forward_duration = Histogram(
             "tgi_batch_forward_duration", "Forward pass time (s), by method", ("method",),
             buckets=_FAST + (5.0, 10.0, 30.0), registry=r)
-
-        # Warmup (set by the engine; see docs/design.md "Static shapes").
-        self.gaudi_serve_warmup_done = Gauge("gaudi_serve_warmup_done", "Shapes warmed up so far", registry=r)
-        self.gaudi_serve_warmup_total = Gauge("gaudi_serve_warmup_total", "Shapes warmup runs", registry=r)
-        self.gaudi_serve_unwarmed_shapes_total = Counter(
-            "gaudi_serve_unwarmed_shapes_total", "Forward passes on a shape warmup did not cover (should stay 0)",
-            registry=c)
+        self._warmup_and_cache_metrics(c, r)
         self._load_gauges(r)
 
     def _load_gauges(self, r: CollectorRegistry) -> None:
@@ -170,6 +164,23 @@ class Metrics:
         self.vllm_num_requests_waiting.labels(self.model_name).set(waiting)
         self.vllm_num_requests_running.labels(self.model_name).set(running)
         self.vllm_kv_cache_usage_perc.labels(self.model_name).set(kv_usage)
+
+    def _warmup_and_cache_metrics(self, c: list[Counter], r: CollectorRegistry) -> None:
+        """Warmup and prefix caching (set by the engine; see docs/design.md "Static shapes" and
+        "Prefix caching")."""
+        self.gaudi_serve_warmup_done = Gauge("gaudi_serve_warmup_done", "Shapes warmed up so far", registry=r)
+        self.gaudi_serve_warmup_total = Gauge("gaudi_serve_warmup_total", "Shapes warmup runs", registry=r)
+        self.gaudi_serve_unwarmed_shapes_total = Counter(
+            "gaudi_serve_unwarmed_shapes_total", "Forward passes on a shape warmup did not cover (should stay 0)",
+            registry=c)
+        self.gaudi_serve_prefix_cache_queries_total = Counter(
+            "gaudi_serve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", registry=c)
+        self.gaudi_serve_prefix_cache_hits_total = Counter(
+            "gaudi_serve_prefix_cache_hits_total", "Prompt tokens found in the prefix cache (not computed again)",
+            registry=c)
+        self.gaudi_serve_prefix_cache_blocks = Gauge(
+            "gaudi_serve_prefix_cache_blocks", "KV blocks registered in the prefix cache, held by a request or not",
+            registry=r)
 
     def render(self) -> bytes:
         return "".join(c.render() for c in self.counters).encode() + generate_latest(self.registry)

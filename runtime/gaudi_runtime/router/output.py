@@ -46,6 +46,7 @@ class OutputProcessor:
 
     def _on_token(self, state: RequestState, token_id: int, logprob: float, top) -> None:
         state.generated += 1
+        state.output_ids.append(token_id)
         special = token_id in self.special_ids
         text = self.tokenizer.decode([token_id], skip_special_tokens=False) if special else state.detok.add(token_id)
         finish = self._finish_reason(state, token_id)

@@ -9,7 +9,8 @@ gives the blocks back exactly once and delivers the request's last event or erro
 The blocks go back at once, even while a call already made still names the request: the prefill
 of a request that takes them over is made later, so the shards run it after that call (see
 router/batching.py). Ended requests are no longer live, so no later call names them and their
-stale tokens are dropped.
+stale tokens are dropped. With prefix caching, a request may start with blocks another request
+filled, and leaves its own full blocks cached for later ones (router/prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from gaudi_runtime.config import Config
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.detokenizer import IncrementalDetokenizer, StopSequenceMatcher
 from gaudi_runtime.router.engine_metrics import EngineMetrics
-from gaudi_runtime.router.scheduler import blocks_needed
+from gaudi_runtime.router.prefix_cache import PrefixCache
+from gaudi_runtime.router.scheduler import Waiting, blocks_needed
 from gaudi_runtime.router.types import StreamEvent, Token, ValidRequest
 
 
@@ -40,6 +42,9 @@ class RequestState:
     enqueued: float = field(default_factory=time.monotonic)
     started: float | None = None  # when a prefill took it; None while it waits
     blocks: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens its first blocks held already when it was taken (prefix cache)
+    block_hashes: list[bytes] | None = None  # of its prompt's full blocks, once computed
+    output_ids: list[int] = field(default_factory=list)  # tokens streamed
     generated: int = 0  # tokens streamed
     sent: int = 0  # tokens asked of the shards so far (prefill and decode calls made, answered or not)
     prefill: list[Token] = field(default_factory=list)  # prompt tokens with logprobs (decoder_input_details)
@@ -54,6 +59,7 @@ class Requests:
         self.metrics = metrics
         self.waiting: deque[RequestState] = deque()
         self.allocator: BlockAllocator | None = None  # set once the shards said how many blocks they hold
+        self.prefix = PrefixCache(cfg, metrics)
         self._live: dict[int, RequestState] = {}
         self._ids = itertools.count(1)
 
@@ -71,18 +77,39 @@ class Requests:
         """The live request of that id; None once it ended."""
         return self._live.get(request_id)
 
+    def waiting_view(self, limit: int) -> list[Waiting]:
+        """What the admission rules see of the first `limit` waiting requests."""
+        view = []
+        for state in itertools.islice(self.waiting, limit):
+            cached, held = self.prefix.waiting_view(self.allocator, state)
+            view.append(Waiting(len(state.req.input_ids), state.req.stopping.max_new_tokens, cached, held))
+        return view
+
     def take(self, count: int) -> list[RequestState]:
-        """Move the first `count` waiting requests into a prefill, reserving their KV blocks."""
+        """Move the first `count` waiting requests into a prefill, reserving their KV blocks: the
+        cached blocks each starts with (held before any is evicted for another's fresh ones), then
+        fresh ones."""
         now = time.monotonic()
         chosen = [self.waiting.popleft() for _ in range(count)]
         for state in chosen:
+            self.prefix.hold_hits(self.allocator, state)
+        for state in chosen:
             stopping = state.req.stopping
-            state.blocks = self.allocator.allocate(
-                blocks_needed(len(state.req.input_ids), stopping.max_new_tokens, self.cfg))
+            self.prefix.fill(self.allocator, state,
+                             blocks_needed(len(state.req.input_ids), stopping.max_new_tokens, self.cfg))
             state.started = now
             state.sent = 1  # the prefill computes the first token
         self.report_load()
         return chosen
+
+    def requeue(self, states: list[RequestState]) -> None:
+        """Put taken requests whose prefill was not made back at the head of the queue, in order; their
+        blocks go back, and the ones they were to fill are forgotten (nothing was written)."""
+        for state in reversed(states):
+            self.prefix.release(self.allocator, state, failed=True)
+            state.blocks, state.cached_tokens, state.started, state.sent = [], 0, None, 0
+            self.waiting.appendleft(state)
+        self.report_load()
 
     def end(self, state: RequestState, last: StreamEvent | Exception | None = None) -> None:
         """End `state` for whatever reason; `last` (its final event, or the error its caller gets) is
@@ -91,7 +118,7 @@ class Requests:
             return
         state.ended = True
         if state.blocks:
-            self.allocator.free(state.blocks)
+            self.prefix.release(self.allocator, state, failed=isinstance(last, Exception))
             state.blocks = []
         del self._live[state.id]
         if state.started is None:

@@ -64,6 +64,9 @@ class Info(BaseModel):
     version: str
     sha: str | None = None
     docker_label: str | None = None
+    prefix_caching: bool | None = Field(None, description="Whether KV blocks of earlier prompts are reused "
+                                        "(--prefix-caching); kv_blocks_cached, prefix_cache_queries and "
+                                        "prefix_cache_hits say how much")
 
 
 # --- TGI -------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ class Waiting:
 
     input_len: int
     max_new_tokens: int
+    cached_tokens: int = 0  # prompt tokens cached blocks hold (prefix cache): the prefill computes the rest
+    held_blocks: int = 0  # of those blocks, the ones other requests hold: they cost no free block
 
 
 def blocks_needed(input_len: int, max_new_tokens: int, cfg: Config) -> int:
@@ -38,19 +40,21 @@ def select_prefill(waiting: list[Waiting], running: int, free_blocks: int, cfg: 
     """How many requests from the head of the queue (FIFO) the next prefill takes.
 
     Limits: --max-batch-size over running + new, the padded prefill shape within
-    --max-batch-prefill-tokens, and the free KV blocks. Stops at the first
-    request that does not fit, so that no request is overtaken forever.
+    --max-batch-prefill-tokens (prompt tokens to compute: cached ones are not), and
+    the free KV blocks (cached blocks no request holds count as free: taking one
+    costs a block as a fresh one does). Stops at the first request that does not
+    fit, so that no request is overtaken forever.
     """
     room = cfg.max_batch_size - running
     taken, longest, blocks = 0, 0, 0
     for w in waiting:
         if taken >= room:
             break
-        longest_next = max(longest, w.input_len)
+        longest_next = max(longest, w.input_len - w.cached_tokens)
         seq = buckets.prefill_seq_bucket(longest_next, cfg)
         if taken + 1 > buckets.max_prefill_batch(seq, cfg):
             break
-        need = blocks_needed(w.input_len, w.max_new_tokens, cfg)
+        need = blocks_needed(w.input_len, w.max_new_tokens, cfg) - w.held_blocks
         if blocks + need > free_blocks:
             break
         taken, longest, blocks = taken + 1, longest_next, blocks + need

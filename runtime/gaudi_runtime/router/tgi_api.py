@@ -225,6 +225,7 @@ def info_body(state: AppState) -> dict:
         "max_batch_total_tokens": c.max_batch_total_tokens,
         "max_waiting_tokens": c.max_waiting_tokens,
         "max_batch_size": c.max_batch_size,
+        "prefix_caching": c.prefix_caching,
         "router": "gaudi-serve-router",
         "version": gaudi_runtime.__version__,
         "sha": os.environ.get("GIT_SHA") or None,

@@ -51,6 +51,7 @@ class ValidRequest:
     details: bool = False
     return_full_text: bool = False
     images: list[bytes] = field(default_factory=list)  # encoded prompt images (their tokens are in input_ids)
+    image_starts: list[int] = field(default_factory=list)  # where each image's placeholder tokens start
     grammar: GrammarSpec | None = None  # constrained generation
 
 

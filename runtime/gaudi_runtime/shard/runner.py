@@ -43,6 +43,7 @@ class PrefillInput:
     prefill_logprobs: bool
     images: list[bytes] = field(default_factory=list)  # encoded images of a multimodal prompt, in order
     grammar: tuple[str, str] | None = None  # (kind, text) the output must follow (shard/grammar.py)
+    cached_tokens: int = 0  # prompt tokens the first blocks already hold (prefix caching): not computed
 
 
 @dataclass
@@ -68,6 +69,16 @@ def size_kv_cache(cfg: Config, bytes_per_block: int, free_bytes: int | None) -> 
             f"{cfg.max_total_tokens} needs {per_seq + 1}; lower --max-total-tokens"
         )
     return min(wanted, fit)
+
+
+def check_cached(reqs: list[PrefillInput], block_size: int) -> None:
+    """Cached tokens fill whole blocks of the request's own, leave at least one token to compute, and
+    are none where the prompt's log-probabilities are wanted."""
+    for r in reqs:
+        c = r.cached_tokens
+        if c % block_size or c >= len(r.input_ids) or c > len(r.blocks) * block_size or (c and r.prefill_logprobs):
+            raise ValueError(f"request {r.id}: {c} cached tokens do not fit its {len(r.input_ids)}-token prompt "
+                             f"and {len(r.blocks)} blocks of {block_size}")
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -124,12 +135,14 @@ class ModelRunner:
 
             self.image_processor = load_image_processor(model_dir)
         self.warmup_summary: dict | None = None
-        self.warmed: set[tuple[str, int, int]] | None = None  # None until warmup ran
+        self.warmed: set[tuple] | None = None  # (kind, *shape) of every shape warmup ran; None until it ran
         self.unwarmed_shapes = 0  # forward passes on a shape warmup did not run
-        self._unwarmed_seen: set[tuple[str, int, int]] = set()
+        self._unwarmed_seen: set[tuple] = set()
         self._decode_fn = backend.graphed(self._decode_step, "decode")
         self._prefill_fn = self._prefill_step if cfg.limit_hpu_graph else backend.graphed(self._prefill_step,
                                                                                           "prefill")
+        self._prefill_context_fn = self._prefill_context_step if cfg.limit_hpu_graph else backend.graphed(
+            self._prefill_context_step, "prefill_context")
         self.profiler = make_profiler(cfg, rank, backend.name)  # PROF_*: None unless this rank profiles
 
     # ---- the two step functions (what device graphs capture) -----------
@@ -156,57 +169,50 @@ class ModelRunner:
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return hidden, self.model.compute_logits(hidden[rows, last_idx])
 
+    def _prefill_context_step(self, input_ids, positions, slots, last_idx, context_tables, context_lens,
+                              inputs_embeds=None):
+        """A prefill of the tokens after each prompt's cached blocks (`context_tables`, the first
+        `context_lens` positions), which they attend to."""
+        meta = AttentionMetadata(is_prefill=True, slots=slots, block_tables=context_tables, context_lens=context_lens)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds=inputs_embeds)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return hidden, self.model.compute_logits(hidden[rows, last_idx])
+
     def _decode_step(self, input_ids, positions, slots, tables, context_lens):
         meta = AttentionMetadata(is_prefill=False, slots=slots[:, None], block_tables=tables,
                                  context_lens=context_lens)
         hidden = self.model(input_ids[:, None], positions[:, None], self.kv_cache, meta)
         return self.model.compute_logits(hidden[:, -1])
 
-    def _note_shape(self, kind: str, rows: int, dim: int) -> None:
-        if self.warmed is None or (kind, rows, dim) in self.warmed:
+    def _note_shape(self, kind: str, *shape: int) -> None:
+        if self.warmed is None or (kind, *shape) in self.warmed:
             return
         self.unwarmed_shapes += 1
-        if (kind, rows, dim) not in self._unwarmed_seen:
-            self._unwarmed_seen.add((kind, rows, dim))
-            log.warning("%s shape (%d, %d) was not warmed up: expect a slow first pass", kind, rows, dim)
+        if (kind, *shape) not in self._unwarmed_seen:
+            self._unwarmed_seen.add((kind, *shape))
+            log.warning("%s shape %s was not warmed up: expect a slow first pass", kind, shape)
 
     # ---- prefill -------------------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, batch_id: int, reqs: list[PrefillInput]) -> StepResult:
-        cfg, bs = self.cfg, self.cfg.block_size
+        """Compute each prompt after its cached tokens (all of it when none are), keep the batch."""
         n = len(reqs)
         lens = np.array([len(r.input_ids) for r in reqs], dtype=np.int64)
-        seq = buckets.prefill_seq_bucket(int(lens.max()), cfg)
-        rows = buckets.prefill_batch_bucket(n, seq, cfg)
-        self._note_shape("prefill", rows, seq)
-        if not self.backend.pads_to_buckets:  # eager device: the batch's own shape
-            seq, rows = int(lens.max()), n
-        width = buckets.round_up(max(len(r.blocks) for r in reqs), buckets.block_step(cfg))
-
-        ids = np.zeros((rows, seq), dtype=np.int64)
+        cached = np.array([r.cached_tokens for r in reqs], dtype=np.int64)
+        check_cached(reqs, self.cfg.block_size)
+        width = buckets.round_up(max(len(r.blocks) for r in reqs), buckets.block_step(self.cfg))
         tables = np.zeros((n, width), dtype=np.int64)
         for i, r in enumerate(reqs):
-            ids[i, : lens[i]] = r.input_ids
             tables[i, : len(r.blocks)] = r.blocks
-        pos = np.arange(seq, dtype=np.int64)
-        slots = np.zeros((rows, seq), dtype=np.int64)
-        real = pos[None, :] < lens[:, None]
-        slots[:n] = np.where(real, np.take_along_axis(tables, np.minimum(pos // bs, width - 1)[None, :].repeat(n, 0),
-                                                      1) * bs + pos % bs, 0)
-
         dev = self.device
-        last_idx = np.zeros(rows, dtype=np.int64)
-        last_idx[:n] = lens - 1
         sampler = BatchSampler([r.params for r in reqs], [r.top_n_tokens for r in reqs],
                                [r.input_ids for r in reqs], self.model.vocab_size, dev, self._grammar_rows(reqs))
         t0 = time.perf_counter_ns()
-        prefill_fn = self._prefill_fn
-        if any(r.images for r in reqs):
-            prefill_fn = functools.partial(self._prefill_images_step, [im for r in reqs for im in r.images])
-        hidden, logits = prefill_fn(
-            torch.from_numpy(ids).to(dev), torch.from_numpy(np.broadcast_to(pos, (rows, seq)).copy()).to(dev),
-            torch.from_numpy(slots).to(dev), torch.from_numpy(last_idx).to(dev))
+        if cached.any():
+            hidden, logits, ids = self._run_prefill_with_context(reqs, lens, cached, tables)
+        else:  # the plain path: no batch without cached blocks pays for them
+            hidden, logits, ids = self._run_prefill(reqs, lens, tables)
         self.backend.mark_step()
 
         prefill_lp: dict[int, list[float]] = {}
@@ -214,7 +220,7 @@ class ModelRunner:
         if wanted:
             prefill_lp = self._prompt_logprobs(hidden, ids, lens, reqs, wanted)
 
-        out = self._sample(sampler, logits, rows)
+        out = self._sample(sampler, logits, logits.shape[0])
         self.batches[batch_id] = ShardBatch(
             id=batch_id,
             request_ids=[r.id for r in reqs],
@@ -226,7 +232,93 @@ class ModelRunner:
         )
         return StepResult([r.id for r in reqs], out, prefill_lp, time.perf_counter_ns() - t0)
 
+    def _run_prefill(self, reqs: list[PrefillInput], lens: np.ndarray, tables: np.ndarray):
+        """Every prompt token from position 0 -> (hidden, logits, the padded ids)."""
+        cfg, bs = self.cfg, self.cfg.block_size
+        n, width = tables.shape
+        seq = buckets.prefill_seq_bucket(int(lens.max()), cfg)
+        rows = buckets.prefill_batch_bucket(n, seq, cfg)
+        self._note_shape("prefill", rows, seq)
+        if not self.backend.pads_to_buckets:  # eager device: the batch's own shape
+            seq, rows = int(lens.max()), n
+        ids = np.zeros((rows, seq), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            ids[i, : lens[i]] = r.input_ids
+        pos = np.arange(seq, dtype=np.int64)
+        slots = np.zeros((rows, seq), dtype=np.int64)
+        real = pos[None, :] < lens[:, None]
+        slots[:n] = np.where(real, np.take_along_axis(tables, np.minimum(pos // bs, width - 1)[None, :].repeat(n, 0),
+                                                      1) * bs + pos % bs, 0)
+        last_idx = np.zeros(rows, dtype=np.int64)
+        last_idx[:n] = lens - 1
+        prefill_fn = self._prefill_fn
+        if any(r.images for r in reqs):
+            prefill_fn = functools.partial(self._prefill_images_step, [im for r in reqs for im in r.images])
+        dev = self.device
+        hidden, logits = prefill_fn(
+            torch.from_numpy(ids).to(dev), torch.from_numpy(np.broadcast_to(pos, (rows, seq)).copy()).to(dev),
+            torch.from_numpy(slots).to(dev), torch.from_numpy(last_idx).to(dev))
+        return hidden, logits, ids
+
+    def _run_prefill_with_context(self, reqs: list[PrefillInput], lens: np.ndarray, cached: np.ndarray,
+                                  tables: np.ndarray):
+        """The tokens after each prompt's cached ones, at their positions -> (hidden, logits, the padded
+        new ids). Shape: (rows, new tokens, context blocks), each bucketed."""
+        cfg, bs = self.cfg, self.cfg.block_size
+        n, width = tables.shape
+        new, context = lens - cached, cached // bs
+        seq = buckets.prefill_seq_bucket(int(new.max()), cfg)
+        rows = buckets.prefill_batch_bucket(n, seq, cfg)
+        ctx = buckets.context_block_bucket(int(context.max()), cfg)
+        self._note_shape("prefill_context", rows, seq, ctx)
+        if not self.backend.pads_to_buckets:  # eager device: the batch's own shape
+            seq, rows, ctx = int(new.max()), n, int(context.max())
+        ids = np.zeros((rows, seq), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            ids[i, : new[i]] = r.input_ids[cached[i]:]
+        j = np.arange(seq, dtype=np.int64)
+        pos = cached[:, None] + j[None, :]  # [n, seq]
+        real = j[None, :] < new[:, None]
+        positions, slots = np.zeros((rows, seq), dtype=np.int64), np.zeros((rows, seq), dtype=np.int64)
+        positions[:n] = np.where(real, pos, 0)
+        slots[:n] = np.where(real, np.take_along_axis(tables, np.minimum(pos // bs, width - 1), 1) * bs + pos % bs, 0)
+        context_tables = np.zeros((rows, ctx), dtype=np.int64)
+        cols = min(ctx, width)
+        context_tables[:n, :cols] = np.where(np.arange(cols)[None, :] < context[:, None], tables[:, :cols], 0)
+        context_lens, last_idx = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        context_lens[:n], last_idx[:n] = cached, new - 1
+        dev = self.device
+        args = [torch.from_numpy(a).to(dev) for a in (ids, positions, slots, last_idx, context_tables, context_lens)]
+        if any(r.images for r in reqs):  # eager, as any prefill with images
+            embeds = self._context_embeds(reqs, cached, rows, seq)
+            hidden, logits = self._prefill_context_step(*args, inputs_embeds=embeds)
+        else:
+            hidden, logits = self._prefill_context_fn(*args)
+        return hidden, logits, ids
+
+    def _context_embeds(self, reqs: list[PrefillInput], cached: np.ndarray, rows: int, seq: int) -> torch.Tensor:
+        """The embeddings of the tokens after each prompt's cached ones, image features merged in: the
+        features of an image whose placeholders the cached part cuts through are needed after the cut."""
+        if self.image_processor is None:
+            raise ValueError("this model takes no images")
+        from gaudi_runtime.models.llava_next import pixel_inputs
+
+        try:
+            pixels, sizes = pixel_inputs(self.image_processor, [im for r in reqs for im in r.images])
+        except Exception as e:  # the router validated them; a failure here is still the request's fault
+            raise ValueError(f"cannot preprocess the prompt's images: {e}") from e
+        longest = max(len(r.input_ids) for r in reqs)
+        full = torch.zeros(len(reqs), longest, dtype=torch.long, device=self.device)
+        for i, r in enumerate(reqs):
+            full[i, : len(r.input_ids)] = torch.tensor(r.input_ids, dtype=torch.long)
+        embeds = self.model.embed_prompt(full, pixels, sizes)  # [n, longest, hidden]
+        index = torch.from_numpy(np.minimum(cached[:, None] + np.arange(seq)[None, :], longest - 1)).to(self.device)
+        picked = embeds.gather(1, index[..., None].expand(-1, -1, embeds.shape[-1]))
+        pad = torch.zeros(rows - len(reqs), seq, embeds.shape[-1], dtype=embeds.dtype, device=self.device)
+        return torch.cat([picked, pad])
+
     def _prompt_logprobs(self, hidden, ids, lens, reqs, wanted) -> dict[int, list[float]]:
+        """Rows that want them computed their whole prompt (the router looks nothing up for them)."""
         result = {}
         for i in wanted:
             n = int(lens[i])
@@ -315,7 +407,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self):
         """Run every bucket once (capturing its graph where enabled); yields (done, total, phase)."""
-        cfg, dev = self.cfg, self.device
+        cfg = self.cfg
         if self.grammars is not None:
             self.grammars.prepare()  # the grammar engine and the vocabulary, not the first grammar's wait
         if not cfg.warmup_enabled:
@@ -323,37 +415,55 @@ class ModelRunner:
             self.warmup_summary = {"enabled": False}
             yield 0, 0, "done"
             return
-        prefill = buckets.prefill_buckets(cfg)
-        decode = buckets.decode_buckets(cfg)
-        total = len(prefill) + len(decode)
-        warmed: set[tuple[str, int, int]] = set()
+        phases = [("prefill", buckets.prefill_buckets(cfg), self._warm_prefill),
+                  ("prefill_context", buckets.prefill_context_buckets(cfg), self._warm_prefill_context),
+                  ("decode", buckets.decode_buckets(cfg), self._warm_decode)]
+        # Without padding (CPU, CUDA without graphs) nothing is compiled per shape: of the many prefill
+        # shapes with cached blocks, only the one with the largest attention runs, to meet running out
+        # of memory at start rather than under traffic; the others count as warmed.
+        largest = max(phases[1][1], key=lambda s: s[0] * s[1] * (s[1] + s[2] * cfg.block_size), default=None)
+        total = sum(len(shapes) for _, shapes, _ in phases)
+        warmed: set[tuple] = set()
         t0 = time.perf_counter()
-        log.info("warmup: %d prefill and %d decode shapes", len(prefill), len(decode))
-        for rows, seq in prefill:
-            zeros = torch.zeros(rows, seq, dtype=torch.long, device=dev)
-            self._warm(f"prefill bucket (batch {rows}, sequence {seq})", "--max-batch-prefill-tokens",
-                       self._prefill_fn, zeros, zeros, zeros, torch.zeros(rows, dtype=torch.long, device=dev))
-            warmed.add(("prefill", rows, seq))
-            yield len(warmed), total, "prefill"
-        t1 = time.perf_counter()
-        log.info("warmup: prefill done in %.1fs", t1 - t0)
-        for rows, width in decode:
-            zeros = torch.zeros(rows, dtype=torch.long, device=dev)
-            self._warm(f"decode bucket (batch {rows}, {width} blocks)", "--max-batch-size or --max-total-tokens",
-                       self._decode_fn, zeros, zeros, zeros,
-                       torch.zeros(rows, width, dtype=torch.long, device=dev), torch.ones_like(zeros))
-            warmed.add(("decode", rows, width))
-            yield len(warmed), total, "decode"
+        log.info("warmup: %s shapes", ", ".join(f"{len(shapes)} {phase}" for phase, shapes, _ in phases))
+        for phase, shapes, warm in phases:
+            started = time.perf_counter()
+            for shape in shapes:
+                if self.backend.pads_to_buckets or phase != "prefill_context" or shape == largest:
+                    warm(*shape)
+                warmed.add((phase, *shape))
+                yield len(warmed), total, phase
+            log.info("warmup: %s done in %.1fs", phase, time.perf_counter() - started)
         self.backend.synchronize()
         self.warmed = warmed
-        t2 = time.perf_counter()
-        log.info("warmup: decode done in %.1fs; %d shapes in %.1fs", t2 - t1, total, t2 - t0)
-        self.warmup_summary = {"enabled": True, "prefill_shapes": len(prefill), "decode_shapes": len(decode),
-                               "seconds": round(t2 - t0, 3), "graphs": self.backend.graph_stats(),
+        seconds = time.perf_counter() - t0
+        log.info("warmup: %d shapes in %.1fs", total, seconds)
+        self.warmup_summary = {"enabled": True, **{f"{phase}_shapes": len(shapes) for phase, shapes, _ in phases},
+                               "seconds": round(seconds, 3), "graphs": self.backend.graph_stats(),
                                "from_cache": self.warmup_from_cache}
         if self.recipe_cache is not None:
             self.recipe_cache.mark_warm()  # every bucket's recipe is now on the volume for the next start
         yield total, total, "done"
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=torch.long, device=self.device)
+
+    def _warm_prefill(self, rows: int, seq: int) -> None:
+        zeros = self._zeros(rows, seq)
+        self._warm(f"prefill bucket (batch {rows}, sequence {seq})", "--max-batch-prefill-tokens",
+                   self._prefill_fn, zeros, zeros, zeros, self._zeros(rows))
+
+    def _warm_prefill_context(self, rows: int, seq: int, blocks: int) -> None:
+        zeros = self._zeros(rows, seq)
+        self._warm(f"prefill bucket (batch {rows}, sequence {seq}, {blocks} cached blocks)",
+                   "--max-batch-prefill-tokens or --max-input-tokens (or --prefix-caching false)",
+                   self._prefill_context_fn, zeros, zeros, zeros, self._zeros(rows), self._zeros(rows, blocks),
+                   self._zeros(rows))
+
+    def _warm_decode(self, rows: int, width: int) -> None:
+        zeros = self._zeros(rows)
+        self._warm(f"decode bucket (batch {rows}, {width} blocks)", "--max-batch-size or --max-total-tokens",
+                   self._decode_fn, zeros, zeros, zeros, self._zeros(rows, width), torch.ones_like(zeros))
 
     def _warm(self, what: str, setting: str, fn, *args) -> None:
         try:
@@ -381,6 +491,7 @@ class ModelRunner:
         return {
             "quantization": self.cfg.quantize,
             "kv_cache_dtype": self.cfg.kv_cache_dtype or self.cfg.dtype,
+            "prefix_caching": self.cfg.prefix_caching,
             "warmup_from_cache": self.warmup_from_cache,
             "recipe_cache": self.recipe_cache.describe() if self.recipe_cache is not None else None,
             "startup_seconds": self.startup_seconds(),
@@ -393,6 +504,7 @@ class ModelRunner:
             "warmup": self.warmup_summary,
             "unwarmed_shapes": self.unwarmed_shapes,
             "buckets": {"prefill": len(buckets.prefill_buckets(self.cfg)),
+                        "prefill_context": len(buckets.prefill_context_buckets(self.cfg)),
                         "decode": len(buckets.decode_buckets(self.cfg)),
                         "exponential": self.cfg.exponential_bucketing},
         }

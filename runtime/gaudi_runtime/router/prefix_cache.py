@@ -1,0 +1,147 @@
+"""Automatic prefix caching: which KV blocks a new request can take over instead of computing them.
+
+A full block of a sequence is named by a hash chained from its parent block's hash and its own
+token ids, plus what else decides its KV values: the digest of each image whose placeholder tokens
+start in it (later blocks inherit it through the chain), and, at the root, the model, its dtype
+and the KV cache's. Equal hashes mean equal KV, so a request whose first blocks' hashes are
+registered (router/blocks.py) reads those blocks instead of computing them, and the shards compute
+only the rest of its prompt (`Request.cached_tokens`).
+
+Rules that keep every block's contents what its hash says:
+- a partly filled block is never registered, and a request never takes a hit on the block holding
+  its last prompt token, so at least one prompt token is computed (it gives the first new token)
+  and no request ever writes into a block it shares;
+- a prompt's full blocks are registered when its prefill is made; a later request's prefill that
+  reads them is made after it, so the shards run it after the write (shard/call_order.py), and one
+  in the same prefill reads them after they are written (each layer writes before it attends);
+- generated tokens' blocks are registered when the request ends, and only the blocks whose every
+  position holds a token the request streamed and fed back (a call made before the end may still
+  write the positions after: the token that ended it, or tokens computed past it and dropped);
+- a request that ends with an error registers nothing and forgets what it registered.
+
+Requests that want their prompt's log-probabilities (`decoder_input_details`) look nothing up, so
+every prompt token is computed for them; their blocks are still registered for others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from gaudi_runtime.config import Config
+from gaudi_runtime.router.blocks import BlockAllocator
+from gaudi_runtime.router.engine_metrics import EngineMetrics
+
+
+def root_hash(cfg: Config) -> bytes:
+    """The parent of every sequence's first block: what besides the tokens decides the KV values."""
+    salt = "|".join(str(x) for x in (cfg.model_id, cfg.revision, cfg.dtype, cfg.kv_cache_dtype, cfg.quantize,
+                                     cfg.quant_config, cfg.rope_scaling, cfg.rope_factor, cfg.block_size))
+    return hashlib.sha256(salt.encode()).digest()
+
+
+def chain_hashes(tokens: list[int], block_size: int, parent: bytes, extras: dict[int, bytes] | None = None,
+                 first: int = 0) -> list[bytes]:
+    """The hash of each full block of `tokens`, chained from `parent`; `extras` maps a block's index
+    (counted from `first`, the index of the block `tokens` starts at) to bytes that also name it."""
+    out = []
+    for i in range(len(tokens) // block_size):
+        h = hashlib.sha256(parent)
+        h.update(array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes())
+        if extras and first + i in extras:
+            h.update(extras[first + i])
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
+def image_extras(image_starts: list[int], images: list[bytes], block_size: int) -> dict[int, bytes]:
+    """Block index -> the digests of the images whose placeholder tokens start in that block (all of
+    them in the first block when where they start is unknown: then every block depends on every image)."""
+    if len(image_starts) != len(images):
+        image_starts = [0] * len(images)
+    extras: dict[int, bytes] = {}
+    for start, data in zip(image_starts, images):
+        block = start // block_size
+        extras[block] = extras.get(block, b"") + hashlib.sha256(data).digest()
+    return extras
+
+
+class PrefixCache:
+    """The lookups and registrations of each request's blocks (a no-op with --prefix-caching false)."""
+
+    def __init__(self, cfg: Config, metrics: EngineMetrics):
+        self.enabled = cfg.prefix_caching
+        self.block_size = cfg.block_size
+        self.root = root_hash(cfg)
+        self.metrics = metrics
+
+    def prompt_hashes(self, state) -> list[bytes]:
+        """The hashes of the full blocks of `state`'s prompt (computed once)."""
+        if state.block_hashes is None:
+            state.block_hashes = chain_hashes(state.req.input_ids, self.block_size, self.root, self._extras(state))
+        return state.block_hashes
+
+    def _extras(self, state) -> dict[int, bytes] | None:
+        req = state.req
+        return image_extras(req.image_starts, req.images, self.block_size) if req.images else None
+
+    def hits(self, allocator: BlockAllocator, state, skip: int = 0) -> list[int]:
+        """The registered blocks `state`'s prompt may start with, after its first `skip` blocks."""
+        if not self.enabled or state.req.decoder_input_details:
+            return []
+        usable = (len(state.req.input_ids) - 1) // self.block_size  # never the last prompt token's block
+        return allocator.lookup(self.prompt_hashes(state)[skip:usable])
+
+    def waiting_view(self, allocator: BlockAllocator, state) -> tuple[int, int]:
+        """(prompt tokens cached, blocks of them other requests hold) for the admission rules."""
+        found = self.hits(allocator, state)
+        return len(found) * self.block_size, sum(allocator.held(b) for b in found)
+
+    def hold_hits(self, allocator: BlockAllocator, state) -> None:
+        """Hold the cached blocks `state` starts with, before any allocation may evict them."""
+        state.blocks = self.hits(allocator, state)
+        allocator.acquire(state.blocks)
+
+    def fill(self, allocator: BlockAllocator, state, total: int) -> None:
+        """Complete `state`'s `total` blocks: hits on blocks an earlier request of the same prefill
+        registered, then fresh ones; register its prompt's full blocks."""
+        more = self.hits(allocator, state, skip=len(state.blocks))
+        allocator.acquire(more)
+        hit_blocks = len(state.blocks) + len(more)
+        state.cached_tokens = hit_blocks * self.block_size
+        state.blocks = state.blocks + more + allocator.allocate(total - hit_blocks)
+        if not self.enabled:
+            return
+        hashes = self.prompt_hashes(state)
+        for i in range(hit_blocks, len(hashes)):
+            allocator.register(state.blocks[i], hashes[i])
+        if not state.req.decoder_input_details:
+            self.metrics.prefix_lookup(len(state.req.input_ids), state.cached_tokens)
+        self.metrics.cached_blocks(allocator.cached_count)
+
+    def release(self, allocator: BlockAllocator, state, failed: bool) -> None:
+        """Give `state`'s blocks back, registering those its generated tokens filled first (or, when
+        it failed, forgetting the ones it registered)."""
+        if self.enabled:
+            own = state.blocks[state.cached_tokens // self.block_size:]
+            if failed:
+                for block in own:
+                    allocator.forget(block)
+            else:
+                self._register_generated(allocator, state)
+        allocator.free(state.blocks)
+        if self.enabled:
+            self.metrics.cached_blocks(allocator.cached_count)
+
+    def _register_generated(self, allocator: BlockAllocator, state) -> None:
+        # Positions written with a streamed token: the prompt, then each token fed back by a call made
+        # (the prefill gave token 1; a call's step k fed token k).
+        fed = min(len(state.output_ids), state.sent - 1)
+        prompt = state.req.input_ids
+        hashes = self.prompt_hashes(state)
+        first = len(hashes)
+        tokens = prompt[first * self.block_size:] + state.output_ids[:fed]
+        parent = hashes[-1] if hashes else self.root
+        for i, h in enumerate(chain_hashes(tokens, self.block_size, parent, self._extras(state), first)):
+            allocator.register(state.blocks[first + i], h)
