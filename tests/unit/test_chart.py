@@ -226,6 +226,8 @@ NEEDED = {
     ("policy", "poddisruptionbudgets"): {"list", "watch", "create", "patch", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
+    ("", "pods/log"): {"get"},
+    ("batch", "jobs"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "events"): {"create"},
 }
 

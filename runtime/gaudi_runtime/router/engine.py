@@ -110,7 +110,10 @@ class BatchingEngine:
 
     def health(self) -> tuple[bool, dict]:
         if self.state == "ready":
-            return True, {"status": "ok"}
+            # Where this pod's start went, for the operator (which reads /health, open even with an API key).
+            details = json.loads(self.shard_info.details_json or "{}") if self.shard_info is not None else {}
+            return True, {"status": "ok", "startup_seconds": details.get("startup_seconds"),
+                          "warmup_from_cache": details.get("warmup_from_cache")}
         if self.state == "warming_up":
             return False, {"status": "warming_up", "warmup": dict(self.warmup_progress)}
         if self.state == "failed":
