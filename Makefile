@@ -33,7 +33,8 @@ proto: venv
 	PATH=$(BIN):$$PATH hack/gen-proto.sh
 
 # End-to-end suite (also part of `make test`): a real control plane built from source by
-# hack/control-plane.sh (cached per machine), or the cluster of E2E_KUBECONFIG (docs/e2e.md).
+# hack/control-plane.sh and hack/autoscaling-tools.sh (cached per machine), or the cluster of
+# E2E_KUBECONFIG (docs/e2e.md).
 e2e: venv
 	GAUDI_SERVE_E2E_KUBECONFIG=$(E2E_KUBECONFIG) $(BIN)/python -m pytest -q tests/e2e
 

@@ -5,8 +5,8 @@ object, render its children, apply them, observe what the cluster made of them,
 report the status. With spec.model.cache.prefetch the model-cache download Job comes
 first (download.py): the Deployment waits for it. Triggers: create/update/resume of an
 InferenceService, any event of a child (Deployment, Service, PodDisruptionBudget,
-NetworkPolicy) or pod carrying our labels, of a download Job (its owners' passes), and a
-resync timer that also polls warmup progress of warming pods and a download's progress.
+NetworkPolicy, autoscaler) or pod carrying our labels, of a download Job (its owners' passes),
+and a resync timer that also polls warmup progress of warming pods and a download's progress.
 Runs for the same object are serialized; a trigger arriving during a run causes
 one more run after it, never a pile-up.
 
@@ -26,6 +26,7 @@ from typing import Any
 import kopf
 
 from . import download, kube
+from .autoscaling import KINDS as AUTOSCALER_KINDS
 from .config import OperatorConfig
 from .download import Download
 from .render import ISVC_LABEL, MANAGED_BY, Rendered, operator_peer, render
@@ -48,7 +49,8 @@ WARNING_PHASES = ("Degraded", "Failed")
 # Every kind the operator renders, and the pods: their events trigger a pass of the owner.
 CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"),
                    ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies"),
-                   ("", "v1", "pods")]
+                   ("", "v1", "pods"),
+                   ("autoscaling", "v2", "horizontalpodautoscalers"), ("keda.sh", "v1alpha1", "scaledobjects")]
 # The model-cache download Jobs: shared, so they name their owners in ownerReferences, not in a label.
 DOWNLOAD_JOBS = ("batch", "v1", "jobs")
 DOWNLOAD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, download.KEY_LABEL: kopf.PRESENT}
@@ -72,27 +74,38 @@ async def reconcile(namespace: str, name: str, config: OperatorConfig) -> dict[s
         rendered = render(body, spec, cluster_domain=config.cluster_domain,
                           operator=operator_peer(config.namespace, config.pod_labels),
                           downloaded=fetched is None or fetched.state == "Complete")
-        live = await _apply(rendered, namespace, name)
+        live, unserved = await _apply(rendered, namespace, name)
     except kube.Invalid as exc:
         # Admitted, but a child is not: content the CRD hands through verbatim (podTemplate,
         # resources, tolerations, affinity, env's valueFrom) is checked only in the child.
         return await _report(body, invalid_spec_status(body, str(exc), now=_now()))
-    observed = await _observe(body, rendered, live, config, fetched)
+    observed = await _observe(body, rendered, live, config, fetched, unserved)
     return await _report(body, compute_status(body, spec, rendered, observed, now=_now()))
 
 
-async def _apply(rendered: Rendered, namespace: str, name: str) -> dict[str, dict[str, Any]]:
-    """Server-side apply every child, delete the optional ones this spec does not want; kind -> live object."""
-    live = {}
-    for child in rendered.children:
-        live[child["kind"]] = await kube.apply(child)
+async def _apply(rendered: Rendered, namespace: str,
+                 name: str) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
+    """Delete the optional children this spec does not want, server-side apply the others.
+
+    Returns kind -> live object, and the autoscaler kinds the cluster does not serve (KEDA's
+    ScaledObject without KEDA). Deleting first lets a new autoscaler take over the scale
+    subresource from the old one (KEDA refuses a target that an HPA already scales).
+    """
     for kind in rendered.unwanted:
         await kube.delete(kind, namespace, name)
-    return live
+    live, unserved = {}, []
+    for child in rendered.children:
+        try:
+            live[child["kind"]] = await kube.apply(child)
+        except kube.NotFound:
+            if child["kind"] not in AUTOSCALER_KINDS.values():
+                raise
+            unserved.append(child["kind"])
+    return live, tuple(unserved)
 
 
 async def _observe(body: dict[str, Any], rendered: Rendered, live: dict[str, dict[str, Any]],
-                   config: OperatorConfig, fetched: Download | None) -> Observed:
+                   config: OperatorConfig, fetched: Download | None, unserved: tuple[str, ...] = ()) -> Observed:
     meta = body["metadata"]
     pods = await kube.list_pods(meta["namespace"], f"{ISVC_LABEL}={meta['name']}")
     warmup = await kube.fetch_warmup(pods, RUNTIME_PORT, concurrency=config.warmup_concurrency,
@@ -103,7 +116,9 @@ async def _observe(body: dict[str, Any], rendered: Rendered, live: dict[str, dic
     if latest is not None and latest["metadata"]["name"] != ((body.get("status") or {}).get("startup") or {}).get("pod"):
         health = await kube.fetch_health(latest, RUNTIME_PORT, timeout=config.warmup_timeout)
         startup = {**health, "pod": latest["metadata"]["name"]} if health else None
-    return Observed(deployment=live.get("Deployment"), pods=pods, warmup=warmup, download=fetched, startup=startup)
+    autoscaler = next((live[k] for k in AUTOSCALER_KINDS.values() if k in live), None)
+    return Observed(deployment=live.get("Deployment"), pods=pods, warmup=warmup, autoscaler=autoscaler,
+                    unserved=unserved, download=fetched, startup=startup)
 
 
 async def _prefetch(body: dict[str, Any], spec: InferenceServiceSpec) -> Download | None:

@@ -33,6 +33,8 @@ _KINDS = {
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "Job": ("/apis/batch/v1", "jobs"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
+    "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),

@@ -1,8 +1,9 @@
 """InferenceService -> child manifests (pure: no I/O, no clock).
 
 `render(body, spec)` returns a `Rendered`: the Deployment, the Service,
-when replicas > 1 the PodDisruptionBudget, and with spec.networkPolicy the
-NetworkPolicy, each a plain dict ready for
+when replicas > 1 the PodDisruptionBudget, with spec.networkPolicy the
+NetworkPolicy and with spec.autoscaling its autoscaler (autoscaling.py), each
+a plain dict ready for
 server-side apply, plus the facts the status reports about them (template
 hash, selector, URL), so nothing downstream renders again. Only the fields the
 operator owns are set, so other field managers (HPA through the scale
@@ -19,8 +20,10 @@ from typing import Any
 
 import kopf
 
+from .autoscaling import render_autoscaler
 from .spec import (
     API_KEY_ENV,
+    PRESTOP_SECONDS,
     RUNTIME_PORT,
     InferenceServiceSpec,
     LabelSelector,
@@ -41,7 +44,7 @@ RECIPE_DIR = "/recipe-cache"
 RECIPE_SUBPATH = "recipes"
 QUANT_DIR = "/etc/gaudi-serve/quant"
 # Kinds a spec may or may not want; the reconcile deletes the ones a render left out.
-OPTIONAL_KINDS = ("PodDisruptionBudget", "NetworkPolicy")
+OPTIONAL_KINDS = ("PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler", "ScaledObject")
 # The label the API server puts on every namespace, holding its name.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
@@ -118,6 +121,7 @@ def runtime_args(spec: InferenceServiceSpec) -> list[str]:
         "--waiting-served-ratio", f"{s.waiting_served_ratio:g}",
         "--sharded", _bool(spec.shards > 1),
         "--num-shard", str(spec.shards),
+        "--shutdown-grace-seconds", str(spec.shutdown_grace_seconds()),
     ]
     return args
 
@@ -271,6 +275,8 @@ def pod_template(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, 
             "capabilities": {"add": ["SYS_NICE"], "drop": ["ALL"]},
         },
         "terminationMessagePolicy": "FallbackToLogsOnError",
+        # Removed from the Service's endpoints before SIGTERM starts the runtime's drain.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
         **probes(spec),
     }
     if spec.image_pull_policy:
@@ -279,7 +285,7 @@ def pod_template(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, 
         "hostIPC": True,
         "containers": [container],
         "volumes": volumes,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": spec.serving.drain_seconds,
         "securityContext": {
             # Non-root: the runtime image runs as uid 1000; override through podTemplate.spec if a
             # node's device permissions need root.
@@ -422,10 +428,12 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
     deployment = render_deployment(body, spec)
     children = [deployment] if downloaded else []
     children.append(render_service(body, spec))
-    if spec.replicas > 1:
+    # Autoscaled: the PDB stays whatever the current count, instead of coming and going with it.
+    if spec.replicas > 1 or (spec.autoscaling is not None and spec.autoscaling.max_replicas > 1):
         children.append(render_pdb(body, spec))
     if spec.network_policy is not None:
         children.append(render_network_policy(body, spec, operator))
+    children += render_autoscaler(_metadata(body), spec)
     # Controller reference: garbage collection removes the children with their owner, and
     # blockOwnerDeletion keeps a foreground delete waiting for them.
     kopf.append_owner_reference(children, owner=body, controller=True, block_owner_deletion=True)

@@ -66,9 +66,14 @@ LOAD_SECONDS = 600
 SECONDS_PER_SHAPE_GRAPHS = 15
 SECONDS_PER_SHAPE_EAGER = 3
 
+# Graceful scale-down: the preStop hook holds SIGTERM back while the Service drops the pod;
+# the runtime's drain gets spec.serving.drainSeconds less this hook and the shards' own stop.
+PRESTOP_SECONDS = 5
+DRAIN_MARGIN_SECONDS = 30  # preStop 5 s, cut requests 5 s, the shards 10 s, 10 s spare
+
 __all__ = [
-    "ALLOWED_SHARDS", "API_KEY_ENV", "FIELD_MANAGER", "GROUP", "PLURAL", "RUNTIME_PORT",
-    "VERSION", "InferenceServiceSpec", "SpecError", "parse_spec",
+    "ALLOWED_SHARDS", "API_KEY_ENV", "FIELD_MANAGER", "GROUP", "PLURAL", "PRESTOP_SECONDS", "RUNTIME_PORT",
+    "VERSION", "Autoscaling", "InferenceServiceSpec", "SpecError", "parse_spec",
 ]
 
 
@@ -171,6 +176,7 @@ class Serving(_Model):
     max_concurrent_requests: int = Field(128, ge=1)
     max_waiting_tokens: int = Field(20, ge=0)
     waiting_served_ratio: float = Field(0.3, ge=0)
+    drain_seconds: int = Field(300, ge=DRAIN_MARGIN_SECONDS + 10)
 
     @model_validator(mode="after")
     def _input_below_total(self) -> Serving:
@@ -251,6 +257,69 @@ class PodTemplate(_Model):
     spec: dict[str, Any] = {}
 
 
+# ---- spec.autoscaling -------------------------------------------------------
+
+class AutoscalingTargets(_Model):
+    """Per-pod averages the autoscaler keeps the fleet at (at least one is set)."""
+
+    queue_size: int | None = Field(None, ge=1)  # waiting requests (vllm:num_requests_waiting)
+    kv_cache_usage: float | None = Field(None, ge=0.01, le=1)  # fraction (vllm:kv_cache_usage_perc)
+    running_requests: int | None = Field(None, ge=1)  # requests in the batch (vllm:num_requests_running)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AutoscalingTargets:
+        if self.queue_size is None and self.kv_cache_usage is None and self.running_requests is None:
+            raise ValueError("spec.autoscaling.targets needs at least one of queueSize, kvCacheUsage, "
+                             "runningRequests")
+        return self
+
+
+class ScaleUp(_Model):
+    # A pod takes minutes to load and warm up: scale up only on load that lasted a minute.
+    stabilization_window_seconds: int = Field(60, ge=0, le=3600)
+    pods: int = Field(2, ge=1)  # most pods added per period
+    period_seconds: int = Field(60, ge=1, le=1800)
+
+
+class ScaleDown(_Model):
+    # Never remove a pod that took minutes to start because of a short lull.
+    stabilization_window_seconds: int = Field(600, ge=0, le=3600)
+    pods: int = Field(1, ge=1)  # most pods removed per period
+    period_seconds: int = Field(120, ge=1, le=1800)
+
+
+class ScalingBehavior(_Model):
+    scale_up: ScaleUp = ScaleUp()
+    scale_down: ScaleDown = ScaleDown()
+
+
+class TriggerAuthenticationRef(_Model):
+    name: str = Field(min_length=1)
+
+
+class PrometheusSource(_Model):
+    server_address: str = Field(min_length=1)
+    authentication_ref: TriggerAuthenticationRef | None = None
+
+
+class Autoscaling(_Model):
+    engine: Literal["hpa", "keda"] = "hpa"
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(ge=1)
+    targets: AutoscalingTargets = AutoscalingTargets(queue_size=30, kv_cache_usage=0.6)
+    behavior: ScalingBehavior = ScalingBehavior()
+    prometheus: PrometheusSource | None = None  # where KEDA reads the metrics (engine keda)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas")
+        if self.engine == "keda" and self.prometheus is None:
+            raise ValueError("spec.autoscaling.prometheus.serverAddress is required when "
+                             "spec.autoscaling.engine is keda")
+        return self
+
+
 class InferenceServiceSpec(_Model):
     model: ModelSource
     replicas: int = Field(1, ge=0)
@@ -274,6 +343,7 @@ class InferenceServiceSpec(_Model):
     service: ServiceSpec = ServiceSpec()
     probes: Probes = Probes()
     pod_template: PodTemplate = PodTemplate()
+    autoscaling: Autoscaling | None = None
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceServiceSpec:
@@ -315,6 +385,10 @@ class InferenceServiceSpec(_Model):
             return LOAD_SECONDS
         per_shape = SECONDS_PER_SHAPE_GRAPHS if self.batching.hpu_graphs else SECONDS_PER_SHAPE_EAGER
         return LOAD_SECONDS + self.warmup_shapes() * per_shape
+
+    def shutdown_grace_seconds(self) -> int:
+        """How long the runtime lets running requests finish after SIGTERM (--shutdown-grace-seconds)."""
+        return self.serving.drain_seconds - DRAIN_MARGIN_SECONDS
 
 
 def parse_spec(raw: dict[str, Any] | None) -> InferenceServiceSpec:

@@ -17,24 +17,25 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .autoscaling import autoscaling_status
 from .download import Download
 from .download import summary as download_summary
 from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, Rendered, selector_string
 from .spec import InferenceServiceSpec
 
 MANAGED_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "selector",
-                "url", "readySummary", "warmupSummary", "warmup", "conditions", "download", "downloadSummary",
-                "startup")
+                "url", "readySummary", "warmupSummary", "warmup", "conditions", "autoscaling", "download",
+                "downloadSummary", "startup")
 
 IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 CONTAINER_CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
 # Most telling first: this is the order in which a problem is chosen for the conditions.
 PROBLEM_ORDER = (
     "InvalidSpec", "ModelDownloadFailed", "WarmupOutOfMemory", "OOMKilled", "CrashLoopBackOff",
-    *CONTAINER_CONFIG_REASONS, *IMAGE_PULL_REASONS, "PodFailed", "ProgressDeadlineExceeded", "Unschedulable",
+    *CONTAINER_CONFIG_REASONS, *IMAGE_PULL_REASONS, "PodFailed", "ProgressDeadlineExceeded", "AutoscalerNotInstalled", "Unschedulable",
 )
 # Problems that leave a pod unable to ever serve without a change by the user.
-FATAL_REASONS = frozenset(PROBLEM_ORDER) - {"Unschedulable"}
+FATAL_REASONS = frozenset(PROBLEM_ORDER) - {"Unschedulable", "AutoscalerNotInstalled"}
 # Without a problem, the Ready condition's reason names how far the pods got.
 PHASE_OF_READY_REASON = {"AllReplicasReady": "Ready", "WarmingUp": "WarmingUp", "Loading": "Loading"}
 # What to do about each reason a download gives for failing (download_report.py in the runtime).
@@ -67,7 +68,9 @@ class Problem:
 class Observed:
     """What the reconcile read back after applying: the live Deployment, the pods, their warmup.
 
-    `warmup` maps pod name -> the `warmup` object of that pod's /health answer; `download` is the
+    `warmup` maps pod name -> the `warmup` object of that pod's /health answer; `autoscaler` is
+    the live HorizontalPodAutoscaler or ScaledObject; `unserved` the kinds the cluster refused
+    because it does not serve them (a ScaledObject without KEDA installed); `download` is the
     model-cache download (spec.model.cache.prefetch); `startup` the /health answer of the newest
     ready pod (`latest_ready_pod`), with its name under "pod", when it was read in this pass.
     """
@@ -75,6 +78,8 @@ class Observed:
     deployment: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
     warmup: dict[str, dict[str, Any]] = field(default_factory=dict)
+    autoscaler: dict[str, Any] | None = None
+    unserved: tuple[str, ...] = ()
     download: Download | None = None
     startup: dict[str, Any] | None = None
 
@@ -245,6 +250,9 @@ def observe_fleet(spec: InferenceServiceSpec, template_hash: str, observed: Obse
     for problem in (_deployment_problem(observed.deployment), download_problem):
         if problem:
             problems.append(problem)
+    problems += [Problem("AutoscalerNotInstalled", f"this cluster does not serve {kind}: install its autoscaler "
+                                                   "(KEDA for engine keda), or change spec.autoscaling.engine")
+                 for kind in observed.unserved]
     problems.sort(key=lambda p: PROBLEM_ORDER.index(p.reason))
     old = any(not s.updated for s in active)
     return Fleet(desired=spec.replicas, active=active, problems=problems,
@@ -400,6 +408,9 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: R
     if warm:
         status["warmup"] = warm
         status["warmupSummary"] = f"{warm['done']}/{warm['total']}"
+    autoscaling = autoscaling_status(spec, observed.autoscaler)
+    if autoscaling:
+        status["autoscaling"] = autoscaling
     if observed.download is not None:
         status["download"] = observed.download.as_status()
         status["downloadSummary"] = download_summary(observed.download)

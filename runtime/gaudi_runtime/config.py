@@ -90,6 +90,9 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
      "request's grammar (a JSON schema, a regex, a tool set); past it the request gets a 422."),
     ("--tool-call-parser", None, str, None, "Tool-call format of the model's output: llama3_json, mistral or "
      "hermes (default: recognised from the chat template)."),
+    ("--shutdown-grace-seconds", None, float, 20.0, "On SIGTERM, how long running requests may still finish (new "
+     "ones get 503, /health 503); those left then end with an error. Keep it below the pod's "
+     "terminationGracePeriodSeconds less preStop."),
 ]
 
 # Environment-only settings (TGI and TGI-Gaudi names).
@@ -195,6 +198,7 @@ class Config:
     disable_grammar_support: bool = False
     grammar_compile_timeout_s: float = 10.0
     tool_call_parser: str | None = None
+    shutdown_grace_seconds: float = 20.0
     prof_waitstep: int = 0
     prof_warmupstep: int = 0
     prof_step: int = 0
@@ -343,6 +347,8 @@ def _derive_batching(v: dict[str, object]) -> None:
     for name in ("max_concurrent_requests", "max_client_batch_size", "max_waiting_tokens", "decode_steps"):
         if v[name] < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if v["shutdown_grace_seconds"] < 0:
+        raise ConfigError("--shutdown-grace-seconds must be >= 0")
     for name in ("batch_bucket_size", "prefill_batch_bucket_size", "pad_sequence_to_multiple_of"):
         if v[name] < 1:
             raise ConfigError(f"{name.upper()} must be positive")

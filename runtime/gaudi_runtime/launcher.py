@@ -1,4 +1,11 @@
-"""`gaudi-serve launch`: spawn the shards and the router, supervise, exit non-zero if any dies."""
+"""`gaudi-serve launch`: spawn the shards and the router, supervise, exit non-zero if any dies.
+
+SIGTERM (what the kubelet sends when a pod is deleted) or SIGINT shuts down in
+order: the router first, which stops admitting and lets running requests
+finish for up to --shutdown-grace-seconds (router/drain.py), then the shards it
+was using. A second signal is passed on to the router, which then ends what is
+left at once.
+"""
 
 from __future__ import annotations
 
@@ -135,8 +142,31 @@ def let_router_report(procs: list[tuple[str, subprocess.Popen]]) -> None:
         pass
 
 
-def supervise(procs: list[tuple[str, subprocess.Popen]]) -> int:
-    """Block until a child exits or we are told to stop; then stop every child."""
+def drain_router(procs: list[tuple[str, subprocess.Popen]], grace_s: float) -> int:
+    """Stop the router gracefully (SIGTERM: it drains for up to `grace_s`); 0 when it exited cleanly."""
+    router = dict(procs)["router"]
+
+    def pass_on(*_) -> None:  # a second signal: the router ends its requests now
+        if router.poll() is None:
+            router.send_signal(signal.SIGTERM)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, pass_on)
+    pass_on()
+    try:
+        code = router.wait(timeout=grace_s + STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        log.error("the router did not stop within %gs of its grace period; killing it", STOP_GRACE_S)
+        router.kill()
+        router.wait()
+        return 1
+    if code:
+        log.error("the router exited with code %s while shutting down", code)
+    return 0 if code == 0 else 1
+
+
+def supervise(procs: list[tuple[str, subprocess.Popen]], grace_s: float = 0.0) -> int:
+    """Block until a child exits or we are told to stop (then the router drains for up to `grace_s`);
+    then stop every child."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     try:
@@ -151,8 +181,8 @@ def supervise(procs: list[tuple[str, subprocess.Popen]]) -> int:
                         let_router_report(procs)
                     return code or 1
     except _Stop:
-        log.info("stop requested; shutting down")
-        return 0
+        log.info("stop requested; the router finishes its requests (up to %gs), then the shards stop", grace_s)
+        return drain_router(procs, grace_s)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -172,4 +202,4 @@ def main(cfg: Config) -> int:
     check_image_budget(cfg, json.loads((Path(model_dir) / "config.json").read_text()))
     log.info("effective configuration: %s", cfg.to_log_json())  # every flag and env setting, secrets masked
     log.info("launching %d shard(s) and the router for %s", cfg.num_shard, model_dir)
-    return supervise(spawn(cfg, model_dir, download_seconds))
+    return supervise(spawn(cfg, model_dir, download_seconds), cfg.shutdown_grace_seconds)

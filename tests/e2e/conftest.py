@@ -25,6 +25,7 @@ import yaml
 from tests.e2e.control_plane import ROOT, ControlPlane, build_binaries, clean_env, kubeconfig
 from tests.e2e.harness import Kube, Kubectl, OperatorProcess, wait_for
 from tests.e2e.kubelet_logs import KubeletLogs
+from tests.e2e.metrics_path import MetricsAdapter
 from tests.e2e.netwatch import WATCH
 
 EXTERNAL = os.environ.get("GAUDI_SERVE_E2E_KUBECONFIG")
@@ -79,6 +80,7 @@ class Cluster:
     kubeconfig: Path
     namespaces: list[str] = field(default_factory=list)
     kubelet_logs: KubeletLogs | None = None  # the nodes' log endpoint, which kwok leaves to the tests
+    autoscaling: Path | None = None  # hack/autoscaling-tools.sh's directory (simulated cluster only)
 
     def add_node(self, name: str, gaudi: int) -> None:
         assert self.cp is not None
@@ -87,6 +89,14 @@ class Cluster:
             self.kubelet_logs.serve(self.cp.node_ip(index))
         self.kube.core.create_node(self.cp.node_manifest(name, index, gaudi))
         wait_for(lambda: self.node_ready(name), NODE_READY_TIMEOUT, f"node {name} Ready")
+
+    def install_keda_crds(self) -> None:
+        """KEDA's CRDs (generated from KEDA's sources by hack/autoscaling-tools.sh), as in a cluster with KEDA."""
+        assert self.autoscaling is not None
+        crds = sorted((self.autoscaling / "keda-crds").glob("*.yaml"))
+        self.kubectl("apply", "--server-side", *(f"--filename={c}" for c in crds))
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                     *(f"crd/{c.stem.split('_', 1)[1]}.{c.stem.split('_', 1)[0]}" for c in crds))
 
     def node_ready(self, name: str) -> bool:
         node = self.kube.core.read_node(name)
@@ -133,21 +143,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if "error" in _BUILD:  # no skip: CI must see a missing control plane as a failure
         pytest.fail(f"the e2e control plane is not available: {_BUILD['error']}")
     try:
-        bin_dir, helm = _BUILD.get("binaries") or build_binaries()
+        binaries = _BUILD.get("binaries") or build_binaries()
     except Exception as exc:
         pytest.fail(f"the e2e control plane is not available: {exc}")
-    cp = ControlPlane(bin_dir, workdir)
+    cp = ControlPlane(binaries.control_plane, workdir)
     WATCH.start()
     logs: KubeletLogs | None = None
     try:
         cp.start()
         kube = Kube(cp.admin_kubeconfig)
         logs = KubeletLogs(cp.kubelet_port, cp.pki / "kubelet.crt", cp.pki / "kubelet.key")
-        c = Cluster(cp, Kubectl(cp.bin("kubectl"), cp.admin_kubeconfig), kube, helm, workdir, cp.admin_kubeconfig,
-                    kubelet_logs=logs)
+        c = Cluster(cp, Kubectl(cp.bin("kubectl"), cp.admin_kubeconfig), kube, binaries.helm, workdir,
+                    cp.admin_kubeconfig, autoscaling=binaries.autoscaling, kubelet_logs=logs)
         for i in range(GAUDI_NODES):
             c.add_node(f"gaudi-{i}", 8)
         c.add_node("cpu-0", 0)
+        c.install_keda_crds()
         yield c
     finally:
         if logs is not None:
@@ -207,6 +218,21 @@ def operator(operator_kubeconfig: Path, cluster: Cluster, release: Release) -> I
         yield op
     finally:
         op.stop()
+
+
+@pytest.fixture(scope="session")
+def metrics_adapter(cluster: Cluster) -> Iterator[MetricsAdapter]:
+    """The custom metrics API (custom.metrics.k8s.io) the HPA controller reads: the upstream test
+    adapter, registered as an APIService, fed by the tests (tests/e2e/metrics_path.py)."""
+    assert cluster.cp is not None and cluster.autoscaling is not None
+    adapter = MetricsAdapter(cluster.autoscaling / "bin" / "metrics-adapter", cluster.workdir,
+                             cluster.cp.admin_kubeconfig, cluster.cp.pki)
+    adapter.start()
+    try:
+        adapter.register(cluster.kubectl)
+        yield adapter
+    finally:
+        adapter.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
 """A real Kubernetes control plane on 127.0.0.1 for the e2e tests.
 
 etcd, kube-apiserver (TLS, RBAC, service-account tokens, an audit log of
-service-account requests), kube-controller-manager, kube-scheduler and kwok
-(simulated nodes and pod lifecycle), each a child process in its own process
-group, with its log in the session's directory. The binaries come from
-hack/control-plane.sh (built once per machine from Go modules).
+service-account requests, the aggregation layer's front-proxy certificates),
+kube-controller-manager, kube-scheduler and kwok (simulated nodes and pod
+lifecycle), each a child process in its own process group, with its log in the
+session's directory. The binaries come from hack/control-plane.sh (built once
+per machine from Go modules); the custom-metrics adapter and KEDA's CRDs of the
+autoscaling scenarios from hack/autoscaling-tools.sh.
 
 Network hygiene: every component listens on 127.0.0.1, node and pod IPs are
 in 127.<net>.0.0/16 (a per-session /16 inside 127.0.0.0/8), no proxy is used.
@@ -36,6 +38,10 @@ HERE = Path(__file__).resolve().parent
 PROXY_VARS = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
 SERVICE_CIDR = "10.96.0.0/16"  # virtual only: no kube-proxy, nothing ever routes to it
 BUILD_TIMEOUT_S = 85 * 60
+# The HPA controller's sync period here (15 s by default): the autoscaling scenarios wait for it.
+HPA_SYNC_PERIOD = "2s"
+# The custom-metrics adapter's Service (ExternalName to 127.0.0.1) and the name its certificate carries.
+METRICS_ADAPTER_SERVICE = ("kube-system", "custom-metrics-apiserver")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -52,8 +58,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_binaries() -> tuple[Path, Path]:
-    """(control-plane bin dir, helm) from hack/*.sh, building them on first use (tens of minutes cold)."""
+@dataclass(frozen=True)
+class Binaries:
+    control_plane: Path  # kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd, kwok
+    helm: Path
+    autoscaling: Path  # bin/metrics-adapter, keda-crds/
+
+
+def build_binaries() -> Binaries:
+    """The e2e binaries from hack/*.sh, building them on first use (tens of minutes cold)."""
     def run(script: str) -> Path:
         out = subprocess.run([str(ROOT / "hack" / script)], capture_output=True, text=True,
                              timeout=BUILD_TIMEOUT_S, env={**os.environ, "GOFLAGS": os.environ.get("GOFLAGS", "-p=2")})
@@ -61,7 +74,7 @@ def build_binaries() -> tuple[Path, Path]:
             raise RuntimeError(f"hack/{script} could not build the e2e binaries (exit {out.returncode}):\n"
                                f"{out.stderr[-4000:]}")
         return Path(out.stdout.strip().splitlines()[-1])
-    return run("control-plane.sh"), run("helm.sh")
+    return Binaries(run("control-plane.sh"), run("helm.sh"), run("autoscaling-tools.sh"))
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -86,6 +99,21 @@ def make_pki(d: Path) -> None:
          "DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n")
     leaf("admin", "/O=system:masters/CN=e2e-admin", "extendedKeyUsage=clientAuth\n")
     leaf("kubelet", "/CN=e2e-kubelet", "extendedKeyUsage=serverAuth\n")  # the nodes' log endpoint (kubelet_logs.py)
+    ns, svc = METRICS_ADAPTER_SERVICE
+    leaf("metrics-adapter", f"/CN={svc}",
+         f"subjectAltName=IP:127.0.0.1,DNS:{svc}.{ns}.svc\nextendedKeyUsage=serverAuth\n")
+    # The aggregation layer: the API server proxies to extension API servers (the custom-metrics
+    # adapter) as front-proxy-client, signed by a CA of its own, as kubeadm sets it up.
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+             "-keyout", "front-proxy-ca.key", "-out", "front-proxy-ca.crt", "-days", "2",
+             "-subj", "/CN=gaudi-serve-e2e-front-proxy-ca", cwd=d)
+    (d / "front-proxy-client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+             "-keyout", "front-proxy-client.key", "-out", "front-proxy-client.csr",
+             "-subj", "/CN=front-proxy-client", cwd=d)
+    _openssl("x509", "-req", "-in", "front-proxy-client.csr", "-CA", "front-proxy-ca.crt",
+             "-CAkey", "front-proxy-ca.key", "-CAcreateserial", "-out", "front-proxy-client.crt", "-days", "2",
+             "-extfile", "front-proxy-client.ext", cwd=d)
     _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", "sa.key", cwd=d)
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
 
@@ -214,7 +242,12 @@ class ControlPlane:
             # A node's kubelet (its log endpoint) at its InternalIP: its name would be a DNS lookup.
             "--kubelet-preferred-address-types=InternalIP",
             f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}", f"--audit-log-path={self.audit_log}",
-            "--audit-log-format=json", "--audit-log-mode=blocking"]
+            "--audit-log-format=json", "--audit-log-mode=blocking",
+            f"--requestheader-client-ca-file={p / 'front-proxy-ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client", "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group", "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={p / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={p / 'front-proxy-client.key'}"]
         self.start_apiserver()
         self.admin_kubeconfig.write_text(yaml.safe_dump(
             kubeconfig(self.server, p / "ca.crt", cert=p / "admin.crt", key=p / "admin.key")))
@@ -227,7 +260,7 @@ class ControlPlane:
             "kube-controller-manager", *delegated, f"--secure-port={kcm_port}",
             f"--cert-dir={self.workdir / 'kcm-certs'}",
             f"--service-account-private-key-file={p / 'sa.key'}", f"--root-ca-file={p / 'ca.crt'}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}")
+            f"--service-cluster-ip-range={SERVICE_CIDR}", f"--horizontal-pod-autoscaler-sync-period={HPA_SYNC_PERIOD}")
         sched_port = free_port()
         sched = self._spawn("kube-scheduler", *delegated, f"--secure-port={sched_port}",
                             f"--cert-dir={self.workdir / 'scheduler-certs'}")

@@ -26,6 +26,7 @@ from tests.e2e.netwatch import WATCH
 GROUP, VERSION, PLURAL = "gaudiserve.io", "v1alpha1", "inferenceservices"
 ISVC_LABEL = "gaudiserve.io/inference-service"
 MANUAL_READINESS = {"e2e.gaudiserve.io/readiness": "manual"}  # see kwok-stages.yaml
+MANUAL_TERMINATION = {"e2e.gaudiserve.io/termination": "manual"}  # see kwok-stages.yaml
 NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
@@ -154,6 +155,47 @@ def rwx_claim(kube: Kube, ns: str, name: str, size: str = "10Gi") -> None:
                  "resources": {"requests": {"storage": size}}}})
     wait_for(lambda: kube.core.read_namespaced_persistent_volume_claim(name, ns).status.phase == "Bound", 60,
              f"claim {name} bound")
+
+
+@dataclass
+class KubeletTermination:
+    """The kubelet's part when a pod whose container a test plays with a real process is deleted
+    (the pod is annotated MANUAL_TERMINATION, so kwok leaves it be): the preStop hook, SIGTERM to
+    the container's main process (the launcher alone, not its process group), the grace period
+    counted from the deletion (then SIGKILL), and the pod's removal once the container is gone."""
+
+    kube: Kube
+    namespace: str
+    pod: str
+    proc: subprocess.Popen
+    grace_s: float = 0.0
+    pre_stop_s: float = 0.0
+    started: float = 0.0
+
+    def wait_deleted(self, timeout: float) -> None:
+        def deleting() -> Any:
+            pod = self.kube.core.read_namespaced_pod(self.pod, self.namespace)
+            return pod if pod.metadata.deletion_timestamp else None
+        pod = wait_for(deleting, timeout, f"pod {self.pod} to be deleted")
+        self.started = time.monotonic()
+        self.grace_s = float(pod.metadata.deletion_grace_period_seconds)
+        hook = pod.spec.containers[0].lifecycle.pre_stop if pod.spec.containers[0].lifecycle else None
+        self.pre_stop_s = float(hook.sleep.seconds) if hook and hook.sleep else 0.0
+
+    def run_pre_stop_and_signal(self) -> None:
+        time.sleep(self.pre_stop_s)  # the preStop hook is a sleep: the kubelet runs it, then signals
+        os.kill(self.proc.pid, signal.SIGTERM)
+
+    def wait_exit(self) -> int:
+        """The container's exit code, SIGKILLed (-9) if it outlives the grace period."""
+        left = self.grace_s - (time.monotonic() - self.started)
+        try:
+            code = self.proc.wait(timeout=max(0.0, left))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            code = self.proc.wait(timeout=30)
+        self.kube.core.delete_namespaced_pod(self.pod, self.namespace, grace_period_seconds=0)
+        return code
 
 
 def table(text: str) -> list[dict[str, str]]:

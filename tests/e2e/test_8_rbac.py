@@ -83,7 +83,8 @@ def test_the_chart_grants_what_the_operator_uses_and_no_more(cluster: Cluster, r
                                                              operator: OperatorProcess, ns: str) -> None:
     kube, kubectl = cluster.kube, cluster.kubectl
     # Every path: create (children applied), 2 replicas (PDB) with a NetworkPolicy, scale to 1 and
-    # drop the NetworkPolicy (both deleted), delete; a shared download Job's life (_download_paths).
+    # drop the NetworkPolicy (both deleted), an HPA, a KEDA ScaledObject in its place (HPA deleted),
+    # no autoscaling (ScaledObject deleted), delete; a shared download Job's life (_download_paths).
     kubectl.apply(isvc_manifest("rbac", ns, shards=1, replicas=2, networkPolicy={}))
     wait_for(lambda: kube.status(ns, "rbac").get("phase") == "Ready", 60, "rbac Ready")
     assert kube.children(ns, "rbac")["poddisruptionbudgets"] == ["rbac"]
@@ -94,6 +95,14 @@ def test_the_chart_grants_what_the_operator_uses_and_no_more(cluster: Cluster, r
              and kube.status(ns, "rbac").get("readyReplicas") == 1, 60, "the PDB removed at one replica")
     wait_for(lambda: kubectl("get", "networkpolicy", "rbac", "-n", ns, check=False).returncode != 0, 60,
              "the NetworkPolicy removed with the spec's")
+    for autoscaling, kind in (({"maxReplicas": 1}, "hpa"), ({"maxReplicas": 1, "engine": "keda", "prometheus": {
+            "serverAddress": "http://prometheus:9090"}}, "scaledobject"), (None, None)):
+        kubectl.apply(isvc_manifest("rbac", ns, shards=1, replicas=1,
+                                    **({"autoscaling": autoscaling} if autoscaling else {})))
+        for other in ("hpa", "scaledobject"):
+            wanted = other == kind
+            wait_for(lambda o=other, w=wanted: (kubectl("get", o, "rbac", "-n", ns, check=False).returncode == 0) == w,
+                     30, f"{kind or 'no autoscaler'} in place")
     kubectl("delete", "gisvc", "rbac", "-n", ns, "--wait=true")
     wait_for(lambda: not kube.pods(ns, "rbac"), 60, "the pods gone")
     _download_paths(cluster, ns)

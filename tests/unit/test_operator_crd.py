@@ -155,6 +155,13 @@ GOOD = [
                                                         "values": ["web", "chat-ui"]},
                                                        {"key": "canary", "operator": "DoesNotExist"}]}},
                  {"namespaceSelector": {}, "podSelector": {"matchLabels": {"example.com/role": "llm-client"}}}]}),
+    # spec.autoscaling and spec.serving.drainSeconds
+    manifest(autoscaling={"maxReplicas": 4}, serving={"drainSeconds": 600}),
+    manifest(autoscaling={"minReplicas": 2, "maxReplicas": 2, "targets": {"runningRequests": 48, "kvCacheUsage": 1},
+                          "behavior": {"scaleDown": {"stabilizationWindowSeconds": 900, "pods": 2}}}),
+    manifest(autoscaling={"engine": "keda", "maxReplicas": 8, "targets": {"queueSize": 10},
+                          "prometheus": {"serverAddress": "http://prometheus.monitoring:9090",
+                                         "authenticationRef": {"name": "prom-auth"}}}),
 ]
 
 
@@ -246,6 +253,26 @@ BAD = [
      "spec.model.cache", "spec.model.cache.recipes needs a cache the pods can write"),
     ("recipes without a volume", manifest(model={"id": "m", "cache": {"recipes": True}}),
      "spec.model.cache", "spec.model.cache.recipes needs a cache the pods can write"),
+    # spec.autoscaling and spec.serving.drainSeconds
+    ("autoscaling without maxReplicas", manifest(autoscaling={"minReplicas": 2}),
+     "spec.autoscaling", "'maxReplicas' is a required property"),
+    ("autoscaling min above max", manifest(autoscaling={"minReplicas": 3, "maxReplicas": 2}),
+     "spec.autoscaling", "spec.autoscaling.minReplicas must not exceed spec.autoscaling.maxReplicas"),
+    ("autoscaling min 0", manifest(autoscaling={"minReplicas": 0, "maxReplicas": 2}),
+     "spec.autoscaling.minReplicas", "0 is less than the minimum of 1"),
+    ("autoscaling no target", manifest(autoscaling={"maxReplicas": 2, "targets": {}}),
+     "spec.autoscaling.targets", "spec.autoscaling.targets needs at least one of queueSize, kvCacheUsage"),
+    ("autoscaling kv above 1", manifest(autoscaling={"maxReplicas": 2, "targets": {"kvCacheUsage": 60}}),
+     "spec.autoscaling.targets.kvCacheUsage", "60 is greater than the maximum of 1"),
+    ("autoscaling engine", manifest(autoscaling={"maxReplicas": 2, "engine": "kpa"}),
+     "spec.autoscaling.engine", "is not one of"),
+    ("keda without prometheus", manifest(autoscaling={"maxReplicas": 2, "engine": "keda"}),
+     "spec.autoscaling", "spec.autoscaling.prometheus.serverAddress is required when spec.autoscaling.engine is keda"),
+    ("scale-down window too long", manifest(autoscaling={"maxReplicas": 2, "behavior": {
+        "scaleDown": {"stabilizationWindowSeconds": 7200}}}),
+     "spec.autoscaling.behavior.scaleDown.stabilizationWindowSeconds", "7200 is greater than the maximum of 3600"),
+    ("drain too short", manifest(serving={"drainSeconds": 10}),
+     "spec.serving.drainSeconds", "10 is less than the minimum of 40"),
 ]
 
 
@@ -257,6 +284,7 @@ def test_bad_manifests_are_rejected_naming_the_field(name: str, obj: dict[str, A
 
 
 @pytest.mark.parametrize("rule_path,schema_path", [
+    ("spec.serving.drainSeconds", ["spec", "serving", "drainSeconds"]),
     ("spec.batching.batchBucketSize", ["spec", "batching", "batchBucketSize"]),
     ("spec.batching.prefillBatchBucketSize", ["spec", "batching", "prefillBatchBucketSize"]),
     ("spec.batching.padSequenceToMultipleOf", ["spec", "batching", "padSequenceToMultipleOf"]),
@@ -270,7 +298,7 @@ def test_cel_rules_on_their_own_catch_what_the_schema_also_catches(rule_path: st
     bad = -1 if rule_path == "spec.replicas" else 0
     errors = _cel(schema, bad, rule_path)
     assert errors and rule_path in errors[0]
-    assert _cel(schema, 1, rule_path) == []
+    assert _cel(schema, 40 if rule_path == "spec.serving.drainSeconds" else 1, rule_path) == []
 
 
 def test_operator_rejects_what_the_crd_rejects() -> None:

@@ -122,8 +122,9 @@ def _pod(f: FakeKube, ready: bool, name: str = "llama-0") -> dict[str, Any]:
 async def test_status_patched_only_on_change_and_events_only_on_phase_change(fake: FakeKube) -> None:
     await handlers.reconcile("ml", "llama", CONFIG)
     assert [c["kind"] for c in fake.applied] == ["Deployment", "Service"]
-    # None wanted at 1 replica, nor without spec.networkPolicy.
-    assert fake.deleted == [("PodDisruptionBudget", "ml", "llama"), ("NetworkPolicy", "ml", "llama")]
+    # None of the optional kinds is wanted at 1 replica without networkPolicy or autoscaling.
+    assert fake.deleted == [(k, "ml", "llama") for k in ("PodDisruptionBudget", "NetworkPolicy",
+                                                         "HorizontalPodAutoscaler", "ScaledObject")]
     assert len(fake.status_patches) == 1 and fake.body["status"]["phase"] == "Pending"
     assert [e[1] for e in fake.events] == ["Pending"]
 
@@ -162,7 +163,7 @@ async def test_network_policy_admits_the_operator_where_it_runs_and_goes_with_th
     assert ("NetworkPolicy", "ml", "llama") not in fake.deleted
     del fake.body["spec"]["networkPolicy"]
     await handlers.reconcile("ml", "llama", config)
-    assert fake.deleted[-1] == ("NetworkPolicy", "ml", "llama")
+    assert ("NetworkPolicy", "ml", "llama") in fake.deleted
 
 
 async def test_gone_or_deleting_object_is_left_alone(fake: FakeKube) -> None:
@@ -335,6 +336,47 @@ async def test_an_event_of_a_download_job_triggers_its_owners() -> None:
         {"kind": "Something", "name": "c", "uid": "3"}]}}
     await handlers.on_download_job(body=job, namespace="ml", memo=Memo)
     assert triggered == [("ml", "a"), ("ml", "b")]
+
+
+async def test_autoscaler_applied_after_the_old_one_is_deleted_and_its_status_reported(
+        fake: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fake.body is not None
+    fake.body["spec"] = {"model": {"id": "m"}, "autoscaling": {"minReplicas": 1, "maxReplicas": 3}}
+    live_hpa_status = {"desiredReplicas": 2, "lastScaleTime": "2026-01-01T00:00:00Z", "conditions": [
+        {"type": "ScalingLimited", "status": "False", "message": "the desired count is within the range"}]}
+    apply = fake.apply
+
+    async def with_status(obj: dict[str, Any]) -> dict[str, Any]:
+        live = await apply(obj)
+        return {**live, "status": live_hpa_status} if obj["kind"] == "HorizontalPodAutoscaler" else live
+    monkeypatch.setattr(kube, "apply", with_status)
+    await handlers.reconcile("ml", "llama", CONFIG)
+    assert [c["kind"] for c in fake.applied] == ["Deployment", "Service", "PodDisruptionBudget",
+                                                 "HorizontalPodAutoscaler"]
+    assert fake.deleted == [("NetworkPolicy", "ml", "llama"), ("ScaledObject", "ml", "llama")]
+    assert fake.body["status"]["autoscaling"] == {
+        "engine": "hpa", "autoscaler": "HorizontalPodAutoscaler/llama", "minReplicas": 1, "maxReplicas": 3,
+        "desiredReplicas": 2, "lastScaleTime": "2026-01-01T00:00:00Z"}
+
+
+async def test_keda_engine_without_keda_installed_is_reported_not_retried_forever(
+        fake: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fake.body is not None
+    fake.body["spec"] = {"model": {"id": "m"}, "autoscaling": {
+        "engine": "keda", "maxReplicas": 2, "prometheus": {"serverAddress": "http://prometheus:9090"}}}
+    apply = fake.apply
+
+    async def no_keda(obj: dict[str, Any]) -> dict[str, Any]:
+        if obj["kind"] == "ScaledObject":
+            raise kube.NotFound("/apis/keda.sh/v1alpha1/namespaces/ml/scaledobjects/llama")
+        return await apply(obj)
+    monkeypatch.setattr(kube, "apply", no_keda)
+    status = await handlers.reconcile("ml", "llama", CONFIG)
+    assert status is not None and status["phase"] == "Degraded"
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "AutoscalerNotInstalled" and "ScaledObject" in degraded["message"]
+    assert status["autoscaling"] == {"engine": "keda", "minReplicas": 1, "maxReplicas": 2}
+    assert ("HorizontalPodAutoscaler", "ml", "llama") in fake.deleted
 
 
 async def test_reconciler_coalesces_triggers(fake: FakeKube) -> None:

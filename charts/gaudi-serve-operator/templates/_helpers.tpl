@@ -76,8 +76,9 @@ any: true
   verbs: ["patch"]
 # Children, applied server-side (create is needed when an apply creates the object); only the
 # optional ones are ever deleted (the PodDisruptionBudget at one replica, the NetworkPolicy when
-# the spec drops it). The rest goes by garbage collection. No Secrets: a spec's Secret references
-# (hubTokenSecretRef, apiKeySecretRef) are resolved by the kubelet, never read by the operator.
+# the spec drops it, the autoscaler that spec.autoscaling no longer asks for). The rest goes by
+# garbage collection. No Secrets: a spec's Secret references (hubTokenSecretRef, apiKeySecretRef)
+# are resolved by the kubelet, never read by the operator.
 # Exactly what the operator uses: tests/e2e/test_8_rbac.py checks it against the audit log.
 - apiGroups: ["apps"]
   resources: ["deployments"]
@@ -91,6 +92,13 @@ any: true
 # NetworkPolicy (spec.networkPolicy): deleted when the spec drops it.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+# spec.autoscaling: a HorizontalPodAutoscaler, or a KEDA ScaledObject (where KEDA is installed).
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: ["keda.sh"]
+  resources: ["scaledobjects"]
   verbs: ["list", "watch", "create", "patch", "delete"]
 # Pods: observed (watched) for status and warmup progress, never changed.
 - apiGroups: [""]

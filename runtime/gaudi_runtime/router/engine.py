@@ -74,6 +74,8 @@ class BatchingEngine:
             await self.client.warmup(self._on_warmup)
             self.shard_info = await self.client.info()
             self.state = "ready"
+            self.metrics.serving = True
+            self.requests.report_load()  # the load gauges appear, at zero
             log.info("ready: %d KV blocks of %d tokens", info.num_blocks, info.block_size)
         except (ShardError, OSError, ValueError) as e:
             self.fail(str(e))

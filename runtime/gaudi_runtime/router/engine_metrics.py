@@ -1,5 +1,5 @@
 """Every Prometheus metric the engine sets, in one place: queue and batch sizes, batch timings,
-warmup progress, passes on unwarmed shapes.
+warmup progress, passes on unwarmed shapes, and the load gauges an autoscaler reads.
 
 The life cycle, the request registry and the batching loop each call this object rather than the
 registry, so that what a metric means is decided here once. Without a registry (the offline
@@ -19,15 +19,21 @@ class EngineMetrics:
         self._m = metrics
         self.unwarmed_shapes = 0  # forward passes the shards ran on a shape warmup did not cover
         self._last_decode_answer = 0.0
+        self.serving = False  # the load gauges are published from the moment the engine is ready
 
     def warmup(self, done: int, total: int) -> None:
         if self._m is not None:
             self._m.gaudi_serve_warmup_done.set(done)
             self._m.gaudi_serve_warmup_total.set(total)
 
-    def queue_size(self, waiting: int) -> None:
-        if self._m is not None:
-            self._m.tgi_queue_size.set(waiting)
+    def load(self, waiting: int, running: int, kv_usage: float) -> None:
+        """Requests waiting and running, fraction of KV blocks reserved: the queue size always, the
+        load gauges once serving (a pod loading or warming up must not look idle to an autoscaler)."""
+        if self._m is None:
+            return
+        self._m.tgi_queue_size.set(waiting)
+        if self.serving:
+            self._m.set_load(waiting, running, kv_usage)
 
     def batch_size(self, running: int) -> None:
         if self._m is not None:

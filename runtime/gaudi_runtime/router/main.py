@@ -1,4 +1,8 @@
-"""Process entry of the router: HTTP first (so /health answers during warmup), then the shards."""
+"""Process entry of the router: HTTP first (so /health answers during warmup), then the shards.
+
+SIGTERM or SIGINT starts a graceful shutdown (router/drain.py): running requests get up to
+--shutdown-grace-seconds to finish; a second signal ends them at once (with an error each).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from aiohttp import web
 
 from gaudi_runtime.config import Config
 from gaudi_runtime.router.client import ShardClient
+from gaudi_runtime.router.drain import DRAIN, shut_down
 from gaudi_runtime.router.engine import BatchingEngine
 from gaudi_runtime.router.grammars import ShardGrammars
 from gaudi_runtime.router.images import ImagePrompter
@@ -29,7 +34,7 @@ FAIL_EXIT_DELAY_S = float(os.environ.get("GAUDI_SERVE_FAIL_EXIT_DELAY_S", "2"))
 async def serve(cfg: Config, model_dir: str) -> int:
     tokenizer = RouterTokenizer.load(model_dir, cfg)
     client = ShardClient([cfg.shard_socket(r) for r in range(cfg.num_shard)])
-    metrics = Metrics()
+    metrics = Metrics(cfg.model_name)
     engine = BatchingEngine(cfg, client, tokenizer, metrics)
     app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg))
     app[STATE].tracer = tracer = make_tracer(cfg)
@@ -41,10 +46,7 @@ async def serve(cfg: Config, model_dir: str) -> int:
     await web.TCPSite(runner, cfg.hostname, cfg.port).start()
     log.info("router listening on http://%s:%d", cfg.hostname, cfg.port)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop, hurry = _signals()
     code = 0
     try:
         starting = asyncio.create_task(engine.start())
@@ -63,6 +65,8 @@ async def serve(cfg: Config, model_dir: str) -> int:
             code = 1
         failed.cancel()
     finally:
+        if stop.is_set() and code == 0:
+            await shut_down(app[DRAIN], engine, cfg.shutdown_grace_seconds, hurry)
         await engine.stop()
         await runner.cleanup()
         if tracer is not None:
@@ -78,6 +82,18 @@ def log_tool_format(cfg: Config, tokenizer: RouterTokenizer) -> None:
     elif template and "tools" in template:
         log.warning("tool calls: the chat template renders tools in a format this server does not parse; "
                     "requests with tools get a 422 unless --tool-call-parser names the format")
+
+
+def _signals() -> tuple[asyncio.Event, asyncio.Event]:
+    """(stop, hurry): the first SIGTERM/SIGINT sets stop (drain), a second one sets hurry (end now)."""
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    return stop, hurry
 
 
 def main(cfg: Config, model_dir: str) -> int:

@@ -3,7 +3,13 @@
 Counters are exposed under their TGI names (`tgi_request_count`, not
 `tgi_request_count_total`) so that dashboards built for TGI work unchanged.
 The HTTP layer records the per-request metrics; the engine sets the queue and
-batch ones (`tgi_queue_size`, `tgi_batch_current_size`, ...).
+batch ones (`tgi_queue_size`, `tgi_batch_current_size`, ...) and, through
+`Metrics.set_load`, the load gauges under vLLM's names that autoscalers and
+the Gateway API Inference Extension's endpoint picker read
+(`vllm:num_requests_waiting`, `vllm:num_requests_running`,
+`vllm:kv_cache_usage_perc`, labelled `model_name`). Those have no sample until
+the engine is ready: a pod still loading or warming up shows no load figure
+that would move an autoscaler.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ _DURATION = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# The load gauges under vLLM's names (see `Metrics.set_load`).
+LOAD_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
 
 class Counter:
@@ -86,7 +94,8 @@ class _Child:
 class Metrics:
     """Every metric the router exposes, as attributes named like the metric."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name  # vLLM's `model_name` label of the load gauges
         r = self.registry = CollectorRegistry(auto_describe=True)
         c: list[Counter] = []
         self.counters = c
@@ -144,6 +153,23 @@ class Metrics:
         self.gaudi_serve_unwarmed_shapes_total = Counter(
             "gaudi_serve_unwarmed_shapes_total", "Forward passes on a shape warmup did not cover (should stay 0)",
             registry=c)
+        self._load_gauges(r)
+
+    def _load_gauges(self, r: CollectorRegistry) -> None:
+        """Load under vLLM's names, labelled `model_name` (set through set_load once the engine is ready)."""
+        waiting, running, kv = LOAD_GAUGES
+        self.vllm_num_requests_waiting = Gauge(waiting, "Requests waiting for a batch slot", ("model_name",),
+                                               registry=r)
+        self.vllm_num_requests_running = Gauge(running, "Requests in the running batch", ("model_name",),
+                                               registry=r)
+        self.vllm_kv_cache_usage_perc = Gauge(kv, "Fraction of the KV-cache blocks in use (1 means 100 percent)",
+                                              ("model_name",), registry=r)
+
+    def set_load(self, waiting: int, running: int, kv_usage: float) -> None:
+        """The engine's load now: requests waiting, requests running, fraction of KV blocks in use."""
+        self.vllm_num_requests_waiting.labels(self.model_name).set(waiting)
+        self.vllm_num_requests_running.labels(self.model_name).set(running)
+        self.vllm_kv_cache_usage_perc.labels(self.model_name).set(kv_usage)
 
     def render(self) -> bytes:
         return "".join(c.render() for c in self.counters).encode() + generate_latest(self.registry)

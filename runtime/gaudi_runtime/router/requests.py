@@ -64,7 +64,7 @@ class Requests:
                              stop=StopSequenceMatcher(list(request.stopping.stop_sequences)))
         self._live[state.id] = state
         self.waiting.append(state)
-        self.metrics.queue_size(len(self.waiting))
+        self.report_load()
         return state
 
     def get(self, request_id: int) -> RequestState | None:
@@ -75,13 +75,13 @@ class Requests:
         """Move the first `count` waiting requests into a prefill, reserving their KV blocks."""
         now = time.monotonic()
         chosen = [self.waiting.popleft() for _ in range(count)]
-        self.metrics.queue_size(len(self.waiting))
         for state in chosen:
             stopping = state.req.stopping
             state.blocks = self.allocator.allocate(
                 blocks_needed(len(state.req.input_ids), stopping.max_new_tokens, self.cfg))
             state.started = now
             state.sent = 1  # the prefill computes the first token
+        self.report_load()
         return chosen
 
     def end(self, state: RequestState, last: StreamEvent | Exception | None = None) -> None:
@@ -96,9 +96,15 @@ class Requests:
         del self._live[state.id]
         if state.started is None:
             self.waiting.remove(state)
-            self.metrics.queue_size(len(self.waiting))
+        self.report_load()
         if last is not None:
             state.events.put_nowait(last)
+
+    def report_load(self) -> None:
+        """The load now (waiting, running, fraction of the KV blocks reserved) to the metrics."""
+        a = self.allocator
+        kv_usage = 1 - a.free_count / a.num_blocks if a is not None and a.num_blocks else 0.0
+        self.metrics.load(len(self.waiting), len(self._live) - len(self.waiting), kv_usage)
 
     def end_all(self, error: Exception) -> None:
         """End every live request with `error` (the shards failed)."""

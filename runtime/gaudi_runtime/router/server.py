@@ -17,6 +17,7 @@ import logging
 from aiohttp import web
 
 from gaudi_runtime.config import Config
+from gaudi_runtime.router.drain import DRAIN, Drain
 from gaudi_runtime.router.errors import UnhealthyError, ValidationError, error_response, json_error
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.routes import add_routes, open_route
@@ -120,10 +121,13 @@ def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
               metrics: Metrics | None = None, images=None) -> web.Application:
     """The HTTP application; pass `metrics` to share it with the engine (else one is made:
     `app[METRICS]` or `get_metrics(app)`)."""
-    metrics = metrics or Metrics()
-    app = web.Application(middlewares=_middlewares(config, engine), client_max_size=config.max_request_bytes)
+    metrics = metrics or Metrics(config.model_name)
+    drain = Drain()  # admission during a graceful shutdown (router/drain.py)
+    app = web.Application(middlewares=[drain.middleware, *_middlewares(config, engine)],
+                          client_max_size=config.max_request_bytes)
     app[STATE] = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, images=images)
     app[METRICS] = metrics
+    app[DRAIN] = drain
 
     if config.cors_allow_origin:
         async def add_cors(request: web.Request, response: web.StreamResponse) -> None:

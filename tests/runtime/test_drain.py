@@ -1,0 +1,149 @@
+"""Graceful shutdown of a real `gaudi-serve launch` (tiny model, CPU), SIGTERM sent to the launcher
+alone as the kubelet does on a pod deletion: the running stream ends with its final event, new
+requests get 503 in TGI's shape and /health 503, the launcher exits 0 and leaves no process; past
+--shutdown-grace-seconds, a stream still running ends with an error event instead.
+
+The shard is held with SIGSTOP while the test looks at the draining server, so that the stream is
+still running then, whatever this machine's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import pytest
+
+from gaudi_runtime.tools.tiny_model import make_tiny_model
+from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, Launched, alive, children, get_json, launch
+
+MAX_NEW_TOKENS = 60
+ENV = {**SMALL_ENV, "WARMUP_ENABLED": "false", "TEXT_GENERATION_SERVER_IGNORE_EOS_TOKEN": "true"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@dataclass
+class Stream:
+    """A /generate_stream read in a thread: its events, and whether the server closed it."""
+
+    url: str
+    events: list[dict] = field(default_factory=list)
+    got_tokens: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> Stream:
+        threading.Thread(target=self._read, daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        body = json.dumps({"inputs": "Drain me slowly", "parameters": {"max_new_tokens": MAX_NEW_TOKENS}}).encode()
+        req = urllib.request.Request(self.url + "/generate_stream", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                for line in r:
+                    if line.startswith(b"data:"):
+                        self.events.append(json.loads(line[5:]))
+                        if len(self.events) >= 2:
+                            self.got_tokens.set()
+        finally:
+            self.got_tokens.set()
+            self.done.set()
+
+
+def wait_until(fn, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.05)  # poll interval of a deadline-bounded wait
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def post_generate(url: str) -> tuple[int, dict]:
+    req = urllib.request.Request(url + "/generate", data=json.dumps({"inputs": "late", "parameters": {
+        "max_new_tokens": 2}}).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def hold_shard(srv: Launched) -> int:
+    """Stop the shard (SIGSTOP) once a stream is running; returns its pid."""
+    (shard,) = [p for p in children(srv.proc.pid) if b"shard" in open(f"/proc/{p}/cmdline", "rb").read()]
+    os.kill(shard, signal.SIGSTOP)
+    return shard
+
+
+def start_draining(srv: Launched) -> tuple[Stream, int, list[int]]:
+    """A stream running, the shard held, then SIGTERM to the launcher alone (as the kubelet signals
+    a container's PID 1, not its process group)."""
+    stream = Stream(srv.url).start()
+    assert stream.got_tokens.wait(120) and len(stream.events) >= 2, stream.events
+    kids = children(srv.proc.pid)
+    shard = hold_shard(srv)
+    os.kill(srv.proc.pid, signal.SIGTERM)
+    return stream, shard, kids
+
+
+def health(url: str) -> tuple[int, dict] | None:
+    try:
+        return get_json(url + "/health", timeout=5)
+    except OSError:
+        return None
+
+
+def assert_all_gone(srv: Launched, kids: list[int], code: int) -> None:
+    assert srv.proc.wait(timeout=60) == code, srv.log()[-3000:]
+    wait_until(lambda: not any(alive(p) for p in kids), 30, "every child process to exit")
+
+
+def test_sigterm_lets_the_running_stream_finish_refuses_new_requests_then_exits_0(model_dir, tmp_path):
+    srv = launch(model_dir, tmp_path, *SMALL_ARGS, "--shutdown-grace-seconds", "60", env=ENV)
+    try:
+        srv.wait_ready()
+        stream, shard, kids = start_draining(srv)
+        code, body = wait_until(lambda: (h := health(srv.url)) and h[0] == 503 and h, 30,
+                                "/health to answer 503 while draining")
+        assert body["status"] == "draining" and body["error_type"] == "unhealthy", body
+        code, body = post_generate(srv.url)
+        assert (code, body["error_type"]) == (503, "unhealthy") and "shutting down" in body["error"], body
+        assert get_json(srv.url + "/ping")[0] == 200  # liveness holds: the kubelet must not restart it
+        os.kill(shard, signal.SIGCONT)
+        assert stream.done.wait(120)
+        last = stream.events[-1]
+        assert "error" not in last, last
+        assert last["details"]["finish_reason"] == "length" and last["details"]["generated_tokens"] == MAX_NEW_TOKENS
+        assert len(stream.events) == MAX_NEW_TOKENS
+        assert_all_gone(srv, kids, 0)
+        assert "every request finished" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_a_stream_still_running_at_the_end_of_the_grace_period_ends_with_an_error_event(model_dir, tmp_path):
+    srv = launch(model_dir, tmp_path, *SMALL_ARGS, "--shutdown-grace-seconds", "2", env=ENV)
+    try:
+        srv.wait_ready()
+        stream, shard, kids = start_draining(srv)
+        assert stream.done.wait(120), "the stream was not ended after the grace period"
+        last = stream.events[-1]
+        assert last["error_type"] == "generation" and "grace period" in last["error"], last
+        assert all("error" not in e and e["details"] is None for e in stream.events[:-1])
+        os.kill(shard, signal.SIGCONT)  # the launcher stops it next
+        assert_all_gone(srv, kids, 0)
+    finally:
+        srv.stop()
