@@ -7,7 +7,8 @@ a plain dict ready for
 server-side apply, plus the facts the status reports about them (template
 hash, selector, URL), so nothing downstream renders again. Only the fields the
 operator owns are set, so other field managers (HPA through the scale
-subresource, GitOps tools, admission webhooks) keep theirs.
+subresource, GitOps tools, admission webhooks) keep theirs. The model-cache
+download Job is not a child of one InferenceService: download.py renders it.
 """
 
 from __future__ import annotations

@@ -451,7 +451,7 @@ def invalid_spec_status(body: dict[str, Any], message: str, *, now: str) -> dict
     meta = body.get("metadata") or {}
     invalid = Condition(False, "InvalidSpec", message)
     conditions = {"Ready": invalid, "Progressing": invalid, "Degraded": Condition(True, "InvalidSpec", message)}
-    return {
+    status = {
         "observedGeneration": meta.get("generation"),
         "selector": selector_string(meta.get("name", "")),
         "phase": phase_of(conditions, 0),
@@ -461,6 +461,11 @@ def invalid_spec_status(body: dict[str, Any], message: str, *, now: str) -> dict
         "readySummary": "0/?",
         "conditions": _stamp(body, conditions, now),
     }
+    # The download Job the status named stays named: the pass after a fix leaves it if it must.
+    download = (body.get("status") or {}).get("download")
+    if download:
+        status["download"] = download
+    return status
 
 
 def status_patch(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:

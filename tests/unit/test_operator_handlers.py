@@ -464,6 +464,24 @@ async def test_fetch_warmup_tolerates_unreachable_and_slow_pods() -> None:
     assert await kube.fetch_warmup([_running("gone")], closed, timeout=0.5) == {}
 
 
+async def test_fetch_health_reads_a_ready_pods_start_up() -> None:
+    answer = {"status": "ok", "warmup": {"done": 6, "total": 6, "phase": "decode"},
+              "startup_seconds": {"download": 0.2, "load": 1.5, "warmup": 9.0}, "warmup_from_cache": None}
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response(answer)
+    runner, port = await _serve(health)
+    try:
+        assert await kube.fetch_health(_running("a", ready=True), port) == answer
+        assert await kube.fetch_health({"metadata": {"name": "p"}, "status": {"phase": "Pending"}}, port) is None
+    finally:
+        await runner.cleanup()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert await kube.fetch_health(_running("gone", ready=True), closed, timeout=0.5) is None
+
+
 async def test_fetch_warmup_bounds_concurrency() -> None:
     active = peak = 0
 

@@ -318,6 +318,13 @@ def test_download_table(name: str, dl: Download, pods: list[dict[str, Any]], pha
     assert st["downloadSummary"]
 
 
+def test_an_invalid_spec_keeps_naming_the_download_job() -> None:
+    """So that the pass after the fix can leave a Job the service no longer needs."""
+    previous = {"download": {"job": JOB, "state": "Complete", "total": 10}}
+    st = invalid_spec_status(body(status=previous), "spec.shards must be one of 1, 2, 4 or 8", now=NOW)
+    assert st["download"] == previous["download"] and st["phase"] == "Failed"
+
+
 def test_no_download_no_downloaded_condition() -> None:
     st = compute(body(), parse_spec(body()["spec"]), None, [], now=NOW)
     assert "Downloaded" not in {c["type"] for c in st["conditions"]} and "download" not in st
