@@ -69,9 +69,11 @@ def check_model(model_dir: str) -> None:
 
 
 def _die_with_parent() -> None:
-    # Children must not outlive the launcher, even when it is killed with SIGKILL.
+    # Children must not outlive the launcher, even when it is killed with SIGKILL. They run in
+    # process groups of their own, so a signal to the launcher's group (Ctrl-C in a terminal)
+    # reaches only the launcher, which passes it on once.
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
@@ -98,7 +100,7 @@ def spawn_shards(cfg: Config, model_dir: str, env: dict[str, str] | None = None)
     env = env or _child_env(cfg, model_dir)
     return [
         (f"shard-{rank}", subprocess.Popen(_EXE + ["shard", "--rank", str(rank), "--world-size", str(cfg.num_shard)],
-                                           env=env, preexec_fn=_die_with_parent))
+                                           env=env, preexec_fn=_die_with_parent, process_group=0))
         for rank in range(cfg.num_shard)
     ]
 
@@ -106,7 +108,8 @@ def spawn_shards(cfg: Config, model_dir: str, env: dict[str, str] | None = None)
 def spawn(cfg: Config, model_dir: str, download_seconds: float | None = None) -> list[tuple[str, subprocess.Popen]]:
     env = _child_env(cfg, model_dir, download_seconds)
     procs = spawn_shards(cfg, model_dir, env)
-    return procs + [("router", subprocess.Popen(_EXE + ["router"], env=env, preexec_fn=_die_with_parent))]
+    return procs + [("router", subprocess.Popen(_EXE + ["router"], env=env, preexec_fn=_die_with_parent,
+                                                 process_group=0))]
 
 
 def stop_all(procs: list[tuple[str, subprocess.Popen]]) -> None:

@@ -35,6 +35,11 @@ def scrape(url: str) -> dict[str, dict[tuple, float]]:
     return out
 
 
+def tgi_gauge(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    return next(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+
+
 def load(url: str) -> tuple[float, float, float]:
     samples = scrape(url)
     label = (("model_name", MODEL_NAME),)
@@ -109,6 +114,8 @@ def test_gauges_follow_waiting_and_running_requests_and_kv_blocks(started):
             time.sleep(0.02)  # poll interval of a deadline-bounded wait
         waiting, running, kv = figures
         assert (waiting, running) == (4, 1) and 0 < kv < 1, figures
+        # TGI's gauge of the running batch: its prompt tokens plus the 400 it may generate.
+        assert 400 < tgi_gauge(srv.url, "tgi_batch_current_max_tokens") < 450
         assert get_json(srv.url + "/health")[0] == 200  # a busy server is still ready
     finally:
         if alive(shard):

@@ -69,6 +69,14 @@ def test_a_call_cut_short_keeps_its_name_and_the_arguments_so_far():
     assert (call.name, call.arguments, call.end) == ("get_weather", '{"city": "Pa', None)
 
 
+@pytest.mark.parametrize("fmt", sorted(OUTPUTS))
+def test_calls_before_one_cut_short_at_its_start_are_kept(fmt):
+    text = OUTPUTS[fmt][0]
+    cut = text[:text.index("get_time") - 4]  # the second call has begun, its name not yet written
+    p = parse(fmt, cut, final=True)
+    assert [c.name for c in p.calls if c.name is not None] == ["get_weather"]
+
+
 def test_a_marker_being_written_is_held_back_until_it_is_one():
     s = ToolCallStream("hermes")
     assert s.add("Hi <tool") == [{"content": "Hi "}]

@@ -96,7 +96,7 @@ class BatchingLoop:
             await self._wake.wait()
             self._wake.clear()
             await self._run_batch()
-            self.metrics.batch_size(0)
+            self.metrics.batch_size(0, 0)
 
     async def _run_batch(self) -> None:
         """Prefill waiting requests and decode them, with the requests that join them, until none runs."""
@@ -133,9 +133,12 @@ class BatchingLoop:
             batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(batch.id))))
         steps = self._steps(ids) if ids and joined is None and not self.requests.waiting else 1
         batch.id, batch.request_ids = parts[0].id, [rid for b in parts for rid in b.request_ids]
+        max_tokens = 0
         for rid in batch.request_ids:  # all live: nothing ran since they were checked
-            self.requests.get(rid).sent += steps
-        self.metrics.batch_size(len(batch.request_ids))
+            state = self.requests.get(rid)
+            state.sent += steps
+            max_tokens += len(state.req.input_ids) + state.req.stopping.max_new_tokens
+        self.metrics.batch_size(len(batch.request_ids), max_tokens)
         # The call is made (numbered) here, before anything else the loop sends.
         rpc = asyncio.ensure_future(self.client.decode(parts, steps))
         batch.inflight.append(Call(rpc, self._answer_decode(parts, rpc, time.monotonic()), steps))

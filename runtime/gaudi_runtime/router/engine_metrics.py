@@ -35,9 +35,11 @@ class EngineMetrics:
         if self.serving:
             self._m.set_load(waiting, running, kv_usage)
 
-    def batch_size(self, running: int) -> None:
+    def batch_size(self, running: int, max_tokens: int) -> None:
+        """The running batch: its requests, and the tokens they may hold (prompts + max_new_tokens)."""
         if self._m is not None:
             self._m.tgi_batch_current_size.set(running)
+            self._m.tgi_batch_current_max_tokens.set(max_tokens)
 
     def prefill_answered(self, made: float, resp: pb.PrefillResponse, size: int) -> None:
         """A prefill of `size` requests made at `made` (time.monotonic()) answered."""

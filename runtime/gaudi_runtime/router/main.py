@@ -71,6 +71,7 @@ async def serve(cfg: Config, model_dir: str) -> int:
         await runner.cleanup()
         if tracer is not None:
             tracer.shutdown()
+        _ignore_late_signals()
     return code
 
 
@@ -94,6 +95,15 @@ def _signals() -> tuple[asyncio.Event, asyncio.Event]:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     return stop, hurry
+
+
+def _ignore_late_signals() -> None:
+    # Closing the loop would reset its handlers to the default, and a signal arriving during exit
+    # (the launcher passing one on) would turn a clean exit into a death by SIGTERM.
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def main(cfg: Config, model_dir: str) -> int:

@@ -303,7 +303,7 @@ def _parse_llama(t: str, final: bool) -> Parsed:
     out = Parsed()
     rest = _calls_in_list(t, start, out, ";", None)
     complete = out.calls and all(c.end is not None for c in out.calls)
-    if not out.calls or (final and not complete and out.calls[-1].name is None):
+    if not out.calls or (final and out.calls[0].name is None):
         return Parsed(t if final else "")  # no call (yet): text, once the output is over
     if t[rest:].strip() and (final or complete):
         out.content += t[rest:]
