@@ -2,9 +2,11 @@
 
 The pass (`reconcile`) goes one way through the data and never back: read the
 object, render its children, apply them, observe what the cluster made of them,
-report the status. Triggers: create/update/resume of an InferenceService, any
-event of a child (Deployment, Service, PodDisruptionBudget, NetworkPolicy, autoscaler) or pod carrying
-our labels, and a resync timer that also polls warmup progress of warming pods.
+report the status. With spec.model.cache.prefetch the model-cache download Job comes
+first (download.py): the Deployment waits for it. Triggers: create/update/resume of an
+InferenceService, any event of a child (Deployment, Service, PodDisruptionBudget,
+NetworkPolicy, autoscaler) or pod carrying our labels, of a download Job (its owners' passes),
+and a resync timer that also polls warmup progress of warming pods and a download's progress.
 Runs for the same object are serialized; a trigger arriving during a run causes
 one more run after it, never a pile-up.
 
@@ -23,12 +25,22 @@ from typing import Any
 
 import kopf
 
-from . import kube
+from . import download, kube
 from .autoscaling import KINDS as AUTOSCALER_KINDS
 from .config import OperatorConfig
+from .download import Download
 from .render import ISVC_LABEL, MANAGED_BY, Rendered, operator_peer, render
-from .spec import FIELD_MANAGER, GROUP, PLURAL, RUNTIME_PORT, VERSION, SpecError, parse_spec
-from .status import Observed, compute_status, invalid_spec_status, status_patch
+from .spec import (
+    FIELD_MANAGER,
+    GROUP,
+    PLURAL,
+    RUNTIME_PORT,
+    VERSION,
+    InferenceServiceSpec,
+    SpecError,
+    parse_spec,
+)
+from .status import Observed, compute_status, invalid_spec_status, latest_ready_pod, status_patch
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +51,9 @@ CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"),
                    ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies"),
                    ("", "v1", "pods"),
                    ("autoscaling", "v2", "horizontalpodautoscalers"), ("keda.sh", "v1alpha1", "scaledobjects")]
+# The model-cache download Jobs: shared, so they name their owners in ownerReferences, not in a label.
+DOWNLOAD_JOBS = ("batch", "v1", "jobs")
+DOWNLOAD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, download.KEY_LABEL: kopf.PRESENT}
 
 
 def _now() -> str:
@@ -54,15 +69,17 @@ async def reconcile(namespace: str, name: str, config: OperatorConfig) -> dict[s
         spec = parse_spec(body.get("spec"))
     except SpecError as exc:
         return await _report(body, invalid_spec_status(body, str(exc), now=_now()))
-    rendered = render(body, spec, cluster_domain=config.cluster_domain,
-                      operator=operator_peer(config.namespace, config.pod_labels))
     try:
+        fetched = await _prefetch(body, spec)
+        rendered = render(body, spec, cluster_domain=config.cluster_domain,
+                          operator=operator_peer(config.namespace, config.pod_labels),
+                          downloaded=fetched is None or fetched.state == "Complete")
         live, unserved = await _apply(rendered, namespace, name)
     except kube.Invalid as exc:
         # Admitted, but a child is not: content the CRD hands through verbatim (podTemplate,
         # resources, tolerations, affinity, env's valueFrom) is checked only in the child.
         return await _report(body, invalid_spec_status(body, str(exc), now=_now()))
-    observed = await _observe(namespace, name, live, config, unserved)
+    observed = await _observe(body, rendered, live, config, fetched, unserved)
     return await _report(body, compute_status(body, spec, rendered, observed, now=_now()))
 
 
@@ -87,14 +104,80 @@ async def _apply(rendered: Rendered, namespace: str,
     return live, tuple(unserved)
 
 
-async def _observe(namespace: str, name: str, live: dict[str, dict[str, Any]], config: OperatorConfig,
-                   unserved: tuple[str, ...] = ()) -> Observed:
-    pods = await kube.list_pods(namespace, f"{ISVC_LABEL}={name}")
+async def _observe(body: dict[str, Any], rendered: Rendered, live: dict[str, dict[str, Any]],
+                   config: OperatorConfig, fetched: Download | None, unserved: tuple[str, ...] = ()) -> Observed:
+    meta = body["metadata"]
+    pods = await kube.list_pods(meta["namespace"], f"{ISVC_LABEL}={meta['name']}")
     warmup = await kube.fetch_warmup(pods, RUNTIME_PORT, concurrency=config.warmup_concurrency,
                                      timeout=config.warmup_timeout)
+    # The start-up timings of the newest ready pod, read once per pod.
+    startup = None
+    latest = latest_ready_pod(pods, rendered.template_hash)
+    if latest is not None and latest["metadata"]["name"] != ((body.get("status") or {}).get("startup") or {}).get("pod"):
+        health = await kube.fetch_health(latest, RUNTIME_PORT, timeout=config.warmup_timeout)
+        startup = {**health, "pod": latest["metadata"]["name"]} if health else None
     autoscaler = next((live[k] for k in AUTOSCALER_KINDS.values() if k in live), None)
     return Observed(deployment=live.get("Deployment"), pods=pods, warmup=warmup, autoscaler=autoscaler,
-                    unserved=unserved)
+                    unserved=unserved, download=fetched, startup=startup)
+
+
+async def _prefetch(body: dict[str, Any], spec: InferenceServiceSpec) -> Download | None:
+    """The model-cache download: create or join its Job, read how far it got. Leaves the Job of an
+    earlier model, revision or claim (the status names it) to its other owners, or deletes it."""
+    meta = body["metadata"]
+    previous = (body.get("status") or {}).get("download") or {}
+    job = download.render_job(body, spec)
+    if previous.get("job") and (job is None or previous["job"] != job["metadata"]["name"]):
+        await _leave_job(meta["namespace"], previous["job"], meta["uid"])
+    if job is None:
+        return None
+    live = await _join_job(job)
+    key = job["metadata"]["labels"][download.KEY_LABEL]
+    pods = [p for p in await kube.list_pods(meta["namespace"], f"{download.KEY_LABEL}={key}")
+            if any(o.get("uid") == live["metadata"].get("uid") for o in p["metadata"].get("ownerReferences") or [])]
+    log_pod = download.log_pod(live, pods, previous)
+    text = await kube.pod_log(meta["namespace"], log_pod, download.CONTAINER) if log_pod else None
+    return download.observe(live, pods, text, previous)
+
+
+async def _join_job(job: dict[str, Any]) -> dict[str, Any]:
+    """The live download Job, created as rendered if absent, else with this InferenceService among
+    its owners (a write conditional on the version read: owners joining at once never drop one)."""
+    meta, mine = job["metadata"], job["metadata"]["ownerReferences"][0]
+    for _ in range(3):
+        live = await kube.get("Job", meta["namespace"], meta["name"])
+        if live is None:
+            try:
+                return await kube.create(job)
+            except kube.Conflict:
+                continue  # created by another owner meanwhile
+        if any(o.get("uid") == mine["uid"] for o in download.owners(live)):
+            return live
+        try:
+            refs = [*(live["metadata"].get("ownerReferences") or []), mine]
+            return await kube.patch_if_unchanged(live, {"metadata": {"ownerReferences": refs}})
+        except kube.Conflict:
+            continue
+    raise kube.Conflict(f"job {meta['name']} kept changing while joining it")
+
+
+async def _leave_job(namespace: str, name: str, uid: str) -> None:
+    """This InferenceService no longer needs the Job: drop its ownerReference, or delete the Job
+    if it was the last owner (garbage collection never deletes an object that has no owner left)."""
+    for _ in range(3):
+        live = await kube.get("Job", namespace, name)
+        refs = (live or {}).get("metadata", {}).get("ownerReferences") or []
+        if live is None or not any(r.get("uid") == uid for r in refs):
+            return
+        rest = [r for r in refs if r.get("uid") != uid]
+        try:
+            if rest:
+                await kube.patch_if_unchanged(live, {"metadata": {"ownerReferences": rest}})
+            else:
+                await kube.delete("Job", namespace, name, resource_version=live["metadata"]["resourceVersion"])
+            return
+        except kube.Conflict:
+            continue
 
 
 async def _report(body: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
@@ -176,7 +259,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, inference_se
     settings.posting.enabled = False  # our own Events, on phase changes only
     settings.execution.max_workers = max(settings.execution.max_workers or 0, 4)
     # Server-side filtering: watch only our children and their pods, not every pod in the cluster.
-    for key in CHILD_RESOURCES:
+    for key in [*CHILD_RESOURCES, DOWNLOAD_JOBS]:
         settings.watching.label_selectors[key] = f"app.kubernetes.io/managed-by={MANAGED_BY}"
     settings.watching.server_timeout = config.watch_timeout
     kube.configure()
@@ -219,5 +302,13 @@ async def on_child(body: kopf.Body, namespace: str | None, memo: kopf.Memo, **_:
         memo.reconciler.trigger(namespace, owner)
 
 
+async def on_download_job(body: kopf.Body, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """A download Job changed (or went): a pass of each InferenceService that owns it."""
+    for owner in download.owners(dict(body)):
+        if namespace and owner.get("name"):
+            memo.reconciler.trigger(namespace, owner["name"])
+
+
 for _resource in CHILD_RESOURCES:
     kopf.on.event(*_resource, labels=CHILD_LABELS)(on_child)
+kopf.on.event(*DOWNLOAD_JOBS, labels=DOWNLOAD_LABELS)(on_download_job)

@@ -32,6 +32,7 @@ _KINDS = {
     "Service": ("/api/v1", "services"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "Job": ("/apis/batch/v1", "jobs"),
     "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
     "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
     "Pod": ("/api/v1", "pods"),
@@ -53,6 +54,10 @@ class NotFound(Exception):
 
 class Invalid(Exception):
     """The API server refused an object as invalid (400, 422); the message is its own, naming the field."""
+
+
+class Conflict(Exception):
+    """409: the object exists already (create), or changed since it was read (a write with its resourceVersion)."""
 
 
 def configure() -> None:
@@ -83,19 +88,23 @@ def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = 
 
 
 def _call(method: str, path: str, *, query: list[tuple[str, str]] | None = None, body: Any = None,
-          content_type: str = "application/json") -> Any:
+          content_type: str = "application/json", raw: bool = False) -> Any:
     api = _api()
     method_, url, headers, body_, post = api.param_serialize(
         method, path, query_params=query or [], body=body, auth_settings=["BearerToken"],
-        header_params={"Content-Type": content_type, "Accept": "application/json"})
+        header_params={"Content-Type": content_type, "Accept": "*/*" if raw else "application/json"})
     rsp = api.call_api(method_, url, headers, body_, post, _request_timeout=30)
     data = rsp.read()
     if rsp.status == 404:
         raise NotFound(path)
     if rsp.status in (400, 422):
         raise Invalid(_status_message(data) or f"{method} {path}: {rsp.reason}")
+    if rsp.status == 409:
+        raise Conflict(_status_message(data) or f"{method} {path}: {rsp.reason}")
     if not 200 <= rsp.status <= 299:
         raise ApiException(status=rsp.status, reason=f"{method} {path}: {rsp.reason}: {data[:500]!r}")
+    if raw:
+        return data.decode(errors="replace")
     return json.loads(data) if data else {}
 
 
@@ -134,13 +143,43 @@ async def get(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return None
 
 
-async def delete(kind: str, namespace: str, name: str) -> bool:
-    """Delete if present; False when it was not there."""
+async def delete(kind: str, namespace: str, name: str, resource_version: str | None = None) -> bool:
+    """Delete if present; False when it was not there. With `resource_version`, only that version
+    of it (Conflict when it changed since)."""
+    body: dict[str, Any] = {"propagationPolicy": "Background"}
+    if resource_version:
+        body["preconditions"] = {"resourceVersion": resource_version}
     try:
-        await _run("DELETE", _path(kind, namespace, name), body={"propagationPolicy": "Background"})
+        await _run("DELETE", _path(kind, namespace, name), body=body)
         return True
     except NotFound:
         return False
+
+
+async def create(obj: dict[str, Any]) -> dict[str, Any]:
+    """Create `obj` as it is (Conflict when it exists): for objects the operator shares, never re-applies."""
+    meta = obj["metadata"]
+    return await _run("POST", _path(obj["kind"], meta["namespace"]), query=[("fieldManager", FIELD_MANAGER)],
+                      body=obj)
+
+
+async def patch_if_unchanged(obj: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """Merge-patch `obj` unless it changed since it was read (its resourceVersion; else Conflict)."""
+    meta = obj["metadata"]
+    body = {**patch, "metadata": {**(patch.get("metadata") or {}), "resourceVersion": meta["resourceVersion"]}}
+    return await _run("PATCH", _path(obj["kind"], meta["namespace"], meta["name"]),
+                      query=[("fieldManager", FIELD_MANAGER)], body=body, content_type="application/merge-patch+json")
+
+
+async def pod_log(namespace: str, pod: str, container: str, *, tail_lines: int = 20,
+                  limit_bytes: int = 64 * 1024) -> str | None:
+    """The last lines of a container's log; None when the kubelet cannot give them (yet)."""
+    query = [("container", container), ("tailLines", str(tail_lines)), ("limitBytes", str(limit_bytes))]
+    try:
+        return await _run("GET", _path("Pod", namespace, pod, "log"), query=query, raw=True)
+    except Exception as exc:  # progress is best effort: a kubelet that does not answer stops no pass
+        log.debug("log of pod %s/%s unavailable: %s", namespace, pod, exc)
+        return None
 
 
 async def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:
@@ -220,3 +259,20 @@ async def fetch_warmup(pods: list[dict[str, Any]], port: int, *, concurrency: in
     async with aiohttp.ClientSession(timeout=client_timeout) as session:
         await asyncio.gather(*(one(session, pod, ip) for pod, ip in targets))
     return out
+
+
+async def fetch_health(pod: dict[str, Any], port: int, *, timeout: float = 2.0) -> dict[str, Any] | None:
+    """A pod's /health answer (a dict), None when it cannot be had."""
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    host = f"[{ip}]" if ":" in ip else ip
+    client_timeout = aiohttp.ClientTimeout(total=timeout, connect=timeout)
+    try:
+        async with aiohttp.ClientSession(timeout=client_timeout) as session:
+            async with session.get(f"http://{host}:{port}/health") as rsp:
+                data = json.loads(await rsp.text())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
+        log.debug("/health of pod %s unavailable: %s", pod["metadata"].get("name"), exc)
+        return None
+    return data if isinstance(data, dict) else None

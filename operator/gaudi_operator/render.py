@@ -7,7 +7,8 @@ a plain dict ready for
 server-side apply, plus the facts the status reports about them (template
 hash, selector, URL), so nothing downstream renders again. Only the fields the
 operator owns are set, so other field managers (HPA through the scale
-subresource, GitOps tools, admission webhooks) keep theirs.
+subresource, GitOps tools, admission webhooks) keep theirs. The model-cache
+download Job is not a child of one InferenceService: download.py renders it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ TEMPLATE_HASH_LABEL = "gaudiserve.io/template-hash"
 CONTAINER = "runtime"
 GAUDI_RESOURCE = "habana.ai/gaudi"
 DATA_DIR = "/data"
+# Habana's compiled graph recipes (spec.model.cache.recipes): the claim's recipes/ directory, mounted
+# writable here when the claim itself is mounted read-only (prefetch); else /data/recipes.
+RECIPE_DIR = "/recipe-cache"
+RECIPE_SUBPATH = "recipes"
 QUANT_DIR = "/etc/gaudi-serve/quant"
 # Kinds a spec may or may not want; the reconcile deletes the ones a render left out.
 OPTIONAL_KINDS = ("PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler", "ScaledObject")
@@ -137,6 +142,12 @@ def runtime_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     if spec.shards > 1:
         # Needed by HCCL collectives inside HPU graphs with tensor parallelism.
         env.append({"name": "PT_HPU_ENABLE_LAZY_COLLECTIVES", "value": "true"})
+    if spec.model.prefetched:
+        # The download Job filled the claim: the replicas never call the hub.
+        env.append({"name": "HF_HUB_OFFLINE", "value": "1"})
+    if spec.model.cache and spec.model.cache.recipes:
+        recipes = RECIPE_DIR if spec.model.prefetched else f"{DATA_DIR}/{RECIPE_SUBPATH}"
+        env.append({"name": "RECIPE_CACHE_DIR", "value": recipes})
     if spec.precision == "fp8" and spec.quantization and spec.quantization.config_map_ref:
         env.append({"name": "QUANT_CONFIG", "value": f"{QUANT_DIR}/{spec.quantization.config_map_ref.key}"})
     # Secrets reach the runtime only as references the kubelet resolves: their values never pass
@@ -158,7 +169,14 @@ def _volumes(spec: InferenceServiceSpec, name: str) -> tuple[list[dict[str, Any]
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}}]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     cache = spec.model.cache
-    if cache and cache.persistent_volume_claim:
+    if cache and cache.persistent_volume_claim and cache.prefetch:
+        # The model read-only (the download Job wrote it); only the recipes' directory writable.
+        volumes.append({"name": "model-cache", "persistentVolumeClaim": {
+            "claimName": cache.persistent_volume_claim.claim_name, "readOnly": not cache.recipes}})
+        mounts.append({"name": "model-cache", "mountPath": DATA_DIR, "readOnly": True})
+        if cache.recipes:
+            mounts.append({"name": "model-cache", "mountPath": RECIPE_DIR, "subPath": RECIPE_SUBPATH})
+    elif cache and cache.persistent_volume_claim:
         pvc = cache.persistent_volume_claim
         volumes.append({"name": "model-cache", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only}})
         mounts.append({"name": "model-cache", "mountPath": DATA_DIR, "readOnly": pvc.read_only})
@@ -396,17 +414,21 @@ def render_network_policy(body: dict[str, Any], spec: InferenceServiceSpec,
 
 
 def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
-           cluster_domain: str = "cluster.local", operator: dict[str, Any] | None = None) -> Rendered:
+           cluster_domain: str = "cluster.local", operator: dict[str, Any] | None = None,
+           downloaded: bool = True) -> Rendered:
     """All children of an InferenceService `body`.
 
     `body` needs apiVersion, kind and metadata name, namespace and uid: the children's
     owner reference is built from them. `operator` is the NetworkPolicy peer of the
     operator's pods (`operator_peer`), admitted by a NetworkPolicy for the warmup poll.
+    `downloaded` False (the model-cache download is not over) leaves the Deployment out: it is
+    neither created nor changed, so a first start waits and pods of an earlier template keep serving.
     """
     spec = spec or parse_spec(body.get("spec"))
     meta = body["metadata"]
     deployment = render_deployment(body, spec)
-    children = [deployment, render_service(body, spec)]
+    children = [deployment] if downloaded else []
+    children.append(render_service(body, spec))
     # Autoscaled: the PDB stays whatever the current count, instead of coming and going with it.
     if spec.replicas > 1 or (spec.autoscaling is not None and spec.autoscaling.max_replicas > 1):
         children.append(render_pdb(body, spec))

@@ -9,6 +9,7 @@ object, a test) is read the same way.
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
@@ -42,12 +43,21 @@ LabelKey = Annotated[str, StringConstraints(max_length=317, pattern=LABEL_KEY)]
 LabelValue = Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]
 Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=32)]
 RESERVED_MOUNTS = ("/data", "/dev/shm", "/etc/gaudi-serve/quant")
+# A hub repository id (`org/name`, or a legacy single name): what a download Job can fetch.
+HUB_ID = r"^[A-Za-z0-9][-A-Za-z0-9_.]*(/[A-Za-z0-9][-A-Za-z0-9_.]*)?$"
 
 # Rules the CRD's CEL also enforces at admission, with the same messages.
 API_KEY_ENV_MESSAGE = "spec.env must not set API_KEY when spec.apiKeySecretRef is set (the key comes from the Secret)"
 MOUNT_MESSAGE = ("spec.quantization.measurements.mountPath must not be /data, /dev/shm or /etc/gaudi-serve/quant "
                  "(the operator mounts those)")
 PEER_MESSAGE = "spec.networkPolicy.from: each peer needs a namespaceSelector, a podSelector or both"
+PREFETCH_CLAIM_MESSAGE = ("spec.model.cache.prefetch needs spec.model.cache.persistentVolumeClaim "
+                          "(a ReadWriteMany claim the download Job fills)")
+PREFETCH_READ_ONLY_MESSAGE = ("spec.model.cache.persistentVolumeClaim.readOnly must be false with prefetch "
+                              "(the download Job writes the claim; the serving pods mount it read-only anyway)")
+PREFETCH_ID_MESSAGE = "spec.model.id must be a hub id (org/name) with spec.model.cache.prefetch"
+RECIPES_MESSAGE = ("spec.model.cache.recipes needs a cache the pods can write: a persistentVolumeClaim that is not "
+                   "readOnly (or prefetch), or ephemeral")
 SELECTOR_VALUES_MESSAGE = ("spec.networkPolicy.from: a matchExpressions entry needs values with In or NotIn, "
                            "and none with Exists or DoesNotExist")
 
@@ -99,11 +109,22 @@ class EphemeralCache(_Model):
 class CacheVolume(_Model):
     persistent_volume_claim: PVCRef | None = None
     ephemeral: EphemeralCache | None = None
+    # One download Job fills the claim before any replica starts; replicas then mount it read-only.
+    prefetch: bool = False
+    # Habana's compiled graph recipes kept on the cache volume (RECIPE_CACHE_DIR), across restarts.
+    recipes: bool = False
 
     @model_validator(mode="after")
     def _one_kind(self) -> CacheVolume:
-        if self.persistent_volume_claim is not None and self.ephemeral is not None:
+        pvc = self.persistent_volume_claim
+        if pvc is not None and self.ephemeral is not None:
             raise ValueError("spec.model.cache: set persistentVolumeClaim or ephemeral, not both")
+        if self.prefetch and pvc is None:
+            raise ValueError(PREFETCH_CLAIM_MESSAGE)
+        if self.prefetch and pvc is not None and pvc.read_only:
+            raise ValueError(PREFETCH_READ_ONLY_MESSAGE)
+        if self.recipes and not (self.ephemeral is not None or (pvc is not None and not pvc.read_only)):
+            raise ValueError(RECIPES_MESSAGE)
         return self
 
 
@@ -112,6 +133,17 @@ class ModelSource(_Model):
     revision: str | None = None
     hub_token_secret_ref: SecretKeyRef | None = None
     cache: CacheVolume | None = None
+
+    @model_validator(mode="after")
+    def _prefetch_a_hub_id(self) -> ModelSource:
+        if self.cache is not None and self.cache.prefetch and not re.fullmatch(HUB_ID, self.id):
+            raise ValueError(PREFETCH_ID_MESSAGE)
+        return self
+
+    @property
+    def prefetched(self) -> bool:
+        """A download Job fills the cache claim before the replicas start (they mount it read-only)."""
+        return self.cache is not None and self.cache.prefetch
 
 
 class ConfigMapKeyRef(_Model):

@@ -18,11 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .autoscaling import autoscaling_status
+from .download import Download
+from .download import summary as download_summary
 from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, Rendered, selector_string
 from .spec import InferenceServiceSpec
 
 MANAGED_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "selector",
-                "url", "readySummary", "warmupSummary", "warmup", "conditions", "autoscaling")
+                "url", "readySummary", "warmupSummary", "warmup", "conditions", "autoscaling", "download",
+                "downloadSummary", "startup")
 
 IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 CONTAINER_CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
@@ -35,13 +38,24 @@ PROBLEM_ORDER = (
 FATAL_REASONS = frozenset(PROBLEM_ORDER) - {"Unschedulable", "AutoscalerNotInstalled"}
 # Without a problem, the Ready condition's reason names how far the pods got.
 PHASE_OF_READY_REASON = {"AllReplicasReady": "Ready", "WarmingUp": "WarmingUp", "Loading": "Loading"}
+# What to do about each reason a download gives for failing (download_report.py in the runtime).
+DOWNLOAD_ADVICE = {
+    "unauthorized": "the hub refused the token: check the HF token Secret",
+    "not_found": "no such model, revision or safetensors weights: check spec.model.id and spec.model.revision",
+    "no_space": "no space left on the claim: make it larger or free space on it",
+    "not_cached": "the download ran offline (HF_HUB_OFFLINE in spec.env?) and the claim has no complete copy",
+    "corrupt": "a file failed its checks twice",
+    "unreachable": "the hub cannot be reached: check HF_ENDPOINT in spec.env, proxies and egress",
+    "interrupted": "the download was stopped",
+}
 
 _DOWNLOAD_RE = re.compile(
     r"RepositoryNotFound|GatedRepo|RevisionNotFound|EntryNotFound|LocalEntryNotFound|HfHubHTTPError"
     r"|40[134] Client Error|failed to download|download failed|could not download", re.I)
 _OOM_RE = re.compile(r"out of memory|\bOOM\b|RESOURCE_EXHAUSTED|failed to allocate", re.I)
 
-__all__ = ["MANAGED_KEYS", "Observed", "compute_status", "invalid_spec_status", "phase_of", "status_patch"]
+__all__ = ["MANAGED_KEYS", "Observed", "compute_status", "invalid_spec_status", "latest_ready_pod", "phase_of",
+           "status_patch"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,9 @@ class Observed:
 
     `warmup` maps pod name -> the `warmup` object of that pod's /health answer; `autoscaler` is
     the live HorizontalPodAutoscaler or ScaledObject; `unserved` the kinds the cluster refused
-    because it does not serve them (a ScaledObject without KEDA installed).
+    because it does not serve them (a ScaledObject without KEDA installed); `download` is the
+    model-cache download (spec.model.cache.prefetch); `startup` the /health answer of the newest
+    ready pod (`latest_ready_pod`), with its name under "pod", when it was read in this pass.
     """
 
     deployment: dict[str, Any] | None = None
@@ -64,6 +80,8 @@ class Observed:
     warmup: dict[str, dict[str, Any]] = field(default_factory=dict)
     autoscaler: dict[str, Any] | None = None
     unserved: tuple[str, ...] = ()
+    download: Download | None = None
+    startup: dict[str, Any] | None = None
 
 
 class Condition(NamedTuple):
@@ -164,6 +182,13 @@ class Fleet:
     active: list[PodState]
     problems: list[Problem]  # most telling first
     rolling: bool  # pods with an old template, or the Deployment has not observed its spec yet
+    download: Download | None = None  # the model-cache download, with prefetch
+    download_problem: Problem | None = None  # it failed, or its pod cannot run
+
+    @property
+    def downloading(self) -> bool:
+        """The download is not over: the Deployment waits for it (pods of an earlier template keep serving)."""
+        return self.download is not None and self.download.state in ("Pending", "Downloading")
 
     @property
     def ready(self) -> int:
@@ -195,21 +220,44 @@ class Fleet:
         return None
 
 
+def _download_problem(download: Download | None, spec: InferenceServiceSpec) -> Problem | None:
+    """A failed download names its cause and what to check; a stuck attempt, its pod's problem."""
+    if download is None:
+        return None
+    if download.state == "Failed":
+        advice = DOWNLOAD_ADVICE.get(download.reason or "", "")
+        ref = spec.model.hub_token_secret_ref
+        if download.reason == "unauthorized":
+            advice += (f" {ref.name!r} (spec.model.hubTokenSecretRef) and that its account may read {spec.model.id}"
+                       if ref else f": {spec.model.id} needs one, set spec.model.hubTokenSecretRef")
+        detail = "; ".join(x for x in (advice, download.message) if x)
+        return Problem("ModelDownloadFailed", f"download job {download.job} failed: {download.reason}: {detail} "
+                                              f"(delete the Job to try again once fixed)")
+    pod = download.pod
+    if pod is None:
+        return None
+    st = pod.get("status") or {}
+    problem = _pod_problem((pod.get("metadata") or {}).get("name", "?"), st, list(st.get("containerStatuses") or []), 0)
+    return Problem(problem.reason, f"download {problem.message}") if problem else None
+
+
 def observe_fleet(spec: InferenceServiceSpec, template_hash: str, observed: Observed) -> Fleet:
     states = [pod_state(p, template_hash, spec.shards, observed.warmup.get((p.get("metadata") or {}).get("name", "")))
               for p in observed.pods]
     active = [s for s in states if not s.terminating]
     problems = [s.problem for s in active if s.problem]
-    dep_problem = _deployment_problem(observed.deployment)
-    if dep_problem:
-        problems.append(dep_problem)
+    download_problem = _download_problem(observed.download, spec)
+    for problem in (_deployment_problem(observed.deployment), download_problem):
+        if problem:
+            problems.append(problem)
     problems += [Problem("AutoscalerNotInstalled", f"this cluster does not serve {kind}: install its autoscaler "
                                                    "(KEDA for engine keda), or change spec.autoscaling.engine")
                  for kind in observed.unserved]
     problems.sort(key=lambda p: PROBLEM_ORDER.index(p.reason))
     old = any(not s.updated for s in active)
     return Fleet(desired=spec.replicas, active=active, problems=problems,
-                 rolling=spec.replicas > 0 and (_deployment_rolling(observed.deployment) or old))
+                 rolling=spec.replicas > 0 and (_deployment_rolling(observed.deployment) or old),
+                 download=observed.download, download_problem=download_problem)
 
 
 def _warmup_progress(fleet: Fleet) -> dict[str, Any] | None:
@@ -220,11 +268,15 @@ def _warmup_progress(fleet: Fleet) -> dict[str, Any] | None:
     warm = {"done": int(least.warmup.get("done") or 0), "total": int(least.warmup["total"]), "pod": least.name}
     if least.warmup.get("phase"):
         warm["phase"] = str(least.warmup["phase"])
+    if isinstance(least.warmup.get("from_cache"), bool):
+        warm["fromCache"] = least.warmup["from_cache"]
     return warm
 
 
 def _summary(fleet: Fleet, warm: dict[str, Any] | None) -> str:
     summary = f"{fleet.ready}/{fleet.desired} replicas ready"
+    if fleet.downloading and fleet.download is not None:
+        summary += f"; download {download_summary(fleet.download)}"
     if warm:
         summary += f"; warmup {warm['done']}/{warm['total']} shapes"
     if len(fleet.problems) > 1:
@@ -241,6 +293,8 @@ def _ready(fleet: Fleet, summary: str) -> Condition:
         reason = "AllReplicasReady"
     elif problem:
         reason = problem.reason
+    elif fleet.downloading:
+        reason = "Downloading"
     elif fleet.stage:
         reason = fleet.stage
     elif fleet.rolling and fleet.active:
@@ -256,6 +310,10 @@ def _progressing(fleet: Fleet, summary: str) -> Condition:
         return Condition(False, "ScaledToZero", "scaled to zero replicas")
     if problem and problem.reason == "ProgressDeadlineExceeded":
         return Condition(False, problem.reason, problem.message)
+    if fleet.download_problem:  # the Deployment waits for a download that cannot go on
+        return Condition(False, fleet.download_problem.reason, f"stalled: {fleet.download_problem.message}")
+    if fleet.downloading:
+        return Condition(True, "Downloading", f"the replicas start once the model is in the claim; {summary}")
     if fleet.rolling:
         return Condition(True, "RollingOut",
                          f"{fleet.updated}/{desired} replicas updated, {active - fleet.updated} old; {summary}")
@@ -276,6 +334,27 @@ def _degraded(fleet: Fleet) -> Condition:
     return Condition(False, "AsExpected", "no problem observed")
 
 
+def _camel(reason: str) -> str:
+    return "".join(part.capitalize() for part in reason.split("_"))
+
+
+def _downloaded(download: Download, spec: InferenceServiceSpec) -> Condition:
+    """True once the model is in the claim; else why not yet, or why never without a change."""
+    cache = spec.model.cache
+    claim = cache.persistent_volume_claim.claim_name if cache and cache.persistent_volume_claim else "?"
+    what = f"{spec.model.id}@{spec.model.revision or 'default branch'} in claim {claim}"
+    if download.state == "Complete":
+        took = f" in {download.seconds:.1f}s" if download.seconds is not None else ""
+        return Condition(True, "Downloaded", f"{what}: {download_summary(download)}{took} (job {download.job})")
+    if download.state == "Failed":
+        return Condition(False, _camel(download.reason or "error"), f"{what}: job {download.job} failed: "
+                                                                    f"{download.reason}: {download.message}")
+    progress = download_summary(download) if download.state == "Downloading" else "waiting for its pod to run"
+    retry = (f"; attempt {download.attempts} failed ({download.reason}: {download.message}), retrying"
+             if download.attempts else "")
+    return Condition(False, "Downloading", f"{what}: job {download.job}: {progress}{retry}")
+
+
 def phase_of(conditions: dict[str, Condition], ready_replicas: int) -> str:
     """The one-word summary of the conditions that `kubectl get` shows."""
     ready, degraded = conditions["Ready"], conditions["Degraded"]
@@ -283,6 +362,8 @@ def phase_of(conditions: dict[str, Condition], ready_replicas: int) -> str:
         return "Pending"  # nothing is wanted, so nothing can be degraded or on its way
     if degraded.status:
         return "Failed" if degraded.reason in FATAL_REASONS and ready_replicas == 0 else "Degraded"
+    if "Downloaded" in conditions and conditions["Downloaded"].reason == "Downloading":
+        return "Downloading"  # even while pods of an earlier template serve: the current one waits for it
     return PHASE_OF_READY_REASON.get(ready.reason, "Pending")
 
 
@@ -311,6 +392,8 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: R
     summary = _summary(fleet, warm)
     conditions = {"Ready": _ready(fleet, summary), "Progressing": _progressing(fleet, summary),
                   "Degraded": _degraded(fleet)}
+    if observed.download is not None:
+        conditions["Downloaded"] = _downloaded(observed.download, spec)
     status: dict[str, Any] = {
         "observedGeneration": (body.get("metadata") or {}).get("generation"),
         "selector": rendered.selector,
@@ -328,7 +411,39 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: R
     autoscaling = autoscaling_status(spec, observed.autoscaler)
     if autoscaling:
         status["autoscaling"] = autoscaling
+    if observed.download is not None:
+        status["download"] = observed.download.as_status()
+        status["downloadSummary"] = download_summary(observed.download)
+    startup = _startup(observed.startup) or (body.get("status") or {}).get("startup")
+    if startup:
+        status["startup"] = startup
     return status
+
+
+def latest_ready_pod(pods: list[dict[str, Any]], template_hash: str) -> dict[str, Any] | None:
+    """The newest ready pod running the current template: whose start-up the status reports."""
+    def ready(pod: dict[str, Any]) -> bool:
+        meta, st = pod.get("metadata") or {}, pod.get("status") or {}
+        return (not meta.get("deletionTimestamp") and (meta.get("labels") or {}).get(TEMPLATE_HASH_LABEL) == template_hash
+                and any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or []))
+    candidates = [p for p in pods if ready(p)]
+    return max(candidates, key=lambda p: (p["metadata"].get("creationTimestamp") or "", p["metadata"].get("name") or ""),
+               default=None)
+
+
+def _startup(health: dict[str, Any] | None) -> dict[str, Any] | None:
+    """status.startup from a ready pod's /health: its download, load and warmup seconds."""
+    if not health:
+        return None
+    seconds = health.get("startup_seconds") if isinstance(health.get("startup_seconds"), dict) else {}
+    out: dict[str, Any] = {"pod": health["pod"]}
+    for key in ("download", "load", "warmup"):
+        value = seconds.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"{key}Seconds"] = round(float(value), 3)
+    if isinstance(health.get("warmup_from_cache"), bool):
+        out["warmupFromCache"] = health["warmup_from_cache"]
+    return out if len(out) > 1 else None
 
 
 def invalid_spec_status(body: dict[str, Any], message: str, *, now: str) -> dict[str, Any]:
@@ -336,7 +451,7 @@ def invalid_spec_status(body: dict[str, Any], message: str, *, now: str) -> dict
     meta = body.get("metadata") or {}
     invalid = Condition(False, "InvalidSpec", message)
     conditions = {"Ready": invalid, "Progressing": invalid, "Degraded": Condition(True, "InvalidSpec", message)}
-    return {
+    status = {
         "observedGeneration": meta.get("generation"),
         "selector": selector_string(meta.get("name", "")),
         "phase": phase_of(conditions, 0),
@@ -346,6 +461,11 @@ def invalid_spec_status(body: dict[str, Any], message: str, *, now: str) -> dict
         "readySummary": "0/?",
         "conditions": _stamp(body, conditions, now),
     }
+    # The download Job the status named stays named: the pass after a fix leaves it if it must.
+    download = (body.get("status") or {}).get("download")
+    if download:
+        status["download"] = download
+    return status
 
 
 def status_patch(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:

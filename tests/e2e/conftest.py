@@ -24,6 +24,7 @@ import yaml
 
 from tests.e2e.control_plane import ROOT, ControlPlane, build_binaries, clean_env, kubeconfig
 from tests.e2e.harness import Kube, Kubectl, OperatorProcess, wait_for
+from tests.e2e.kubelet_logs import KubeletLogs
 from tests.e2e.metrics_path import MetricsAdapter
 from tests.e2e.netwatch import WATCH
 
@@ -78,11 +79,14 @@ class Cluster:
     workdir: Path
     kubeconfig: Path
     namespaces: list[str] = field(default_factory=list)
+    kubelet_logs: KubeletLogs | None = None  # the nodes' log endpoint, which kwok leaves to the tests
     autoscaling: Path | None = None  # hack/autoscaling-tools.sh's directory (simulated cluster only)
 
     def add_node(self, name: str, gaudi: int) -> None:
         assert self.cp is not None
         index = len(self.kube.core.list_node().items)
+        if self.kubelet_logs is not None:
+            self.kubelet_logs.serve(self.cp.node_ip(index))
         self.kube.core.create_node(self.cp.node_manifest(name, index, gaudi))
         wait_for(lambda: self.node_ready(name), NODE_READY_TIMEOUT, f"node {name} Ready")
 
@@ -144,17 +148,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         pytest.fail(f"the e2e control plane is not available: {exc}")
     cp = ControlPlane(binaries.control_plane, workdir)
     WATCH.start()
+    logs: KubeletLogs | None = None
     try:
         cp.start()
         kube = Kube(cp.admin_kubeconfig)
+        logs = KubeletLogs(cp.kubelet_port, cp.pki / "kubelet.crt", cp.pki / "kubelet.key")
         c = Cluster(cp, Kubectl(cp.bin("kubectl"), cp.admin_kubeconfig), kube, binaries.helm, workdir,
-                    cp.admin_kubeconfig, autoscaling=binaries.autoscaling)
+                    cp.admin_kubeconfig, autoscaling=binaries.autoscaling, kubelet_logs=logs)
         for i in range(GAUDI_NODES):
             c.add_node(f"gaudi-{i}", 8)
         c.add_node("cpu-0", 0)
         c.install_keda_crds()
         yield c
     finally:
+        if logs is not None:
+            logs.stop()
         stuck = cp.stop()
         assert not stuck, f"control-plane processes would not stop: {stuck}"
         for comp in cp.components:

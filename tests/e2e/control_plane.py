@@ -98,6 +98,7 @@ def make_pki(d: Path) -> None:
          "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
          "DNS:kubernetes.default.svc\nextendedKeyUsage=serverAuth\n")
     leaf("admin", "/O=system:masters/CN=e2e-admin", "extendedKeyUsage=clientAuth\n")
+    leaf("kubelet", "/CN=e2e-kubelet", "extendedKeyUsage=serverAuth\n")  # the nodes' log endpoint (kubelet_logs.py)
     ns, svc = METRICS_ADAPTER_SERVICE
     leaf("metrics-adapter", f"/CN={svc}",
          f"subjectAltName=IP:127.0.0.1,DNS:{svc}.{ns}.svc\nextendedKeyUsage=serverAuth\n")
@@ -152,6 +153,7 @@ class ControlPlane:
     net: int = field(default_factory=lambda: random.randint(100, 250))  # 127.<net>.x.y for nodes and pods
     components: list[Component] = field(default_factory=list)
     api_port: int = 0
+    kubelet_port: int = field(default_factory=free_port)  # the simulated nodes' log endpoint (kubelet_logs.py)
     api_args: list[str] = field(default_factory=list)
     # (from, to) of each API server start, UTC: until its caches sync it refuses what it cannot
     # authorize yet (403), which is no statement about anyone's RBAC.
@@ -237,6 +239,8 @@ class ControlPlane:
             f"--service-account-key-file={p / 'sa.pub'}", f"--service-account-signing-key-file={p / 'sa.key'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--authorization-mode=RBAC", "--allow-privileged=true",
+            # A node's kubelet (its log endpoint) at its InternalIP: its name would be a DNS lookup.
+            "--kubelet-preferred-address-types=InternalIP",
             f"--audit-policy-file={self.workdir / 'audit-policy.yaml'}", f"--audit-log-path={self.audit_log}",
             "--audit-log-format=json", "--audit-log-mode=blocking",
             f"--requestheader-client-ca-file={p / 'front-proxy-ca.crt'}",
@@ -312,6 +316,9 @@ class ControlPlane:
         return stuck
 
     # ---- nodes ---------------------------------------------------------
+    def node_ip(self, index: int) -> str:
+        return f"127.{self.net}.0.{index + 2}"
+
     def node_manifest(self, name: str, index: int, gaudi: int) -> dict[str, Any]:
         """A simulated node (kwok), with `gaudi` habana.ai/gaudi cards, node and pod IPs in 127.<net>/16."""
         resources = {"cpu": "96", "memory": "1Ti", "pods": "110", "ephemeral-storage": "1Ti"}
@@ -323,8 +330,9 @@ class ControlPlane:
                          "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                                     "type": "kwok", "gaudiserve.io/e2e-node": "true"}},
             "spec": {"podCIDR": f"127.{self.net}.{index + 1}.0/24"},
-            "status": {"addresses": [{"type": "InternalIP", "address": f"127.{self.net}.0.{index + 2}"},
+            "status": {"addresses": [{"type": "InternalIP", "address": self.node_ip(index)},
                                      {"type": "Hostname", "address": name}],
+                       "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port}},
                        "allocatable": resources, "capacity": dict(resources)},
         }
 

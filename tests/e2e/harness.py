@@ -140,6 +140,23 @@ class Kube:
             _content_type="application/merge-patch+json")
 
 
+def rwx_claim(kube: Kube, ns: str, name: str, size: str = "10Gi") -> None:
+    """A ReadWriteMany claim, bound to a volume made for it (kwok runs no container, so nothing mounts
+    it: a test maps the claim to a directory of its own)."""
+    volume = f"{ns}-{name}"
+    kube.core.create_persistent_volume({
+        "metadata": {"name": volume},
+        "spec": {"capacity": {"storage": size}, "accessModes": ["ReadWriteMany"], "storageClassName": "",
+                 "persistentVolumeReclaimPolicy": "Retain", "hostPath": {"path": f"/srv/{volume}"},
+                 "claimRef": {"namespace": ns, "name": name}}})
+    kube.core.create_namespaced_persistent_volume_claim(ns, {
+        "metadata": {"name": name},
+        "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": volume,
+                 "resources": {"requests": {"storage": size}}}})
+    wait_for(lambda: kube.core.read_namespaced_persistent_volume_claim(name, ns).status.phase == "Bound", 60,
+             f"claim {name} bound")
+
+
 @dataclass
 class KubeletTermination:
     """The kubelet's part when a pod whose container a test plays with a real process is deleted

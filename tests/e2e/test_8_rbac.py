@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.conftest import Cluster, Release
 from tests.e2e.control_plane import json_lines
-from tests.e2e.harness import OperatorProcess, isvc_manifest, wait_for
+from tests.e2e.harness import OperatorProcess, isvc_manifest, rwx_claim, wait_for
 
 pytestmark = pytest.mark.simulated  # kwok nodes and pods, the local operator
 
@@ -50,12 +50,41 @@ def _used(cluster: Cluster, user: str) -> tuple[set[tuple[str, str, str]], list[
     return used, denied
 
 
+def _jobs(cluster: Cluster, ns: str) -> list[dict]:
+    return cluster.kubectl.json("get", "jobs", "-n", ns, "-l", "gaudiserve.io/model-download")["items"]
+
+
+def _download_paths(cluster: Cluster, ns: str) -> None:
+    """The download Job's paths: created by one service, joined by a second (patch), its pod's log
+    read (pods/log), left by the second (patch) and deleted by the last owner (delete)."""
+    kubectl, logs = cluster.kubectl, cluster.kubelet_logs
+    rwx_claim(cluster.kube, ns, "rbac-models")
+    model = {"id": "org/m", "cache": {"persistentVolumeClaim": {"claimName": "rbac-models"}, "prefetch": True}}
+    for name in ("rbac-dl-a", "rbac-dl-b"):
+        kubectl.apply(isvc_manifest(name, ns, shards=1, model=model))
+    (job,) = wait_for(lambda: (j := _jobs(cluster, ns)) and len(j[0]["metadata"]["ownerReferences"]) == 2 and j, 60,
+                      "one download Job, joined by the second service")
+    assert logs is not None
+    wait_for(lambda: any(f"/{ns}/{job['metadata']['name']}-" in r for r in logs.requests), 60,
+             "the operator to read the download's log")
+    kubectl("patch", "gisvc", "rbac-dl-b", "-n", ns, "--type=merge", "-p", '{"spec": {"model": {"revision": "v2"}}}')
+    wait_for(lambda: [len(j["metadata"]["ownerReferences"]) for j in _jobs(cluster, ns)] in ([1, 1],), 60,
+             "the second service left the Job for one of its own")
+    kubectl("patch", "gisvc", "rbac-dl-a", "-n", ns, "--type=merge",
+            "-p", '{"spec": {"model": {"cache": {"prefetch": false}}}}')
+    wait_for(lambda: job["metadata"]["name"] not in [j["metadata"]["name"] for j in _jobs(cluster, ns)], 60,
+             "the Job deleted by its last owner")
+    for name in ("rbac-dl-a", "rbac-dl-b"):
+        kubectl("delete", "gisvc", name, "-n", ns, "--wait=true")
+    wait_for(lambda: not _jobs(cluster, ns), 60, "the download Jobs gone with their owners")
+
+
 def test_the_chart_grants_what_the_operator_uses_and_no_more(cluster: Cluster, release: Release,
                                                              operator: OperatorProcess, ns: str) -> None:
     kube, kubectl = cluster.kube, cluster.kubectl
     # Every path: create (children applied), 2 replicas (PDB) with a NetworkPolicy, scale to 1 and
     # drop the NetworkPolicy (both deleted), an HPA, a KEDA ScaledObject in its place (HPA deleted),
-    # no autoscaling (ScaledObject deleted), delete.
+    # no autoscaling (ScaledObject deleted), delete; a shared download Job's life (_download_paths).
     kubectl.apply(isvc_manifest("rbac", ns, shards=1, replicas=2, networkPolicy={}))
     wait_for(lambda: kube.status(ns, "rbac").get("phase") == "Ready", 60, "rbac Ready")
     assert kube.children(ns, "rbac")["poddisruptionbudgets"] == ["rbac"]
@@ -76,6 +105,7 @@ def test_the_chart_grants_what_the_operator_uses_and_no_more(cluster: Cluster, r
                      30, f"{kind or 'no autoscaler'} in place")
     kubectl("delete", "gisvc", "rbac", "-n", ns, "--wait=true")
     wait_for(lambda: not kube.pods(ns, "rbac"), 60, "the pods gone")
+    _download_paths(cluster, ns)
 
     user = f"system:serviceaccount:{release.namespace}:{release.service_account}"
     used, denied = _used(cluster, user)

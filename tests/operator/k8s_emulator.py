@@ -2,8 +2,12 @@
 
 What it does, as the real API server does it:
 * discovery (/version, /api, /apis, group versions with subresources);
-* create, get, list (label selectors =, !=, existence), delete (with ownerReference
-  cascade and finalizers), watch streams from a resourceVersion (with bookmarks);
+* create, get, list (label selectors =, !=, existence), delete (with finalizers, and a
+  resourceVersion precondition), watch streams from a resourceVersion (with bookmarks);
+* garbage collection by ownerReferences: a dependent goes with its last owner; while other
+  owners remain, only the reference to the deleted one is removed;
+* a merge patch carrying metadata.resourceVersion is refused (409) if the object changed since;
+* pods/log, from text the tests set (`logs`), as a kubelet would serve it (tailLines);
 * a global resourceVersion; metadata.generation bumped on changes outside metadata/status;
   a no-op write changes nothing and emits no event;
 * the status subresource (main-resource writes ignore status, /status writes touch only status);
@@ -55,6 +59,7 @@ RESOURCES = [
     Res("apps", "v1", "replicasets", "ReplicaSet", subresources=("status", "scale")),
     Res("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", subresources=("status",)),
     Res("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy"),
+    Res("batch", "v1", "jobs", "Job", subresources=("status",)),
     Res("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
         namespaced=False, subresources=("status",)),
     Res("gaudiserve.io", "v1alpha1", "inferenceservices", "InferenceService",
@@ -162,6 +167,7 @@ class Emulator:
     log: list[Event] = field(default_factory=list)
     requests: list[tuple[str, str, str, str]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    logs: dict[tuple[str, str], str] = field(default_factory=dict)  # (namespace, pod) -> its container's log
 
     def __post_init__(self) -> None:
         self._rv = itertools.count(1)
@@ -296,18 +302,25 @@ class Emulator:
                 return self.create(res, ns, patch)
             raise ApiError(404, "NotFound", f'{res.plural} "{name}" not found')
         old = self.objects[key]
+        wanted = ((patch or {}).get("metadata") or {}).get("resourceVersion") if isinstance(patch, dict) else None
+        if wanted and wanted != old["metadata"]["resourceVersion"]:
+            raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {res.plural} "{name}": '
+                                            "the object has been modified; please apply your changes to the latest version")
         if content_type.startswith("application/json-patch"):
             new = json_patch(old, patch)
         else:  # merge, strategic merge, apply: merged
             new = merge_patch(old, patch)
         return self._write(res, key, new, sub)
 
-    def delete(self, res: Res, ns: str, name: str) -> dict[str, Any]:
+    def delete(self, res: Res, ns: str, name: str, resource_version: str | None = None) -> dict[str, Any]:
         ns = ns if res.namespaced else ""
         key = (res, ns, name)
         if key not in self.objects:
             raise ApiError(404, "NotFound", f'{res.plural} "{name}" not found')
         obj = self.objects[key]
+        if resource_version and resource_version != obj["metadata"]["resourceVersion"]:
+            raise ApiError(409, "Conflict", f'{res.plural} "{name}": the ResourceVersion in the precondition '
+                                            "does not match")
         if obj["metadata"].get("finalizers"):
             if not obj["metadata"].get("deletionTimestamp"):
                 obj = copy.deepcopy(obj)
@@ -324,11 +337,18 @@ class Emulator:
         return obj
 
     def _cascade(self, uid: str) -> None:
-        """Garbage collection: delete the dependents of a deleted owner."""
+        """Garbage collection: a dependent of a deleted owner goes with its last owner; while others
+        remain, only the dangling reference is removed."""
         for (res, ns, name), obj in list(self.objects.items()):
-            if any(o.get("uid") == uid for o in obj["metadata"].get("ownerReferences") or []):
-                if (res, ns, name) in self.objects:
-                    self.delete(res, ns, name)
+            refs = obj["metadata"].get("ownerReferences") or []
+            if not any(o.get("uid") == uid for o in refs) or (res, ns, name) not in self.objects:
+                continue
+            rest = [o for o in refs if o.get("uid") != uid]
+            if rest:
+                self._write(res, (res, ns, name), {**obj, "metadata": {**obj["metadata"], "ownerReferences": rest}},
+                            None)
+            else:
+                self.delete(res, ns, name)
 
     def list(self, res: Res, ns: str | None, selector: str | None = None) -> list[dict[str, Any]]:
         return [copy.deepcopy(o) for (r, n, _), o in sorted(self.objects.items(), key=lambda kv: kv[0][1:])
@@ -394,6 +414,8 @@ class Emulator:
         res = self._res(group, version, rest[0])
         name = rest[1] if len(rest) > 1 else None
         sub = rest[2] if len(rest) > 2 else None
+        if method == "GET" and res.kind == "Pod" and sub == "log":
+            return self._log(ns or "", name or "", q)
         if method == "GET" and name is None:
             if q.get("watch") in ("true", "1"):
                 return await self._watch(request, res, ns, q)
@@ -418,8 +440,18 @@ class Emulator:
                 raise ApiError(404, "NotFound", f'{res.plural} "{name}" not found')
             return web.json_response(self._write(res, key, await request.json(), sub))
         if method == "DELETE" and name:
-            return web.json_response(self.delete(res, ns or "", name))
+            body = await request.json() if request.can_read_body else {}
+            version = ((body or {}).get("preconditions") or {}).get("resourceVersion")
+            return web.json_response(self.delete(res, ns or "", name, version))
         raise ApiError(405, "MethodNotAllowed", f"{method} {path}")
+
+    def _log(self, ns: str, name: str, q: Any) -> web.Response:
+        if (self._res("", "v1", "pods"), ns, name) not in self.objects:
+            raise ApiError(404, "NotFound", f'pods "{name}" not found')
+        lines = self.logs.get((ns, name), "").splitlines(keepends=True)
+        if q.get("tailLines"):
+            lines = lines[-int(q["tailLines"]):] if int(q["tailLines"]) else []
+        return web.Response(text="".join(lines), content_type="text/plain")
 
     async def _watch(self, request: web.Request, res: Res, ns: str | None, q: Any) -> web.StreamResponse:
         assert self._changed is not None
@@ -501,6 +533,9 @@ class ThreadedEmulator:
 
     def delete(self, api_version: str, kind: str, ns: str, name: str) -> dict[str, Any]:
         return self.call(self.emu.delete, self.emu.res_of(api_version, kind), ns, name)
+
+    def set_log(self, ns: str, pod: str, text: str) -> None:
+        self.call(lambda: self.emu.logs.__setitem__((ns, pod), text))
 
     def kubeconfig(self) -> dict[str, Any]:
         return {

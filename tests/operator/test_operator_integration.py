@@ -147,7 +147,7 @@ def test_create_renders_children(cluster: tuple[ThreadedEmulator, _Errors]) -> N
     assert not _get(emu, ISVC, "llama")["metadata"].get("finalizers")
     # Children and pods are watched with a server-side label selector, not cluster-wide unfiltered.
     watches = [(p, q) for m, p, q, _ in emu.emu.requests if m == "GET" and "watch=true" in q]
-    for plural in ("pods", "deployments", "services", "poddisruptionbudgets", "networkpolicies"):
+    for plural in ("pods", "deployments", "services", "poddisruptionbudgets", "networkpolicies", "jobs"):
         qs = [q for p, q in watches if p.endswith("/" + plural)]
         assert qs and all("managed-by%3Dgaudi-serve-operator" in q for q in qs), (plural, qs)
     # Children are written with server-side apply under our field manager.
@@ -244,6 +244,93 @@ def test_resync_repairs_a_status_edited_by_hand(cluster: tuple[ThreadedEmulator,
     st = wait_for(lambda: (s := _get(emu, ISVC, "llama")["status"])["phase"] != "Bogus" and s,
                   what="status repaired by the resync")
     assert st["phase"] == phase and st["readySummary"] != "9/9"
+
+
+JOB = ("batch/v1", "Job")
+CACHED = {"id": "org/tiny", "revision": "main", "hubTokenSecretRef": {"name": "hf-token"},
+          "cache": {"persistentVolumeClaim": {"claimName": "models"}, "prefetch": True}}
+
+
+def _download_jobs(emu: ThreadedEmulator) -> list[dict[str, Any]]:
+    return emu.list(*JOB, NS, "gaudiserve.io/model-download")
+
+
+def _job_pod(emu: ThreadedEmulator, job: dict[str, Any], name: str, status: dict[str, Any]) -> None:
+    """Play the Job controller: a pod from the Job's template, controlled by the Job."""
+    tmpl = copy.deepcopy(job["spec"]["template"])
+    emu.create({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {**tmpl["metadata"], "name": name, "namespace": NS, "ownerReferences": [
+                    {"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
+                     "uid": job["metadata"]["uid"], "controller": True}]},
+                "spec": tmpl["spec"], "status": status})
+
+
+def test_a_prefetched_model_is_downloaded_once_then_served(cluster: tuple[ThreadedEmulator, _Errors]) -> None:
+    """Two InferenceServices naming the same model, revision and claim share one download Job; their
+    Deployments wait for it; progress comes from the Job pod's log; the Job goes with its last owner."""
+    emu, _ = cluster
+    a = emu.create(_isvc("cached-a", model=CACHED))
+    b = emu.create(_isvc("cached-b", model=CACHED, replicas=2))
+    job = wait_for(lambda: (j := _download_jobs(emu)) and len(j[0]["metadata"].get("ownerReferences") or []) == 2
+                   and j[0], what="one download Job owned by both")
+    assert len(_download_jobs(emu)) == 1
+    assert {o["uid"] for o in job["metadata"]["ownerReferences"]} == {a["metadata"]["uid"], b["metadata"]["uid"]}
+    for name in ("cached-a", "cached-b"):
+        st = wait_for(lambda n=name: (s := _get(emu, ISVC, n).get("status")) and s.get("phase") == "Downloading"
+                      and s, what=f"{name} Downloading")
+        assert st["download"]["job"] == job["metadata"]["name"]
+        assert _get(emu, DEPLOY, name) is None  # no replica before the model is in the claim
+
+    pod = f"{job['metadata']['name']}-x1"
+    emu.set_log(NS, pod, '{"event": "progress", "done": 2000000, "total": 8000000, "file": "model.safetensors"}\n')
+    _job_pod(emu, job, pod, {"phase": "Running", "containerStatuses": [{"name": "download", "state": {"running": {}}}]})
+    st = wait_for(lambda: (s := _get(emu, ISVC, "cached-a")["status"])["download"].get("done") and s,
+                  what="download progress in the status")
+    assert st["download"] == {"job": job["metadata"]["name"], "state": "Downloading", "done": 2000000,
+                              "total": 8000000, "file": "model.safetensors"}
+    assert st["downloadSummary"] == "2.0/8.0 MB" and _cond(_get(emu, ISVC, "cached-a"), "Downloaded")["status"] == "False"
+
+    emu.set_log(NS, pod, '{"event": "done", "bytes": 8000000, "fetched": 8000000, "seconds": 3.5, "path": "/x"}\n')
+    emu.patch("v1", "Pod", NS, pod, {"status": {"phase": "Succeeded", "containerStatuses": [
+        {"name": "download", "state": {"terminated": {"exitCode": 0}}}]}}, sub="status")
+    emu.patch(*JOB, NS, job["metadata"]["name"], {"status": {"succeeded": 1, "conditions": [
+        {"type": "Complete", "status": "True"}]}}, sub="status")
+    for name in ("cached-a", "cached-b"):
+        dep = wait_for(lambda n=name: _get(emu, DEPLOY, n), what=f"{name}'s Deployment once downloaded")
+        c = _container(dep)
+        assert {"name": "HF_HUB_OFFLINE", "value": "1"} in c["env"]
+        assert {"name": "model-cache", "mountPath": "/data", "readOnly": True} in c["volumeMounts"]
+        assert _cond(wait_for(lambda n=name: (o := _get(emu, ISVC, n)) and o["status"]["phase"] == "Pending" and o,
+                              what=f"{name} past Downloading"), "Downloaded")["status"] == "True"
+    assert _get(emu, ISVC, "cached-a")["status"]["download"]["seconds"] == 3.5
+
+    emu.delete(*ISVC, NS, "cached-a")  # garbage collection: the Job stays for cached-b
+    job = wait_for(lambda: (j := _download_jobs(emu)) and len(j[0]["metadata"]["ownerReferences"]) == 1 and j[0],
+                   what="the Job left to cached-b")
+    assert job["metadata"]["ownerReferences"][0]["uid"] == b["metadata"]["uid"]
+    emu.delete(*ISVC, NS, "cached-b")
+    assert _download_jobs(emu) == [] and emu.get("v1", "Pod", NS, pod) is None
+
+
+def test_a_download_refused_by_the_hub_fails_the_service(cluster: tuple[ThreadedEmulator, _Errors]) -> None:
+    emu, _ = cluster
+    emu.create(_isvc("refused", model={**CACHED, "revision": "v9"}))
+    job = wait_for(lambda: (j := _download_jobs(emu)) and j[0], what="the download Job")
+    pod = f"{job['metadata']['name']}-x1"
+    tail = '{"event": "error", "reason": "unauthorized", "message": "the hub refused the request for org/tiny (401)"}'
+    _job_pod(emu, job, pod, {"phase": "Failed", "containerStatuses": [
+        {"name": "download", "state": {"terminated": {"exitCode": 3, "message": tail}}}]})
+    emu.patch(*JOB, NS, job["metadata"]["name"], {"status": {"failed": 1, "conditions": [
+        {"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}]}}, sub="status")
+    st = wait_for(lambda: (s := _get(emu, ISVC, "refused")["status"])["phase"] == "Failed" and s, what="Failed")
+    assert _cond(_get(emu, ISVC, "refused"), "Downloaded")["reason"] == "Unauthorized"
+    assert st["download"]["reason"] == "unauthorized"
+    warning = wait_for(lambda: [e for e in emu.list("v1", "Event", NS)
+                                if e["involvedObject"]["name"] == "refused" and e["type"] == "Warning"],
+                       what="Warning event")[0]
+    assert "check the HF token Secret 'hf-token'" in warning["message"] and "(401)" in warning["message"]
+    emu.delete(*ISVC, NS, "refused")
+    assert _download_jobs(emu) == []
 
 
 def test_delete_is_clean(cluster: tuple[ThreadedEmulator, _Errors]) -> None:

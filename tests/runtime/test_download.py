@@ -206,11 +206,15 @@ def test_launch_serves_a_hub_id_offline_from_the_cache_and_reports_its_start(hub
     try:
         srv.wait_ready(on_poll=lambda code, body: seen.append(body))
         _, info = get_json(srv.url + "/info")
+        _, health = get_json(srv.url + "/health")
     finally:
         srv.stop()
     assert hub.requests == []
     startup = info["startup_seconds"]
     assert 0 <= startup["download"] < 60 and startup["load"] > 0 and startup["warmup"] > 0
+    # /health, which stays open with an API key (the operator reads it), says the same once ready.
+    assert health["startup_seconds"] == startup and health["warmup_from_cache"] is None
+    assert health["status"] == "ok" and health["warmup"]["done"] == health["warmup"]["total"] > 0
     assert info["quantization"] is None and info["kv_cache_dtype"] == "float32"
     assert info["warmup_from_cache"] is None and info["recipe_cache"] is None  # no Gaudi here
     warming = [b["warmup"] for b in seen if b.get("status") == "warming_up"]

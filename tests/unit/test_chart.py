@@ -229,6 +229,8 @@ NEEDED = {
     ("autoscaling", "horizontalpodautoscalers"): {"list", "watch", "create", "patch", "delete"},
     ("keda.sh", "scaledobjects"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
+    ("", "pods/log"): {"get"},
+    ("batch", "jobs"): {"get", "list", "watch", "create", "patch", "delete"},
     ("", "events"): {"create"},
 }
 

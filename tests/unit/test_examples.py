@@ -25,6 +25,7 @@ import lupa.lua54
 import pytest
 import yaml
 
+from gaudi_operator.download import Download
 from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template, render
 from gaudi_operator.spec import parse_spec
 from gaudi_operator.status import Observed, compute_status, invalid_spec_status
@@ -208,7 +209,17 @@ def _observed(body: dict[str, Any], pods: list[dict[str, Any]], warmup: dict[str
     if kw.get("spec_error"):
         return body | {"status": invalid_spec_status(body, kw["spec_error"], now=NOW)}
     spec = parse_spec(body["spec"])
-    return body | {"status": compute_status(body, spec, render(body, spec), Observed(None, pods, warmup or {}), now=NOW)}
+    observed = Observed(None, pods, warmup or {}, download=kw.get("download"))
+    return body | {"status": compute_status(body, spec, render(body, spec), observed, now=NOW)}
+
+
+def _prefetched(replicas: int = 1) -> dict[str, Any]:
+    body = _body(replicas)
+    body["spec"]["model"] = {"id": "org/m", "cache": {"persistentVolumeClaim": {"claimName": "c"}, "prefetch": True}}
+    return body
+
+
+JOB = "gaudi-serve-download-1"
 
 
 UNSCHEDULABLE = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
@@ -236,6 +247,13 @@ HEALTH_CASES = [
      "Degraded", "WarmupOutOfMemory"),
     ("invalid spec", _observed(_body(), [], spec_error="spec.shards: must be one of 1, 2, 4 or 8"),
      "Degraded", "InvalidSpec"),
+    ("downloading", _observed(_prefetched(), [], download=Download(JOB, "Downloading", 10**9, 4 * 10**9)),
+     "Progressing", "Downloading: 0/1 replicas ready; download 1.0/4.0 GB"),
+    ("a new revision downloading while the old serves",
+     _observed(_prefetched(), [_pod("a", ready=True, hash_="old")], download=Download(JOB, "Pending")),
+     "Progressing", "Downloading"),
+    ("download refused", _observed(_prefetched(), [], download=Download(JOB, "Failed", reason="unauthorized")),
+     "Degraded", "ModelDownloadFailed"),
     ("scaled to zero", _observed(_body(0), []), "Healthy", "Scaled to zero"),
     ("scaling to zero", _observed(_body(0), [_pod("a", ready=True)]), "Progressing", ""),
 ]

@@ -6,8 +6,9 @@ unknown fields refused, every CEL rule evaluated with cel-python). For each admi
 
 * `parse_spec` accepts it: whatever it refused would be a rule that admission does not
   enforce, an object the API server stores and the operator can only report as Failed;
-* `render` does not raise, and every child it renders validates against the Kubernetes
-  OpenAPI schemas (the API server would refuse to apply an ill-typed child).
+* `render` does not raise, and every child it renders (and the download Job of a prefetched
+  model) validates against the Kubernetes OpenAPI schemas (the API server would refuse to apply
+  an ill-typed child).
 
 Bounded and reproducible: a fixed number of examples, derandomized, no example database.
 """
@@ -22,6 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
+from gaudi_operator import download
 from gaudi_operator.render import render
 from gaudi_operator.spec import SpecError, parse_spec
 from tests.unit.test_operator_crd import SCHEMA, _strict, admit
@@ -103,7 +105,8 @@ def _reconciles(obj: dict[str, Any]) -> list[dict[str, Any]]:
         spec = parse_spec(obj["spec"])
     except SpecError as exc:
         raise AssertionError(f"admitted but refused by parse_spec (no admission rule enforces it): {exc}") from None
-    return render(obj, spec, operator=OPERATOR).children
+    job = download.render_job(obj, spec)  # created as rendered, with prefetch
+    return render(obj, spec, operator=OPERATOR).children + ([job] if job else [])
 
 
 @SETTINGS
@@ -135,3 +138,24 @@ def test_admitted_serving_and_security_settings_reconcile(shards: int, serving: 
     if obj is not None:
         (policy,) = [c for c in _reconciles(obj) if c["kind"] == "NetworkPolicy"]
         kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+
+
+@SETTINGS_VALIDATED
+@given(from_schema(SPEC_SCHEMA["properties"]["model"]), st.booleans(), st.booleans())
+def test_admitted_model_caches_reconcile(model: dict[str, Any], prefetch: bool, recipes: bool) -> None:
+    """spec.model drawn on its own, half the draws turned into a prefetched hub model (which random
+    draws hardly ever are): every admitted one renders a pod, and with prefetch a download Job,
+    that validate against the Kubernetes OpenAPI schemas."""
+    if prefetch:
+        claim = (model.get("cache") or {}).get("persistentVolumeClaim") or {"claimName": "models"}
+        model = {**model, "id": "org/m", "cache": {"persistentVolumeClaim": {**claim, "readOnly": False},
+                                                   "prefetch": True, "recipes": recipes}}
+    obj = _admitted({"model": model})
+    if obj is None:
+        return
+    kinds = set()
+    for child in _reconciles(obj):
+        kinds.add(child["kind"])
+        kubernetes_validate.validate(copy.deepcopy(child), K8S_VERSION, strict=True)
+    assert ("Job" in kinds) == prefetch
+    event("with a download Job" if prefetch else "without a download Job")

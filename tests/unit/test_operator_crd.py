@@ -138,6 +138,11 @@ GOOD = [
                                             "measurements": {"persistentVolumeClaim": {"claimName": "m"}}}),
     manifest(model={"id": "m", "cache": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
                     "hubTokenSecretRef": {"name": "hf"}}),
+    manifest(model={"id": "meta-llama/Llama-3.1-8B-Instruct", "revision": "main",
+                    "cache": {"persistentVolumeClaim": {"claimName": "models"}, "prefetch": True, "recipes": True}}),
+    manifest(model={"id": "gpt2", "cache": {"persistentVolumeClaim": {"claimName": "models"}, "prefetch": True}}),
+    manifest(model={"id": "m", "cache": {"ephemeral": {}, "recipes": True}}),
+    manifest(model={"id": "/data/models/llama", "cache": {"persistentVolumeClaim": {"claimName": "m", "readOnly": True}}}),
     manifest(resources={"limits": {"cpu": 8, "memory": "100Gi"}},
              env=[{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
              tolerations=[{"key": "habana.ai/gaudi", "operator": "Exists"}], affinity={"nodeAffinity": {}},
@@ -233,6 +238,21 @@ BAD = [
     ("two caches", manifest(model={"id": "m", "cache": {"persistentVolumeClaim": {"claimName": "a"},
                                                         "ephemeral": {}}}),
      "spec.model.cache", "set persistentVolumeClaim or ephemeral, not both"),
+    ("prefetch without a claim", manifest(model={"id": "org/m", "cache": {"prefetch": True}}),
+     "spec.model.cache", "spec.model.cache.prefetch needs spec.model.cache.persistentVolumeClaim"),
+    ("prefetch into an ephemeral volume", manifest(model={"id": "org/m", "cache": {"ephemeral": {}, "prefetch": True}}),
+     "spec.model.cache", "spec.model.cache.prefetch needs spec.model.cache.persistentVolumeClaim"),
+    ("prefetch into a read-only claim", manifest(model={"id": "org/m", "cache": {
+        "persistentVolumeClaim": {"claimName": "a", "readOnly": True}, "prefetch": True}}),
+     "spec.model.cache", "spec.model.cache.persistentVolumeClaim.readOnly must be false with prefetch"),
+    ("prefetch a path", manifest(model={"id": "/data/models/llama", "cache": {
+        "persistentVolumeClaim": {"claimName": "a"}, "prefetch": True}}),
+     "spec.model", "spec.model.id must be a hub id (org/name) with spec.model.cache.prefetch"),
+    ("recipes on a read-only claim", manifest(model={"id": "m", "cache": {
+        "persistentVolumeClaim": {"claimName": "a", "readOnly": True}, "recipes": True}}),
+     "spec.model.cache", "spec.model.cache.recipes needs a cache the pods can write"),
+    ("recipes without a volume", manifest(model={"id": "m", "cache": {"recipes": True}}),
+     "spec.model.cache", "spec.model.cache.recipes needs a cache the pods can write"),
     # spec.autoscaling and spec.serving.drainSeconds
     ("autoscaling without maxReplicas", manifest(autoscaling={"minReplicas": 2}),
      "spec.autoscaling", "'maxReplicas' is a required property"),
@@ -327,7 +347,7 @@ def test_crd_shape() -> None:
                                                 "statusReplicasPath": ".status.replicas",
                                                 "labelSelectorPath": ".status.selector"}
     assert [c["name"] for c in VERSION["additionalPrinterColumns"]] == \
-        ["Phase", "Ready", "Warmup", "Shards", "URL", "Age"]
+        ["Phase", "Ready", "Warmup", "Download", "Shards", "URL", "Age"]
 
 
 def test_every_field_has_a_description() -> None:

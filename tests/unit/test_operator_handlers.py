@@ -33,20 +33,55 @@ class FakeKube:
         self.events: list[tuple[str, str, str]] = []
         self.pods: list[dict[str, Any]] = []
         self.warmup: dict[str, dict[str, Any]] = {}
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.logs: dict[str, str] = {}  # pod -> its log
+        self.log_reads: list[str] = []
+        self.health: dict[str, dict[str, Any]] = {}  # pod -> its /health answer
+        self.health_reads: list[str] = []
+        self.conflicts = 0  # the next writes of a Job that fail as if it changed meanwhile
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        if kind == "Job":
+            return copy.deepcopy(self.jobs.get(name))
         return copy.deepcopy(self.body)
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        name = obj["metadata"]["name"]
+        if name in self.jobs:
+            raise kube.Conflict(f"jobs {name!r} already exists")
+        self.jobs[name] = {**copy.deepcopy(obj), "status": {}}
+        self.jobs[name]["metadata"].update(uid=f"job-{name}", resourceVersion="1")
+        return copy.deepcopy(self.jobs[name])
+
+    async def patch_if_unchanged(self, obj: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+        live = self.jobs[obj["metadata"]["name"]]
+        if self.conflicts or live["metadata"]["resourceVersion"] != obj["metadata"]["resourceVersion"]:
+            self.conflicts = max(0, self.conflicts - 1)
+            live["metadata"]["resourceVersion"] = str(int(live["metadata"]["resourceVersion"]) + 1)
+            raise kube.Conflict("the object has been modified")
+        live["metadata"].update(patch["metadata"])
+        live["metadata"]["resourceVersion"] = str(int(live["metadata"]["resourceVersion"]) + 1)
+        return copy.deepcopy(live)
+
+    async def pod_log(self, namespace: str, pod: str, container: str, **_: Any) -> str | None:
+        self.log_reads.append(pod)
+        return self.logs.get(pod)
+
+    async def fetch_health(self, pod: dict[str, Any], port: int, **_: Any) -> dict[str, Any] | None:
+        self.health_reads.append(pod["metadata"]["name"])
+        return self.health.get(pod["metadata"]["name"])
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         self.applied.append(obj)
         return {**obj, "metadata": {**obj["metadata"], "generation": 1}, "status": {"observedGeneration": 1}}
 
-    async def delete(self, kind: str, namespace: str, name: str) -> bool:
+    async def delete(self, kind: str, namespace: str, name: str, resource_version: str | None = None) -> bool:
         self.deleted.append((kind, namespace, name))
-        return False
+        return kind == "Job" and self.jobs.pop(name, None) is not None
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
-        return copy.deepcopy(self.pods)
+        key, _, value = selector.partition("=")
+        return [copy.deepcopy(p) for p in self.pods if (p["metadata"].get("labels") or {}).get(key) == value]
 
     async def fetch_warmup(self, pods: list[dict[str, Any]], port: int, **_: Any) -> dict[str, dict[str, Any]]:
         return dict(self.warmup)
@@ -69,14 +104,16 @@ class FakeKube:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeKube:
     f = FakeKube(ISVC)
-    for name in ("get", "apply", "delete", "list_pods", "fetch_warmup", "patch_status", "post_event"):
+    for name in ("get", "apply", "delete", "list_pods", "fetch_warmup", "patch_status", "post_event", "create",
+                 "patch_if_unchanged", "pod_log", "fetch_health"):
         monkeypatch.setattr(kube, name, getattr(f, name))
     return f
 
 
-def _pod(f: FakeKube, ready: bool) -> dict[str, Any]:
+def _pod(f: FakeKube, ready: bool, name: str = "llama-0") -> dict[str, Any]:
     tmpl = next(c for c in f.applied if c["kind"] == "Deployment")["spec"]["template"]
-    return {"metadata": {"name": "llama-0", "labels": {TEMPLATE_HASH_LABEL: tmpl["metadata"]["labels"][TEMPLATE_HASH_LABEL]}},
+    return {"metadata": {"name": name, "labels": dict(tmpl["metadata"]["labels"]),
+                         "creationTimestamp": "2026-01-01T00:00:00Z"},
             "status": {"phase": "Running", "podIP": "10.1.1.1",
                        "conditions": [{"type": "Ready", "status": str(ready)}],
                        "containerStatuses": [{"name": "runtime", "state": {"running": {}}, "restartCount": 0}]}}
@@ -165,6 +202,140 @@ async def test_a_child_the_api_server_refuses_is_reported_in_the_status(fake: Fa
     assert fake.events == [("Warning", "Failed", message)]
     await handlers.reconcile("ml", "llama", CONFIG)  # the same refusal again: nothing new to say
     assert len(fake.status_patches) == 1 and len(fake.events) == 1
+
+
+# ---- the model-cache download ------------------------------------------------------------
+
+PREFETCH = {"id": "org/m", "revision": "v1", "cache": {"persistentVolumeClaim": {"claimName": "models"},
+                                                        "prefetch": True}}
+
+
+def _prefetching(fake: FakeKube, uid: str = "u", **model: Any) -> None:
+    assert fake.body is not None
+    fake.body["metadata"]["uid"] = uid
+    fake.body["spec"]["model"] = {**PREFETCH, **model}
+
+
+def _job_pod(job: dict[str, Any], name: str, phase: str, **state: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name, "creationTimestamp": "2026-01-01T00:00:00Z",
+                         "labels": dict(job["spec"]["template"]["metadata"]["labels"]),
+                         "ownerReferences": [{"kind": "Job", "name": job["metadata"]["name"],
+                                              "uid": job["metadata"]["uid"]}]},
+            "status": {"phase": phase, "containerStatuses": [{"name": "download", "state": state or {"running": {}}}]}}
+
+
+def _cond(fake: FakeKube, ctype: str) -> tuple[str, str]:
+    assert fake.body is not None
+    c = next(c for c in fake.body["status"]["conditions"] if c["type"] == ctype)
+    return c["status"], c["reason"]
+
+
+async def test_the_deployment_waits_for_the_download_job(fake: FakeKube) -> None:
+    _prefetching(fake)
+    await handlers.reconcile("ml", "llama", CONFIG)
+    (job,) = fake.jobs.values()
+    assert [o["uid"] for o in job["metadata"]["ownerReferences"]] == ["u"]
+    assert "Deployment" not in [c["kind"] for c in fake.applied]  # neither created nor changed
+    assert fake.body["status"]["phase"] == "Downloading" and _cond(fake, "Downloaded") == ("False", "Downloading")
+    assert fake.body["status"]["download"] == {"job": job["metadata"]["name"], "state": "Pending"}
+
+    fake.pods = [_job_pod(job, "dl-a", "Running")]
+    fake.logs["dl-a"] = '{"event": "progress", "done": 100, "total": 400, "file": "model.safetensors"}\n'
+    await handlers.reconcile("ml", "llama", CONFIG)
+    assert fake.body["status"]["download"] == {"job": job["metadata"]["name"], "state": "Downloading", "done": 100,
+                                               "total": 400, "file": "model.safetensors"}
+    assert [e[1] for e in fake.events] == ["Downloading"]  # one phase, one event, whatever the progress
+
+    fake.jobs[job["metadata"]["name"]]["status"] = {"conditions": [{"type": "Complete", "status": "True"}],
+                                                    "succeeded": 1}
+    fake.pods = [_job_pod(job, "dl-a", "Succeeded", terminated={"exitCode": 0})]
+    fake.logs["dl-a"] += '{"event": "done", "bytes": 400, "fetched": 400, "seconds": 2.5, "path": "/data/hub/x"}\n'
+    fake.applied.clear()
+    await handlers.reconcile("ml", "llama", CONFIG)
+    assert [c["kind"] for c in fake.applied] == ["Deployment", "Service"]
+    assert _cond(fake, "Downloaded") == ("True", "Downloaded") and fake.body["status"]["phase"] == "Pending"
+    assert fake.body["status"]["download"]["seconds"] == 2.5
+    reads = len(fake.log_reads)
+    await handlers.reconcile("ml", "llama", CONFIG)  # the completed download's log is read once
+    assert len(fake.log_reads) == reads and fake.body["status"]["download"]["total"] == 400
+
+
+async def test_a_second_service_joins_the_job_and_the_last_to_leave_deletes_it(fake: FakeKube) -> None:
+    _prefetching(fake, uid="u1")
+    await handlers.reconcile("ml", "llama", CONFIG)
+    _prefetching(fake, uid="u2")
+    fake.body["metadata"]["name"] = "llama-b"
+    fake.conflicts = 1  # the Job changed between the read and the write: read again, join then
+    await handlers.reconcile("ml", "llama-b", CONFIG)
+    (job,) = fake.jobs.values()
+    assert [o["uid"] for o in job["metadata"]["ownerReferences"]] == ["u1", "u2"]
+    assert all(o["controller"] is False for o in job["metadata"]["ownerReferences"])
+    old = job["metadata"]["name"]
+
+    # llama-b moves to another revision: it leaves the Job to llama, and gets one of its own.
+    fake.body["spec"]["model"]["revision"] = "v2"
+    await handlers.reconcile("ml", "llama-b", CONFIG)
+    assert [o["uid"] for o in fake.jobs[old]["metadata"]["ownerReferences"]] == ["u1"]
+    assert len(fake.jobs) == 2 and fake.body["status"]["download"]["job"] != old
+    # llama (u1) drops prefetch: the last owner gone, the Job is deleted (garbage collection never
+    # deletes an object with no owner left).
+    _prefetching(fake, uid="u1")
+    fake.body["metadata"]["name"] = "llama"
+    fake.body["status"] = {"download": {"job": old, "state": "Complete"}}
+    fake.body["spec"]["model"] = {"id": "org/m", "cache": {"persistentVolumeClaim": {"claimName": "models"}}}
+    await handlers.reconcile("ml", "llama", CONFIG)
+    assert old not in fake.jobs and ("Job", "ml", old) in fake.deleted
+    assert "download" not in fake.body["status"]
+
+
+async def test_a_failed_download_is_a_warning_naming_its_cause(fake: FakeKube) -> None:
+    _prefetching(fake, hubTokenSecretRef={"name": "hf-token"})
+    await handlers.reconcile("ml", "llama", CONFIG)
+    (job,) = fake.jobs.values()
+    job["status"] = {"conditions": [{"type": "Failed", "status": "True", "reason": "PodFailurePolicy"}], "failed": 1}
+    tail = '{"event": "error", "reason": "unauthorized", "message": "the hub refused the request for org/m (401)"}'
+    fake.pods = [_job_pod(job, "dl-a", "Failed", terminated={"exitCode": 3, "message": tail})]
+    await handlers.reconcile("ml", "llama", CONFIG)
+    assert fake.body["status"]["phase"] == "Failed" and _cond(fake, "Downloaded") == ("False", "Unauthorized")
+    kind, reason, message = fake.events[-1]
+    assert (kind, reason) == ("Warning", "Failed")
+    assert "unauthorized: the hub refused the token: check the HF token Secret 'hf-token'" in message
+    assert "(401)" in message and "delete the Job to try again" in message
+
+
+async def test_the_start_up_of_the_newest_ready_pod_is_read_once(fake: FakeKube) -> None:
+    await handlers.reconcile("ml", "llama", CONFIG)
+    fake.pods = [_pod(fake, ready=True)]
+    fake.health["llama-0"] = {"status": "ok", "startup_seconds": {"download": 1.5, "load": 3.0, "warmup": 20.0},
+                              "warmup_from_cache": False}
+    await handlers.reconcile("ml", "llama", CONFIG)
+    assert fake.body["status"]["startup"] == {"pod": "llama-0", "downloadSeconds": 1.5, "loadSeconds": 3.0,
+                                              "warmupSeconds": 20.0, "warmupFromCache": False}
+    await handlers.reconcile("ml", "llama", CONFIG)
+    assert fake.health_reads == ["llama-0"]
+    newer = _pod(fake, ready=True, name="llama-1")
+    newer["metadata"]["creationTimestamp"] = "2026-01-02T00:00:00Z"
+    fake.pods.append(newer)
+    fake.health["llama-1"] = {"status": "ok", "startup_seconds": {"download": 0.1, "load": 3.0, "warmup": 2.0},
+                              "warmup_from_cache": True}
+    await handlers.reconcile("ml", "llama", CONFIG)
+    assert fake.health_reads == ["llama-0", "llama-1"] and fake.body["status"]["startup"]["warmupFromCache"] is True
+    assert fake.pods[0]["metadata"]["labels"][TEMPLATE_HASH_LABEL]
+
+
+async def test_an_event_of_a_download_job_triggers_its_owners() -> None:
+    triggered = []
+
+    class Memo:
+        class reconciler:  # noqa: N801
+            @staticmethod
+            def trigger(namespace: str, name: str) -> None:
+                triggered.append((namespace, name))
+    job = {"metadata": {"name": "gaudi-serve-download-x", "ownerReferences": [
+        {"kind": "InferenceService", "name": "a", "uid": "1"}, {"kind": "InferenceService", "name": "b", "uid": "2"},
+        {"kind": "Something", "name": "c", "uid": "3"}]}}
+    await handlers.on_download_job(body=job, namespace="ml", memo=Memo)
+    assert triggered == [("ml", "a"), ("ml", "b")]
 
 
 async def test_autoscaler_applied_after_the_old_one_is_deleted_and_its_status_reported(
@@ -291,6 +462,24 @@ async def test_fetch_warmup_tolerates_unreachable_and_slow_pods() -> None:
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
     assert await kube.fetch_warmup([_running("gone")], closed, timeout=0.5) == {}
+
+
+async def test_fetch_health_reads_a_ready_pods_start_up() -> None:
+    answer = {"status": "ok", "warmup": {"done": 6, "total": 6, "phase": "decode"},
+              "startup_seconds": {"download": 0.2, "load": 1.5, "warmup": 9.0}, "warmup_from_cache": None}
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response(answer)
+    runner, port = await _serve(health)
+    try:
+        assert await kube.fetch_health(_running("a", ready=True), port) == answer
+        assert await kube.fetch_health({"metadata": {"name": "p"}, "status": {"phase": "Pending"}}, port) is None
+    finally:
+        await runner.cleanup()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert await kube.fetch_health(_running("gone", ready=True), closed, timeout=0.5) is None
 
 
 async def test_fetch_warmup_bounds_concurrency() -> None:

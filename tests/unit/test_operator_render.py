@@ -186,6 +186,53 @@ def test_model_cache_volume(cache: dict[str, Any] | None, key: str) -> None:
         next(m for m in ps["containers"][0]["volumeMounts"] if m["name"] == "model-cache").items()
 
 
+PREFETCH = {"id": "meta-llama/Llama-3.1-8B-Instruct", "revision": "v1",
+            "cache": {"persistentVolumeClaim": {"claimName": "models"}, "prefetch": True}}
+
+
+def test_prefetched_model_is_mounted_read_only_and_served_offline() -> None:
+    ps = pod_spec(model=PREFETCH)
+    (vol,) = [v for v in ps["volumes"] if v["name"] == "model-cache"]
+    assert vol["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert [m for m in ps["containers"][0]["volumeMounts"] if m["name"] == "model-cache"] == [
+        {"name": "model-cache", "mountPath": "/data", "readOnly": True}]
+    e = env(model=PREFETCH)
+    assert e["HF_HUB_OFFLINE"] == "1" and e["HUGGINGFACE_HUB_CACHE"] == "/data/hub" and "RECIPE_CACHE_DIR" not in e
+    c = container(model=PREFETCH)
+    assert arg(c, "--model-id") == PREFETCH["id"] and arg(c, "--revision") == "v1"  # the hub id, found offline
+    assert "HF_HUB_OFFLINE" not in env(model={**PREFETCH, "cache": {"persistentVolumeClaim": {"claimName": "m"}}})
+
+
+@pytest.mark.parametrize("cache,mounts,recipes", [
+    # Prefetched: the model read-only, its claim's recipes/ directory writable.
+    ({"persistentVolumeClaim": {"claimName": "models"}, "prefetch": True, "recipes": True},
+     [{"name": "model-cache", "mountPath": "/data", "readOnly": True},
+      {"name": "model-cache", "mountPath": "/recipe-cache", "subPath": "recipes"}], "/recipe-cache"),
+    # A writable claim or an ephemeral volume: the same directory under /data.
+    ({"persistentVolumeClaim": {"claimName": "models"}, "recipes": True},
+     [{"name": "model-cache", "mountPath": "/data", "readOnly": False}], "/data/recipes"),
+    ({"ephemeral": {}, "recipes": True}, [{"name": "model-cache", "mountPath": "/data"}], "/data/recipes"),
+])
+def test_recipe_cache_on_the_cache_volume(cache: dict[str, Any], mounts: list[dict[str, Any]], recipes: str) -> None:
+    model = {"id": "org/m", "cache": cache}
+    ps = pod_spec(model=model)
+    assert [m for m in ps["containers"][0]["volumeMounts"] if m["name"] == "model-cache"] == mounts
+    assert env(model=model)["RECIPE_CACHE_DIR"] == recipes
+    (vol,) = [v for v in ps["volumes"] if v["name"] == "model-cache"]
+    assert (vol.get("persistentVolumeClaim") or {}).get("readOnly") in (None, False)  # the recipes' mount writes
+
+
+def test_the_deployment_waits_for_the_download() -> None:
+    """Until the model is in the claim the Deployment is left out: not created, and not changed
+    (a running one keeps its pods), while the other children are applied as usual."""
+    waiting = render(body(model=PREFETCH, replicas=2), downloaded=False)
+    done = render(body(model=PREFETCH, replicas=2))
+    assert {c["kind"] for c in waiting.children} == {"Service", "PodDisruptionBudget"}
+    assert {c["kind"] for c in done.children} == {"Deployment", "Service", "PodDisruptionBudget"}
+    assert waiting.unwanted == done.unwanted and "Deployment" not in waiting.unwanted
+    assert waiting.template_hash == done.template_hash  # the pods the status counts as current
+
+
 def test_startup_probe_budget_from_warmup() -> None:
     def failures(**spec: Any) -> int:
         p = container(**spec)["startupProbe"]
@@ -312,7 +359,8 @@ FULL = dict(
 )
 
 
-@pytest.mark.parametrize("spec", [{}, FULL], ids=["minimal", "full"])
+@pytest.mark.parametrize("spec", [{}, FULL, {"model": {**PREFETCH, "cache": {**PREFETCH["cache"], "recipes": True}}}],
+                         ids=["minimal", "full", "prefetch"])
 def test_children_validate_against_kubernetes_openapi(spec: dict[str, Any]) -> None:
     for child in render(body(**spec), operator=OPERATOR).children:
         # strict: unknown fields are errors too.

@@ -7,9 +7,16 @@ from typing import Any
 
 import pytest
 
+from gaudi_operator.download import Download
 from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template, render
 from gaudi_operator.spec import InferenceServiceSpec, parse_spec
-from gaudi_operator.status import Observed, compute_status, invalid_spec_status, status_patch
+from gaudi_operator.status import (
+    Observed,
+    compute_status,
+    invalid_spec_status,
+    latest_ready_pod,
+    status_patch,
+)
 
 NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -242,3 +249,112 @@ def test_pure_inputs_not_mutated() -> None:
     snapshot = copy.deepcopy((b, pods))
     compute(b, parse_spec(b["spec"]), None, pods, {}, now=NOW)
     assert (b, pods) == snapshot
+
+
+# ---- the model-cache download (spec.model.cache.prefetch) --------------------------------------
+
+PREFETCH = {"id": "org/m", "hubTokenSecretRef": {"name": "hf-token"},
+            "cache": {"persistentVolumeClaim": {"claimName": "models"}, "prefetch": True}}
+PREFETCHED = pod_template(body(model=PREFETCH), parse_spec(body(model=PREFETCH)["spec"]))["metadata"]["labels"][
+    TEMPLATE_HASH_LABEL]
+JOB = "gaudi-serve-download-abc"
+STUCK = {"metadata": {"name": f"{JOB}-x"}, "status": {"phase": "Pending", "containerStatuses": [{
+    "name": "download", "state": {"waiting": {"reason": "CreateContainerConfigError",
+                                              "message": 'secret "hf-token" not found'}}}]}}
+
+
+def downloading(done: int, total: int, **kw: Any) -> Download:
+    return Download(JOB, "Downloading", done, total, "model-00002-of-00004.safetensors", **kw)
+
+
+def cur(name: str, **kw: Any) -> dict[str, Any]:
+    return pod(name, hash_=PREFETCHED, **kw)
+
+
+# (id, download, pods, phase, Downloaded, Ready, Progressing, Degraded, message fragment in a condition)
+DOWNLOAD_CASES = [
+    ("waiting for the job's pod", Download(JOB, "Pending"), [], "Downloading", ("False", "Downloading"),
+     ("False", "Downloading"), ("True", "Downloading"), ("False", "AsExpected"), "waiting for its pod to run"),
+    ("downloading", downloading(120_000_000, 300_000_000), [], "Downloading", ("False", "Downloading"),
+     ("False", "Downloading"), ("True", "Downloading"), ("False", "AsExpected"), "download 120.0/300.0 MB"),
+    ("an attempt failed, retrying", downloading(5, 10, attempts=1, reason="unreachable", message="timed out"), [],
+     "Downloading", ("False", "Downloading"), ("False", "Downloading"), ("True", "Downloading"),
+     ("False", "AsExpected"), "attempt 1 failed (unreachable: timed out), retrying"),
+    ("refused by the hub", Download(JOB, "Failed", reason="unauthorized", message="401 for org/m", attempts=1), [],
+     "Failed", ("False", "Unauthorized"), ("False", "ModelDownloadFailed"), ("False", "ModelDownloadFailed"),
+     ("True", "ModelDownloadFailed"), "check the HF token Secret 'hf-token' (spec.model.hubTokenSecretRef)"),
+    ("claim full", Download(JOB, "Failed", reason="no_space", message="needs 16 GB more"), [], "Failed",
+     ("False", "NoSpace"), ("False", "ModelDownloadFailed"), ("False", "ModelDownloadFailed"),
+     ("True", "ModelDownloadFailed"), "no space left on the claim"),
+    ("the job's pod cannot start", Download(JOB, "Pending", pod=STUCK), [], "Failed", ("False", "Downloading"),
+     ("False", "CreateContainerConfigError"), ("False", "CreateContainerConfigError"),
+     ("True", "CreateContainerConfigError"), f'download pod {JOB}-x: secret "hf-token" not found'),
+    ("downloaded, loading", Download(JOB, "Complete", 300_000_000, 300_000_000, seconds=12.5), [cur("a"), cur("b")],
+     "Loading", ("True", "Downloaded"), ("False", "Loading"), ("True", "Loading"), ("False", "AsExpected"),
+     "300.0 MB in 12.5s"),
+    ("downloaded, ready", Download(JOB, "Complete"), [cur("a", ready=True), cur("b", ready=True)], "Ready",
+     ("True", "Downloaded"), ("True", "AllReplicasReady"), ("False", "RolloutComplete"), ("False", "AsExpected"),
+     None),
+    # A new revision downloads while the pods of the earlier one keep serving.
+    ("a new revision downloading", downloading(1, 10), [ready_pod("a"), ready_pod("b")], "Downloading",
+     ("False", "Downloading"), ("True", "AllReplicasReady"), ("True", "Downloading"), ("False", "AsExpected"), None),
+]
+
+
+@pytest.mark.parametrize("name,dl,pods,phase,downloaded,ready,progressing,degraded,fragment", DOWNLOAD_CASES,
+                         ids=[c[0] for c in DOWNLOAD_CASES])
+def test_download_table(name: str, dl: Download, pods: list[dict[str, Any]], phase: str, downloaded: tuple[str, str],
+                        ready: tuple[str, str], progressing: tuple[str, str], degraded: tuple[str, str],
+                        fragment: str | None) -> None:
+    b = body(model=PREFETCH)
+    spec = parse_spec(b["spec"])
+    st = compute_status(b, spec, render(b, spec, downloaded=dl.state == "Complete"), Observed(None, pods, download=dl),
+                        now=NOW)
+    assert (st["phase"], cond(st, "Downloaded"), cond(st, "Ready"), cond(st, "Progressing"), cond(st, "Degraded")) \
+        == (phase, downloaded, ready, progressing, degraded)
+    if fragment:
+        assert any(fragment in c["message"] for c in st["conditions"]), st["conditions"]
+    assert st["download"] == dl.as_status() and st["download"]["job"] == JOB
+    assert st["downloadSummary"]
+
+
+def test_an_invalid_spec_keeps_naming_the_download_job() -> None:
+    """So that the pass after the fix can leave a Job the service no longer needs."""
+    previous = {"download": {"job": JOB, "state": "Complete", "total": 10}}
+    st = invalid_spec_status(body(status=previous), "spec.shards must be one of 1, 2, 4 or 8", now=NOW)
+    assert st["download"] == previous["download"] and st["phase"] == "Failed"
+
+
+def test_no_download_no_downloaded_condition() -> None:
+    st = compute(body(), parse_spec(body()["spec"]), None, [], now=NOW)
+    assert "Downloaded" not in {c["type"] for c in st["conditions"]} and "download" not in st
+
+
+def test_the_latest_pods_start_up_is_reported_and_kept() -> None:
+    b = body(replicas=2)
+    spec = parse_spec(b["spec"])
+    a, c = ready_pod("a"), ready_pod("c")
+    a["metadata"]["creationTimestamp"], c["metadata"]["creationTimestamp"] = NOW, LATER
+    assert latest_ready_pod([a, c, pod("d"), ready_pod("e", hash_="old")], CURRENT) is c
+    health = {"status": "ok", "pod": "c", "startup_seconds": {"download": 0.12, "load": 3.4, "warmup": 17.25},
+              "warmup_from_cache": True}
+    first = compute_status(b, spec, render(b, spec), Observed(None, [a, c], startup=health), now=NOW)
+    assert first["startup"] == {"pod": "c", "downloadSeconds": 0.12, "loadSeconds": 3.4, "warmupSeconds": 17.25,
+                                "warmupFromCache": True}
+    # Read once per pod: later passes keep it.
+    again = compute_status(body(replicas=2, status=first), spec, render(b, spec), Observed(None, [a, c]), now=LATER)
+    assert again["startup"] == first["startup"]
+    no_cache = {"pod": "c", "startup_seconds": {"download": None, "load": 1.0, "warmup": None},
+                "warmup_from_cache": None}
+    assert compute_status(b, spec, render(b, spec), Observed(None, [c], startup=no_cache), now=NOW)["startup"] == \
+        {"pod": "c", "loadSeconds": 1.0}
+
+
+def test_warmup_says_whether_it_comes_from_the_recipe_cache() -> None:
+    b = body(replicas=1)
+    st = compute(b, parse_spec(b["spec"]), None, [pod("a")], {"a": {"done": 1, "total": 4, "from_cache": True}},
+                 now=NOW)
+    assert st["warmup"]["fromCache"] is True
+    st = compute(b, parse_spec(b["spec"]), None, [pod("a")], {"a": {"done": 1, "total": 4, "from_cache": None}},
+                 now=NOW)
+    assert "fromCache" not in st["warmup"]

@@ -104,6 +104,15 @@ any: true
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
+# The model-cache download Jobs (spec.model.cache.prefetch): created, joined by each InferenceService
+# naming the same model (an ownerReference added by patch), deleted by the last one to leave; the
+# progress is the last line of their pod's log.
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
 # Events on phase changes.
 - apiGroups: [""]
   resources: ["events"]

@@ -112,7 +112,13 @@ class BatchingEngine:
 
     def health(self) -> tuple[bool, dict]:
         if self.state == "ready":
-            return True, {"status": "ok"}
+            # Where this pod's start went, for the operator (which reads /health, open even with an API key).
+            # The finished warmup stays in the answer: until the kubelet's readiness probe passes, the
+            # operator still sees a warming pod, one that is done, not one back to loading.
+            details = json.loads(self.shard_info.details_json or "{}") if self.shard_info is not None else {}
+            return True, {"status": "ok", "warmup": dict(self.warmup_progress),
+                          "startup_seconds": details.get("startup_seconds"),
+                          "warmup_from_cache": details.get("warmup_from_cache")}
         if self.state == "warming_up":
             return False, {"status": "warming_up", "warmup": dict(self.warmup_progress)}
         if self.state == "failed":

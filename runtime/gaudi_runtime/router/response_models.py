@@ -23,6 +23,14 @@ class WarmupProgress(BaseModel):
     done: int
     total: int
     phase: str
+    from_cache: bool | None = Field(None, description="Whether this warmup loads its graphs from the recipe cache "
+                                                      "(null without one)")
+
+
+class StartupSeconds(BaseModel):
+    download: float | None = Field(None, description="Getting the model (null for a local directory)")
+    load: float | None = Field(None, description="Loading and sharding the weights")
+    warmup: float | None = Field(None, description="Warming up (null until done)")
 
 
 class ErrorResponse(BaseModel):
@@ -38,6 +46,9 @@ class HealthResponse(BaseModel):
     status: str = Field(description="ok, loading, warming_up or failed")
     warmup: WarmupProgress | None = None
     error: str | None = Field(None, description="Why the server failed")
+    startup_seconds: StartupSeconds | None = Field(None, description="Once ready: where the start went")
+    warmup_from_cache: bool | None = Field(None, description="Once ready: whether warmup came from the recipe "
+                                                             "cache (null without one)")
 
 
 class PingResponse(BaseModel):
