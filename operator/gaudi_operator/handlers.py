@@ -47,10 +47,10 @@ log = logging.getLogger(__name__)
 CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, ISVC_LABEL: kopf.PRESENT}
 WARNING_PHASES = ("Degraded", "Failed")
 # Every kind the operator renders, and the pods: their events trigger a pass of the owner.
-CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"),
-                   ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies"),
-                   ("", "v1", "pods"),
-                   ("autoscaling", "v2", "horizontalpodautoscalers"), ("keda.sh", "v1alpha1", "scaledobjects")]
+# The kinds a spec may or may not want (render.OPTIONAL_KINDS).
+OPTIONAL_RESOURCES = [("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies"),
+                      ("autoscaling", "v2", "horizontalpodautoscalers"), ("keda.sh", "v1alpha1", "scaledobjects")]
+CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "pods"), *OPTIONAL_RESOURCES]
 # The model-cache download Jobs: shared, so they name their owners in ownerReferences, not in a label.
 DOWNLOAD_JOBS = ("batch", "v1", "jobs")
 DOWNLOAD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, download.KEY_LABEL: kopf.PRESENT}
@@ -60,8 +60,12 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-async def reconcile(namespace: str, name: str, config: OperatorConfig) -> dict[str, Any] | None:
-    """Read, render, apply, observe, report. Returns the status computed, None when the object is gone."""
+async def reconcile(namespace: str, name: str, config: OperatorConfig,
+                    optional: kopf.Index[tuple[str, str], str] | None = None) -> dict[str, Any] | None:
+    """Read, render, apply, observe, report. Returns the status computed, None when the object is gone.
+
+    `optional`: the optional children that exist, by owner (the `optional_children` index); without
+    it every unwanted optional kind is deleted blindly."""
     body = await kube.get("InferenceService", namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None  # gone or going: the children follow through their ownerReferences
@@ -74,7 +78,8 @@ async def reconcile(namespace: str, name: str, config: OperatorConfig) -> dict[s
         rendered = render(body, spec, cluster_domain=config.cluster_domain,
                           operator=operator_peer(config.namespace, config.pod_labels),
                           downloaded=fetched is None or fetched.state == "Complete")
-        live, unserved = await _apply(rendered, namespace, name)
+        existing = None if optional is None else set(optional.get((namespace, name), ()))
+        live, unserved = await _apply(rendered, namespace, name, existing)
     except kube.Invalid as exc:
         # Admitted, but a child is not: content the CRD hands through verbatim (podTemplate,
         # resources, tolerations, affinity, env's valueFrom) is checked only in the child.
@@ -83,16 +88,18 @@ async def reconcile(namespace: str, name: str, config: OperatorConfig) -> dict[s
     return await _report(body, compute_status(body, spec, rendered, observed, now=_now()))
 
 
-async def _apply(rendered: Rendered, namespace: str,
-                 name: str) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
-    """Delete the optional children this spec does not want, server-side apply the others.
+async def _apply(rendered: Rendered, namespace: str, name: str,
+                 existing: set[str] | None = None) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
+    """Delete the optional children this spec does not want (of the `existing` kinds, when known),
+    server-side apply the others.
 
     Returns kind -> live object, and the autoscaler kinds the cluster does not serve (KEDA's
     ScaledObject without KEDA). Deleting first lets a new autoscaler take over the scale
     subresource from the old one (KEDA refuses a target that an HPA already scales).
     """
     for kind in rendered.unwanted:
-        await kube.delete(kind, namespace, name)
+        if existing is None or kind in existing:
+            await kube.delete(kind, namespace, name)
     live, unserved = {}, []
     for child in rendered.children:
         try:
@@ -239,6 +246,18 @@ def inference_services(namespace: str, name: str, **_: Any) -> dict[str, str]:
     return {namespace: name}
 
 
+def optional_children(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict[tuple[str, str], str]:
+    """The optional children that exist, as (namespace, owner) -> kind: a pass deletes only those
+    its spec no longer wants, instead of a DELETE per absent kind on every pass. A child created
+    after the index last saw it triggers the pass that deletes it."""
+    owner = labels.get(ISVC_LABEL)
+    return {(namespace, owner): body["kind"]} if owner and namespace else {}
+
+
+for _resource in OPTIONAL_RESOURCES:
+    kopf.index(*_resource, labels=CHILD_LABELS, id="optional_children")(optional_children)
+
+
 async def _resync_loop(reconciler: Reconciler, index: kopf.Index[str, str], interval: float) -> None:
     """Periodic pass over every known object: repairs drift, polls warmup progress."""
     while True:
@@ -249,7 +268,7 @@ async def _resync_loop(reconciler: Reconciler, index: kopf.Index[str, str], inte
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, inference_services: kopf.Index[str, str],
-                  **_: Any) -> None:
+                  optional_children: kopf.Index[tuple[str, str], str], **_: Any) -> None:
     # `gaudi-operator` passes its OperatorConfig in the memo; embedded without one, read the environment.
     config = memo.get("config") or OperatorConfig.from_env()
     # Kopf's bookkeeping lives in annotations, never in our status; no finalizer (no delete handler).
@@ -263,7 +282,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, inference_se
         settings.watching.label_selectors[key] = f"app.kubernetes.io/managed-by={MANAGED_BY}"
     settings.watching.server_timeout = config.watch_timeout
     kube.configure()
-    memo.reconciler = Reconciler(functools.partial(reconcile, config=config))
+    memo.reconciler = Reconciler(functools.partial(reconcile, config=config, optional=optional_children))
     memo.resync = asyncio.get_running_loop().create_task(
         _resync_loop(memo.reconciler, inference_services, config.resync_seconds))
     log.info("gaudi-serve operator started (field manager %s, resync %ss)", FIELD_MANAGER, config.resync_seconds)

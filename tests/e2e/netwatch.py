@@ -47,6 +47,8 @@ def socket_table() -> dict[str, tuple[str, str, str, str]]:
 
 
 def group_pids(pgids: set[int]) -> list[int]:
+    """Processes of these groups, or of the sessions they lead (the launcher's children run in
+    process groups of their own, in its session)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -56,7 +58,7 @@ def group_pids(pgids: set[int]) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) in pgids:  # fields after the command: state, ppid, pgrp
+        if int(fields[2]) in pgids or int(fields[3]) in pgids:  # after the command: state, ppid, pgrp, session
             pids.append(int(entry))
     return pids
 

@@ -166,6 +166,23 @@ async def test_network_policy_admits_the_operator_where_it_runs_and_goes_with_th
     assert ("NetworkPolicy", "ml", "llama") in fake.deleted
 
 
+async def test_only_optional_children_that_exist_are_deleted(fake: FakeKube) -> None:
+    optional = {("ml", "llama"): ["NetworkPolicy"], ("ml", "other"): ["PodDisruptionBudget"]}
+    await handlers.reconcile("ml", "llama", CONFIG, optional)
+    assert fake.deleted == [("NetworkPolicy", "ml", "llama")]
+    fake.deleted.clear()
+    await handlers.reconcile("ml", "llama", CONFIG, {})  # none left: a pass sends no DELETE
+    assert fake.deleted == []
+
+
+def test_the_optional_children_index_names_each_child_by_its_owner() -> None:
+    labels = {handlers.ISVC_LABEL: "llama"}
+    body = {"kind": "HorizontalPodAutoscaler"}
+    assert handlers.optional_children(namespace="ml", labels=labels, body=body) == {
+        ("ml", "llama"): "HorizontalPodAutoscaler"}
+    assert handlers.optional_children(namespace="ml", labels={}, body=body) == {}
+
+
 async def test_gone_or_deleting_object_is_left_alone(fake: FakeKube) -> None:
     fake.body = None
     assert await handlers.reconcile("ml", "llama", CONFIG) is None
