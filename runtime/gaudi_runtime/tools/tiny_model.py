@@ -75,6 +75,10 @@ SHAPES = {
                  num_key_value_heads=2),
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4),
+    # A forward pass that costs almost nothing, so that tokens per second measure the engine around
+    # it (bench/compare_vllm.sh's overhead workload). Head size 32: vLLM's CPU attention refuses 16.
+    "overhead": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2),
 }
 
 
@@ -268,14 +272,22 @@ def make_config(family: str, vocab_size: int, size: str = "tiny", **overrides):
 
 
 def make_tiny_model(out: str | Path, family: str = "llama", size: str = "tiny", dtype: str = "float32",
-                    seed: int = 0, vocab_size: int = 512) -> Path:
-    """Write config, safetensors weights and tokenizer to `out`; return it."""
+                    seed: int = 0, vocab_size: int = 512, tokenizer_from: str | Path | None = None) -> Path:
+    """Write config, safetensors weights and tokenizer to `out`; return it.
+
+    `tokenizer_from`: a model directory whose tokenizer (and vocabulary size) the model takes instead
+    of the small one trained here, e.g. one with few byte-fragment tokens, whose random output still
+    streams as text.
+    """
     import torch
     import transformers
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab_size, seed, CHAT_TEMPLATES.get(family, CHAT_TEMPLATE))
+    if tokenizer_from is not None:
+        tok = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
+    else:
+        tok = train_tokenizer(vocab_size, seed, CHAT_TEMPLATES.get(family, CHAT_TEMPLATE))
     if family in IMAGE_FAMILIES:
         tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tok.save_pretrained(out)
@@ -297,8 +309,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", default="tiny", choices=sorted(SHAPES))
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer-from", metavar="MODEL_DIR",
+                   help="take this model's tokenizer and vocabulary instead of training a small one")
     a = p.parse_args(argv)
-    print(make_tiny_model(a.out, a.family, a.size, a.dtype, a.seed))
+    print(make_tiny_model(a.out, a.family, a.size, a.dtype, a.seed, tokenizer_from=a.tokenizer_from))
 
 
 if __name__ == "__main__":

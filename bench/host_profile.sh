@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Where the host's time goes on the engine-overhead workload (bench/compare_vllm.sh's): gaudi-serve on
+# the overhead model, streaming /v1/completions at concurrency USERS (default 48), 128 in / 128 out,
+# EOS ignored, while py-spy samples the launcher and its router and shard processes. Prints the
+# breakdown (python -m gaudi_runtime.bench.host_profile) per part of the engine, per output token
+# and per decode call.
+#
+#   bench/host_profile.sh                           # needs py-spy (pip install py-spy) in the venv
+#   OURS_ENV="EXPONENTIAL_BUCKETING=true OMP_NUM_THREADS=1" bench/host_profile.sh
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cache=${XDG_CACHE_HOME:-$HOME/.cache}/gaudi-serve-bench
+model=${OVERHEAD_MODEL:-$cache/model-overhead}
+ours=${OURS_BIN:-$root/.venv/bin}
+out=${OUT:-$(mktemp -d)}
+port=${PORT:-18080}
+url=http://127.0.0.1:$port
+users=${USERS:-48}
+requests=${REQUESTS:-480}
+rate=${RATE:-200}
+ours_args=${OURS_ARGS:---max-input-tokens 1024 --max-total-tokens 2048 --max-batch-size 64}
+ours_env=${OURS_ENV:-EXPONENTIAL_BUCKETING=true}
+
+[ -x "$ours/py-spy" ] || { echo "py-spy not found in $ours (pip install py-spy)" >&2; exit 2; }
+[ -f "$model/config.json" ] || { echo "no overhead model at $model: run bench/compare_vllm.sh once" >&2; exit 2; }
+server="" spy=""
+cleanup() {
+  [ -z "$spy" ] || kill -INT "$spy" 2>/dev/null || true
+  [ -z "$server" ] || kill -TERM -- "-$server" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+# shellcheck disable=SC2086  # OURS_ENV and OURS_ARGS are lists
+env $ours_env setsid "$ours/gaudi-serve" launch --shard-uds-path "$out/shard" --model-id "$model" \
+  --dtype bfloat16 --hostname 127.0.0.1 --port "$port" $ours_args >"$out/server.log" 2>&1 &
+server=$!
+deadline=$((SECONDS + 600))
+until curl -sf -o /dev/null "$url/health"; do
+  kill -0 "$server" 2>/dev/null && [ $SECONDS -lt $deadline ] || { tail -20 "$out/server.log" >&2; exit 1; }
+  sleep 1  # poll interval of a deadline-bounded wait
+done
+load() {  # $1: requests, $2: output tokens, $3: seed
+  "$ours/gaudi-serve" loadtest --url "$url" --api openai --profile constant --users "$users" --requests "$1" \
+    --prompt-tokens 128 --output-tokens "$2" --ignore-eos --seed "$3" --tokenizer "$model" --model "$model" \
+    --no-progress --json "$out/loadtest-$3.json"
+}
+load "$users" 16 1 >/dev/null  # one-time costs of a fresh server, not profiled
+curl -sf "$url/metrics" >"$out/metrics-before.txt"
+"$ours/py-spy" record --pid "$server" --subprocesses --nonblocking --rate "$rate" --format raw \
+  -o "$out/profile.txt" >"$out/py-spy.log" 2>&1 &
+spy=$!
+load "$requests" 128 "$users" | sed -n 3p
+curl -sf "$url/metrics" >"$out/metrics-after.txt"
+kill -INT "$spy"
+wait "$spy" || true
+spy=""
+tail -n 2 "$out/py-spy.log" | head -n 1
+"$ours/python" -m gaudi_runtime.bench.host_profile "$out/profile.txt" --rate "$rate" \
+  --metrics-before "$out/metrics-before.txt" --metrics-after "$out/metrics-after.txt"
+echo "logs: $out"

@@ -1,0 +1,19 @@
+"""`gaudi-serve tiny-model`: the overhead model bench/compare_vllm.sh serves with both engines."""
+
+from __future__ import annotations
+
+import json
+
+from gaudi_runtime.tools.tiny_model import main, train_tokenizer
+
+
+def test_overhead_model_takes_another_models_tokenizer_and_a_head_size_vllm_accepts(tmp_path, capsys):
+    donor = tmp_path / "donor"
+    train_tokenizer(vocab_size=600).save_pretrained(donor)
+    main([str(tmp_path / "overhead"), "--size", "overhead", "--dtype", "bfloat16", "--tokenizer-from", str(donor)])
+    cfg = json.loads((tmp_path / "overhead" / "config.json").read_text())
+    assert cfg["hidden_size"] <= 128 and cfg["num_hidden_layers"] <= 4
+    assert cfg["head_dim"] == cfg["hidden_size"] // cfg["num_attention_heads"] == 32  # vLLM's CPU attention refuses 16
+    donor_vocab = json.loads((donor / "tokenizer.json").read_text())["model"]["vocab"]
+    assert json.loads((tmp_path / "overhead" / "tokenizer.json").read_text())["model"]["vocab"] == donor_vocab
+    assert cfg["vocab_size"] == len(donor_vocab)
