@@ -7,6 +7,7 @@
 #
 #   bench/host_profile.sh                           # needs py-spy (pip install py-spy) in the venv
 #   OURS_ENV="EXPONENTIAL_BUCKETING=true OMP_NUM_THREADS=1" bench/host_profile.sh
+#   RATE=0 bench/host_profile.sh                    # no py-spy: the load's throughput and CPU seconds only
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/gaudi-serve-bench
@@ -21,7 +22,7 @@ rate=${RATE:-200}
 ours_args=${OURS_ARGS:---max-input-tokens 1024 --max-total-tokens 2048 --max-batch-size 64}
 ours_env=${OURS_ENV:-EXPONENTIAL_BUCKETING=true}
 
-[ -x "$ours/py-spy" ] || { echo "py-spy not found in $ours (pip install py-spy)" >&2; exit 2; }
+[ "$rate" = 0 ] || [ -x "$ours/py-spy" ] || { echo "py-spy not found in $ours (pip install py-spy)" >&2; exit 2; }
 [ -f "$model/config.json" ] || { echo "no overhead model at $model: run bench/compare_vllm.sh once" >&2; exit 2; }
 server="" spy=""
 cleanup() {
@@ -44,13 +45,28 @@ load() {  # $1: requests, $2: output tokens, $3: seed
     --prompt-tokens 128 --output-tokens "$2" --ignore-eos --seed "$3" --tokenizer "$model" --model "$model" \
     --no-progress --json "$out/loadtest-$3.json"
 }
+cpu_ticks() {  # "PID TICKS COMMAND" of the launcher and its children: user + system time so far
+  local pid
+  for pid in "$server" $(pgrep -P "$server"); do
+    echo "$pid $(awk '{print $14 + $15}' "/proc/$pid/stat") $(tr '\0' ' ' <"/proc/$pid/cmdline" | cut -c1-70)"
+  done
+}
 load "$users" 16 1 >/dev/null  # one-time costs of a fresh server, not profiled
 curl -sf "$url/metrics" >"$out/metrics-before.txt"
-"$ours/py-spy" record --pid "$server" --subprocesses --nonblocking --rate "$rate" --format raw \
-  -o "$out/profile.txt" >"$out/py-spy.log" 2>&1 &
-spy=$!
-load "$requests" 128 "$users" | sed -n 3p
+cpu_ticks >"$out/cpu-before.txt"
+if [ "$rate" != 0 ]; then
+  "$ours/py-spy" record --pid "$server" --subprocesses --nonblocking --rate "$rate" --format raw \
+    -o "$out/profile.txt" >"$out/py-spy.log" 2>&1 &
+  spy=$!
+fi
+TIMEFORMAT="load client: %U s user, %S s system, %R s wall"
+time (load "$requests" 128 "$users" | sed -n 3p)
 curl -sf "$url/metrics" >"$out/metrics-after.txt"
+cpu_ticks >"$out/cpu-after.txt"
+echo "CPU seconds during the load, by process (/proc/PID/stat):"
+awk -v hz="$(getconf CLK_TCK)" 'NR == FNR { before[$1] = $2; next }
+  { ticks = $2 - before[$1]; $1 = $2 = ""; printf "  %7.2f s %s\n", ticks / hz, $0 }' "$out/cpu-before.txt" "$out/cpu-after.txt"
+[ -n "$spy" ] || { echo "logs: $out"; exit 0; }  # RATE=0: the load and its CPU seconds, no profile
 kill -INT "$spy"
 wait "$spy" || true
 spy=""

@@ -9,7 +9,8 @@
 the router, a shard or the launcher by that command line, then to the first category whose marker
 (a file or function name) it contains, so the order of CATEGORIES goes from the most specific part
 (a forward pass, detokenization) to the most general (the event loop). py-spy leaves out idle
-threads, so a sample is time on a CPU (or waiting for one); seconds = samples / rate.
+threads, so a sample is busy time: on a CPU, or ready and waiting for one (on a machine with more
+work than cores, more than the CPU time the kernel counts); seconds = samples / rate.
 
 The router's /metrics before and after the profiled load give the denominators: output tokens and
 decode calls, for a cost per token and per call.
@@ -138,13 +139,13 @@ def load_counts(before: str, after: str) -> dict[str, float]:
 
 
 def render(rows: list[Row], rate_hz: float, counts: dict[str, float] | None = None) -> str:
-    """A markdown table: CPU seconds, share of the process, microseconds per output token, ms per decode call."""
+    """A markdown table: busy seconds, share of the process, microseconds per output token, ms per decode call."""
     per_role = Counter()
     for r in rows:
         per_role[r.role] += r.samples
     tokens = (counts or {}).get("tokens") or 0
     calls = (counts or {}).get("decode_calls") or 0
-    lines = ["| process | part | CPU s | share of process | µs / output token | ms / decode call |",
+    lines = ["| process | part | busy s | share of process | µs / output token | ms / decode call |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         seconds = r.samples / rate_hz
