@@ -198,6 +198,33 @@ class KubeletTermination:
         return code
 
 
+def ready_pods_until(kube: Kube, ns: str, name: str, done: Callable[[], Any], timeout: float, what: str) -> None:
+    """Play the readiness probes of an InferenceService's pods as they start, until `done()`."""
+    def step() -> Any:
+        for p in kube.live_pods(ns, name):
+            if p["status"].get("podIP") and not is_ready(p):
+                kube.mark_ready(p)
+        return done()
+    wait_for(step, timeout, what)
+
+
+def stop_runtime(p: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop a runtime started in a session of its own: continued if it was held, SIGTERM and up to
+    `grace_s` to exit (none: at once), then SIGKILL."""
+    if p.poll() is not None:
+        return
+    os.killpg(p.pid, signal.SIGCONT)
+    if grace_s > 0:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
 def table(text: str) -> list[dict[str, str]]:
     """Rows of a `kubectl get` table by column name (columns are cut at the header's offsets:
     an empty cell stays empty)."""

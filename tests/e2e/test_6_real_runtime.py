@@ -24,7 +24,15 @@ import pytest
 
 from tests.e2e.conftest import Cluster
 from tests.e2e.control_plane import clean_env
-from tests.e2e.harness import OperatorProcess, http_json, is_ready, isvc_manifest, table, wait_for
+from tests.e2e.harness import (
+    OperatorProcess,
+    http_json,
+    is_ready,
+    isvc_manifest,
+    stop_runtime,
+    table,
+    wait_for,
+)
 from tests.e2e.netwatch import WATCH
 from tests.runtime.launched import alive, children
 
@@ -65,14 +73,7 @@ def runtime_proc() -> Iterator[list[subprocess.Popen]]:
     procs: list[subprocess.Popen] = []
     yield procs
     for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGCONT)
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_runtime(p)
 
 
 def test_real_runtime_warms_up_then_serves_through_the_pod_ip(cluster: Cluster, operator: OperatorProcess, ns: str,

@@ -38,7 +38,16 @@ import pytest
 
 from tests.e2e.conftest import Cluster
 from tests.e2e.control_plane import clean_env
-from tests.e2e.harness import OperatorProcess, condition, http_json, isvc_manifest, rwx_claim, table, wait_for
+from tests.e2e.harness import (
+    OperatorProcess,
+    condition,
+    http_json,
+    isvc_manifest,
+    rwx_claim,
+    stop_runtime,
+    table,
+    wait_for,
+)
 from tests.e2e.netwatch import WATCH
 from tests.hub_standin import HubStandIn, StandInRepo
 from tests.runtime.launched import alive, children
@@ -82,14 +91,7 @@ def processes() -> Iterator[list[subprocess.Popen]]:
     procs: list[subprocess.Popen] = []
     yield procs
     for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGCONT)
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_runtime(p)
 
 
 def _secret(cluster: Cluster, ns: str, name: str, value: str) -> None:

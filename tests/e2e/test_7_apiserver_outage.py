@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.e2e.conftest import Cluster
-from tests.e2e.harness import OperatorProcess, condition, is_ready, isvc_manifest, wait_for
+from tests.e2e.harness import OperatorProcess, condition, isvc_manifest, ready_pods_until, wait_for
 
 pytestmark = pytest.mark.simulated  # kwok nodes and pods, the local operator, a restartable API server
 HASH = "gaudiserve.io/template-hash"
@@ -23,18 +23,6 @@ NAME = "outage"
 # GAUDI_SERVE_E2E_OUTAGE_S lengthens it, e.g. past the minute after which Kopf's retries of a
 # watch request run out (Kopf then starts the watch afresh).
 OUTAGE_S = float(os.environ.get("GAUDI_SERVE_E2E_OUTAGE_S", "30"))
-
-
-def _ready_pods_until(cluster: Cluster, ns: str, done, timeout: float, what: str) -> None:
-    """Play the readiness probes of the pods as they start, until `done()`."""
-    kube = cluster.kube
-
-    def step() -> bool:
-        for p in kube.live_pods(ns, NAME):
-            if p["status"].get("podIP") and not is_ready(p):
-                kube.mark_ready(p)
-        return done()
-    wait_for(step, timeout, what)
 
 
 def _outage(cluster: Cluster, operator: OperatorProcess) -> float:
@@ -56,7 +44,7 @@ def test_the_operator_rides_out_an_api_server_outage(cluster: Cluster, operator:
     kube = cluster.kube
     cleanup.append(NAME)
     cluster.kubectl.apply(isvc_manifest(NAME, ns, shards=1, replicas=2, manual=True))
-    _ready_pods_until(cluster, ns, lambda: kube.status(ns, NAME).get("phase") == "Ready", 90, "2 ready replicas")
+    ready_pods_until(cluster.kube, ns, NAME, lambda: kube.status(ns, NAME).get("phase") == "Ready", 90, "2 ready replicas")
     first_hash = kube.live_pods(ns, NAME)[0]["metadata"]["labels"][HASH]
 
     # A rollout is under way (one new pod, not ready) when the API server goes.
@@ -83,13 +71,13 @@ def test_the_operator_rides_out_an_api_server_outage(cluster: Cluster, operator:
         pods = kube.live_pods(ns, NAME)
         return (s.get("phase") == "Ready" and s.get("updatedReplicas") == 2 and len(pods) == 2
                 and all(p["metadata"]["labels"][HASH] == final_hash for p in pods))
-    _ready_pods_until(cluster, ns, converged, 180, "the rollout to converge after the outage")
+    ready_pods_until(cluster.kube, ns, NAME, converged, 180, "the rollout to converge after the outage")
     converge_s = time.monotonic() - back
 
     # A change after the outage is picked up as before, and so is a new object, which only the
     # watches (not the periodic pass over the objects already known) can bring to the operator.
     cluster.kubectl("scale", "gisvc", NAME, "--replicas=3", "-n", ns)
-    _ready_pods_until(cluster, ns, lambda: kube.status(ns, NAME).get("readySummary") == "3/3", 90, "3/3 after a scale")
+    ready_pods_until(cluster.kube, ns, NAME, lambda: kube.status(ns, NAME).get("readySummary") == "3/3", 90, "3/3 after a scale")
     cleanup.append("newcomer")
     cluster.kubectl.apply(isvc_manifest("newcomer", ns, shards=1))
     wait_for(lambda: kube.status(ns, "newcomer").get("phase") == "Ready", 60, "an object created after the outage")

@@ -9,23 +9,11 @@ import signal
 import pytest
 
 from tests.e2e.conftest import Cluster
-from tests.e2e.harness import OperatorProcess, condition, is_ready, isvc_manifest, wait_for
+from tests.e2e.harness import OperatorProcess, condition, isvc_manifest, ready_pods_until, wait_for
 
 pytestmark = pytest.mark.simulated  # kwok nodes and pods, the local operator
 HASH = "gaudiserve.io/template-hash"
 NAME = "resume"
-
-
-def _ready_pods_until(cluster: Cluster, ns: str, done, timeout: float, what: str) -> None:
-    """Play the readiness probes of the pods as they start, until `done()`."""
-    kube = cluster.kube
-
-    def step() -> bool:
-        for p in kube.live_pods(ns, NAME):
-            if p["status"].get("podIP") and not is_ready(p):
-                kube.mark_ready(p)
-        return done()
-    wait_for(step, timeout, what)
 
 
 def _total_tokens(cluster: Cluster, ns: str) -> str:
@@ -45,7 +33,7 @@ def test_a_restarted_operator_resumes_a_rollout(cluster: Cluster, operator: Oper
     kube = cluster.kube
     cleanup.append(NAME)
     cluster.kubectl.apply(isvc_manifest(NAME, ns, shards=1, replicas=3, manual=True))
-    _ready_pods_until(cluster, ns, lambda: kube.status(ns, NAME).get("phase") == "Ready", 90, "3 ready replicas")
+    ready_pods_until(cluster.kube, ns, NAME, lambda: kube.status(ns, NAME).get("phase") == "Ready", 90, "3 ready replicas")
     first_hash = kube.live_pods(ns, NAME)[0]["metadata"]["labels"][HASH]
 
     gen2 = _patch_total(cluster, ns, 1111)
@@ -72,7 +60,7 @@ def test_a_restarted_operator_resumes_a_rollout(cluster: Cluster, operator: Oper
         pods = kube.live_pods(ns, NAME)
         return (s.get("phase") == "Ready" and s.get("updatedReplicas") == 3 and len(pods) == 3
                 and all(p["metadata"]["labels"][HASH] == final_hash for p in pods))
-    _ready_pods_until(cluster, ns, converged, 120, "the rollout of generation 3 to converge")
+    ready_pods_until(cluster.kube, ns, NAME, converged, 120, "the rollout of generation 3 to converge")
 
     children = kube.children(ns, NAME)
     assert children["deployments"] == [NAME] and children["services"] == [NAME]

@@ -38,6 +38,7 @@ from tests.e2e.harness import (
     http_json,
     is_ready,
     isvc_manifest,
+    stop_runtime,
     table,
     wait_for,
 )
@@ -152,10 +153,7 @@ def runtime_procs(cluster: Cluster, ns: str) -> Iterator[list[subprocess.Popen]]
     procs: list[subprocess.Popen] = []
     yield procs
     for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGCONT)
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
+        stop_runtime(p, grace_s=0)
     key, value = next(iter(MANUAL_TERMINATION.items()))
     for pod in cluster.kube.core.list_namespaced_pod(ns).items:
         if (pod.metadata.annotations or {}).get(key) == value:
