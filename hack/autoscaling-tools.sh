@@ -29,6 +29,8 @@ CMA_VERSION="${CMA_VERSION:-v1.37.0}"
 KEDA_VERSION="${KEDA_VERSION:-v2.21.0}"
 CACHE_ROOT="${GAUDI_SERVE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gaudi-serve}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=hack/k8s-module.sh
+. "$HERE/k8s-module.sh"
 # The control plane's Kubernetes version (one place: hack/control-plane.sh).
 K8S_VERSION="${K8S_VERSION:-$(sed -n 's/^K8S_VERSION="\${K8S_VERSION:-\(v[0-9.]*\)}"$/\1/p' "$HERE/control-plane.sh")}"
 if [[ -z "$K8S_VERSION" ]]; then
@@ -64,22 +66,10 @@ start=$(date +%s)
 # Upstream's test-adapter/main.go with one change: the address its value-writing endpoint listens
 # on is a flag (the end-to-end tests keep every socket on 127.0.0.0/8).
 echo "hack/autoscaling-tools.sh: building the test adapter of custom-metrics-apiserver $CMA_VERSION..." >&2
-K8S_MOD="$(cd "$WORK/adapter" && go mod download -json "k8s.io/kubernetes@${K8S_VERSION}" \
-    | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')"
 (
     cd "$WORK/adapter"
     go mod init gaudi-serve.local/metrics-adapter >/dev/null 2>&1
-    # The module graph of hack/control-plane.sh's build: k8s.io/kubernetes, each staging module
-    # pinned to its published v0.<minor>.<patch> (the list read from kubernetes' own go.mod).
-    go mod edit -require "k8s.io/kubernetes@${K8S_VERSION}"
-    go mod edit -json "$K8S_MOD" | python3 -c '
-import json, sys
-for r in json.load(sys.stdin).get("Replace") or []:
-    if r["New"]["Path"].startswith("./staging/"):
-        print(r["Old"]["Path"])' \
-    | while read -r module; do
-        go mod edit -replace "${module}=${module}@v0.${K8S_VERSION#v1.}"
-    done
+    require_kubernetes "$K8S_VERSION"  # the module graph of hack/control-plane.sh's build
     cat > main.go <<'EOF'
 // Command metrics-adapter is the test adapter of sigs.k8s.io/custom-metrics-apiserver: it serves
 // custom.metrics.k8s.io (and external.metrics.k8s.io) from values POSTed to

@@ -27,6 +27,8 @@ BIN_DIR="$CACHE_ROOT/control-plane-k8s-${K8S_VERSION}-etcd-${ETCD_VERSION}-kwok-
 STAMP="$BIN_DIR/build-info"   # written last: its presence marks a complete build
 BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok)
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=hack/k8s-module.sh
+. "$HERE/k8s-module.sh"
 
 complete() {
     [[ -f "$STAMP" ]] || return 1
@@ -56,26 +58,12 @@ GO="nice -n 19 go"
 start=$(date +%s)
 
 # --- Kubernetes -------------------------------------------------------------
-# k8s.io/kubernetes replaces each staging module with a relative path, which a
-# dependent module cannot use: pin each one to its published v0.<minor>.<patch>.
-# The list comes from kubernetes' own go.mod, not from a hand-written copy.
 echo "hack/control-plane.sh: building kubernetes $K8S_VERSION (once per machine; tens of minutes cold)..." >&2
-K8S_MOD="$(cd "$WORK/k8s" && go mod download -json "k8s.io/kubernetes@${K8S_VERSION}" \
-    | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')"
-STAGING_VERSION="v0.${K8S_VERSION#v1.}"
 K8S_MINOR="${K8S_VERSION#v1.}"; K8S_MINOR="${K8S_MINOR%%.*}"
 (
     cd "$WORK/k8s"
     go mod init gaudi-serve.local/control-plane >/dev/null 2>&1
-    go mod edit -require "k8s.io/kubernetes@${K8S_VERSION}"
-    go mod edit -json "$K8S_MOD" | python3 -c '
-import json, sys
-for r in json.load(sys.stdin).get("Replace") or []:
-    if r["New"]["Path"].startswith("./staging/"):
-        print(r["Old"]["Path"])' \
-    | while read -r module; do
-        go mod edit -replace "${module}=${module}@${STAGING_VERSION}"
-    done
+    require_kubernetes "$K8S_VERSION"
 )
 LDFLAGS="-s -w"
 for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do

@@ -19,19 +19,10 @@ from gaudi_operator.spec import parse_spec
 from gaudi_runtime.config import add_arguments, resolve
 from gaudi_runtime.router.metrics import LOAD_GAUGES
 from tests.unit.test_operator_crd import admit, manifest
+from tests.unit.test_operator_render import body, children
 
 K8S_VERSION = "1.37.0"
 PROM = {"serverAddress": "http://prometheus.monitoring:9090"}
-
-
-def body(**spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "gaudiserve.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "llama", "namespace": "ml", "uid": "1234", "generation": 1},
-            "spec": {"model": {"id": "meta-llama/Llama-3.1-8B-Instruct"}, **spec}}
-
-
-def children(**spec: Any) -> dict[str, dict[str, Any]]:
-    return {c["kind"]: c for c in render(body(**spec)).children}
 
 
 def test_the_autoscaler_reads_the_gauges_the_runtime_exports() -> None:
