@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from tests.e2e.control_plane import ROOT, ControlPlane, build_binaries, clean_env, kubeconfig
-from tests.e2e.harness import Kube, Kubectl, OperatorProcess, wait_for
+from tests.e2e.harness import Kube, Kubectl, OperatorProcess, stop_runtime, wait_for
 from tests.e2e.kubelet_logs import KubeletLogs
 from tests.e2e.metrics_path import MetricsAdapter
 from tests.e2e.netwatch import WATCH
@@ -257,3 +257,12 @@ def cleanup(cluster: Cluster, ns: str) -> Iterator[list[str]]:
         cluster.kubectl("delete", "inferenceservice", name, "-n", ns, "--ignore-not-found", "--wait=true")
     for name in names:
         wait_for(lambda n=name: not cluster.kube.pods(ns, n), 60, f"the pods of {name} to be gone")
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen]]:
+    """Real processes playing pods' containers, each in a session of its own: stopped afterwards."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        stop_runtime(p)

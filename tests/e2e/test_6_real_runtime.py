@@ -17,7 +17,6 @@ import secrets
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,6 @@ from tests.e2e.harness import (
     http_json,
     is_ready,
     isvc_manifest,
-    stop_runtime,
     table,
     wait_for,
 )
@@ -68,16 +66,8 @@ def container_command(pod: dict, model_dir: Path, scratch: Path,
     return [sys.executable, "-m", "gaudi_runtime.cli", *args], env
 
 
-@pytest.fixture
-def runtime_proc() -> Iterator[list[subprocess.Popen]]:
-    procs: list[subprocess.Popen] = []
-    yield procs
-    for p in procs:
-        stop_runtime(p)
-
-
 def test_real_runtime_warms_up_then_serves_through_the_pod_ip(cluster: Cluster, operator: OperatorProcess, ns: str,
-                                                              cleanup: list[str], runtime_proc: list,
+                                                              cleanup: list[str], processes: list,
                                                               tmp_path: Path) -> None:
     from gaudi_runtime.tools.tiny_model import make_tiny_model
 
@@ -101,7 +91,7 @@ def test_real_runtime_warms_up_then_serves_through_the_pod_ip(cluster: Cluster, 
     assert env["API_KEY"] == api_key and not any(api_key in a for a in cmd)
     log = open(tmp_path / "runtime.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=clean_env(**env), start_new_session=True)
-    runtime_proc.append(proc)
+    processes.append(proc)
     WATCH.watch(proc.pid)
     url = f"http://{ip}:{PORT}"
 

@@ -44,7 +44,6 @@ from tests.e2e.harness import (
     http_json,
     isvc_manifest,
     rwx_claim,
-    stop_runtime,
     table,
     wait_for,
 )
@@ -84,14 +83,6 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubStandIn]:
 def claim(cluster: Cluster, ns: str) -> str:
     rwx_claim(cluster.kube, ns, CLAIM)
     return CLAIM
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen]]:
-    procs: list[subprocess.Popen] = []
-    yield procs
-    for p in procs:
-        stop_runtime(p)
 
 
 def _secret(cluster: Cluster, ns: str, name: str, value: str) -> None:
