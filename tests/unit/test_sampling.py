@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gaudi_runtime.params import SamplingParameters
-from gaudi_runtime.shard.sampling import BatchSampler, gumbel_noise, splitmix64
+from gaudi_runtime.shard.sampling import BatchSampler, gumbel_noise, row_argmax, splitmix64
 
 CPU = torch.device("cpu")
 V = 16
@@ -85,6 +85,17 @@ def test_greedy_is_argmax_with_logprobs_and_top_n():
     ref_lp, ref_ids = torch.topk(lsm, 3, dim=-1)
     assert torch.equal(out.top_ids, ref_ids)
     assert torch.allclose(out.top_logprobs, ref_lp)
+
+
+@pytest.mark.parametrize("vocab", [1, 63, 64, 65, 8000, 32001])
+def test_row_argmax_is_torchs_argmax_ties_and_infinities_included(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    scores = torch.randint(-3, 3, (6, vocab), generator=g).float()  # many ties
+    scores[1] = float("-inf")  # a row a grammar forbids entirely
+    scores[2, -1] = float("inf")
+    scores[3, 0] = float("nan")
+    scores[4] = torch.randn(vocab, generator=g)
+    assert row_argmax(scores).tolist() == torch.argmax(scores, dim=-1).tolist()
 
 
 def test_no_top_n_gives_none():
