@@ -46,8 +46,8 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--max-batch-total-tokens", None, int, None, "KV-cache budget in tokens (default: sized from the device)."),
     ("--max-waiting-tokens", None, int, 20, "Decode steps before waiting requests are forced into the batch."),
     ("--waiting-served-ratio", None, float, 0.3, "Waiting/running ratio that allows a prefill to interrupt decoding."),
-    ("--decode-steps", None, int, 4, "Decode steps one call to the shards runs while no request waits; their "
-     "tokens stream together (1: a call per token, as in TGI)."),
+    ("--decode-steps", None, int, 4, "Most decode steps one call to the shards runs while no request waits, "
+     "as many as fit 20 ms at the recent step time; their tokens stream together (1: a call per token, as in TGI)."),
     ("--prefix-caching", None, _bool, True, "Keep the KV blocks of prompts (and of generated text) to reuse for "
      "requests that start with the same tokens: a shared system prompt or a conversation's earlier turns are "
      "computed once."),

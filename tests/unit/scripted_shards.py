@@ -33,8 +33,10 @@ class ScriptedShards:
     order calls were made) fails as a crashed shard's would."""
 
     def __init__(self, eos_id: int, eos_at: dict[int, int], num_blocks: int = 64, swap_answers: bool = False,
-                 gate: asyncio.Event | None = None, fail_at: int | None = None, varied: bool = False):
+                 gate: asyncio.Event | None = None, fail_at: int | None = None, varied: bool = False,
+                 step_ms: float = 0.0):
         self.eos_id, self.eos_at, self.num_blocks = eos_id, eos_at, num_blocks
+        self.step_ms = step_ms  # the forward time each decode step reports (forward_ns)
         self.gate, self.fail_at = gate, fail_at
         # Answer calls in pairs, the second first (gRPC does not promise answers in call order); the
         # n-th token of a request is then TOKEN + n, so that its order shows.
@@ -156,7 +158,8 @@ class ScriptedShards:
                 self._write_kv(ids)
                 gens.append(self._tokens(ids))
             return pb.DecodeResponse(generations=gens[0], next_steps=gens[1:],
-                                     batch=pb.CachedBatch(id=batches[0].id, request_ids=ids))
+                                     batch=pb.CachedBatch(id=batches[0].id, request_ids=ids),
+                                     forward_ns=int(steps * self.step_ms * 1e6))
         return self._in_turn(self._turn(), answer)
 
     def clear(self, batch_id=None):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gaudi_runtime.router.batching import PIPELINE_DEPTH
+from gaudi_runtime.router.scheduler import DECODE_CALL_BUDGET_MS
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.types import FinishReason
 from gaudi_runtime.tools.tiny_model import train_tokenizer
@@ -53,6 +54,19 @@ def test_one_step_per_call_while_a_request_waits(tokenizer):
         if waiting:
             assert steps == 1, (ids, waiting)
     assert any(steps > 1 for *_, steps, _ in shards.decodes)  # once none waits
+
+
+@pytest.mark.parametrize("step_ms, most_steps", [(2.0, 4), (8.0, 2), (30.0, 1)])
+def test_slow_steps_run_one_per_call_so_a_new_prompt_waits_little(tokenizer, step_ms, most_steps):
+    """A call's steps fit DECODE_CALL_BUDGET_MS at the step time the shards report: a prompt that
+    arrives waits behind the calls already made, so long steps are not grouped."""
+    eos = tokenizer.eos_token_ids[0]
+    shards = ScriptedShards(eos, eos_at={}, step_ms=step_ms)
+    results = serve(shards, tokenizer, [24, 24], decode_steps=4)
+    assert [len(tokens) for tokens, _ in results] == [24, 24]
+    # The first calls, made before any step was measured, take --decode-steps; the rest fit the budget.
+    later = [steps for *_, steps, _ in shards.decodes[PIPELINE_DEPTH + 1:]]
+    assert max(later) == most_steps == max(1, min(4, int(DECODE_CALL_BUDGET_MS // step_ms)))
 
 
 def test_a_finished_requests_last_step_never_writes_into_blocks_a_new_request_took(tokenizer):

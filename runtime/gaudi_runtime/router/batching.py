@@ -36,7 +36,7 @@ from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.output import OutputProcessor
 from gaudi_runtime.router.requests import Requests, RequestState
-from gaudi_runtime.router.scheduler import join_min_size, select_prefill
+from gaudi_runtime.router.scheduler import decode_call_steps, join_min_size, select_prefill
 from gaudi_runtime.router.types import GenerationError
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class BatchingLoop:
         self.metrics = metrics
         self._wake = asyncio.Event()
         self._batch_ids = itertools.count(1)
+        self._step_ms: float | None = None  # the shards' recent time per decode step (forward passes)
 
     def wake(self) -> None:
         """A request arrived or left: serve, if the loop is idle."""
@@ -155,7 +156,7 @@ class BatchingLoop:
             return 1
         states = [self.requests.get(rid) for rid in ids]
         left = min(s.req.stopping.max_new_tokens - s.sent for s in states)
-        return max(1, min(self.cfg.decode_steps, left))
+        return decode_call_steps(self.cfg.decode_steps, left, self._step_ms)
 
     async def _join(self, running: int, waiting_steps: int,
                     inflight: deque[Call]) -> tuple[bool, pb.CachedBatch | None]:
@@ -240,6 +241,9 @@ class BatchingLoop:
             self._end_with_error([rid for b in batches for rid in b.request_ids], e)
             raise
         self.metrics.decode_answered(made, resp)
+        if resp.forward_ns:
+            step_ms = resp.forward_ns / 1e6 / (1 + len(resp.next_steps))
+            self._step_ms = step_ms if self._step_ms is None else 0.8 * self._step_ms + 0.2 * step_ms
         self.output.process(resp.generations)
         for gens in resp.next_steps:
             self.output.process(gens)

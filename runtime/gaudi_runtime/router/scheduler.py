@@ -19,6 +19,20 @@ class Waiting:
     held_blocks: int = 0  # of those blocks, the ones other requests hold: they cost no free block
 
 
+# A decode call's steps are bounded so the call lasts about this long: a prompt arriving meanwhile waits
+# for the calls already made (PIPELINE_DEPTH of them), so long steps (long contexts, large batches, big
+# models) go one per call, and only short ones, where a call's fixed costs show, are grouped.
+DECODE_CALL_BUDGET_MS = 20.0
+
+
+def decode_call_steps(max_steps: int, steps_left: int, step_ms: float | None) -> int:
+    """Steps the next decode call runs: at most --decode-steps and what the closest request to its
+    limit may still take, and no more than fit DECODE_CALL_BUDGET_MS at the recent step time (None:
+    none measured yet)."""
+    fit = max_steps if not step_ms else max(1, int(DECODE_CALL_BUDGET_MS // step_ms))
+    return max(1, min(max_steps, steps_left, fit))
+
+
 def blocks_needed(input_len: int, max_new_tokens: int, cfg: Config) -> int:
     """Blocks reserved for a request: its prompt and every token it may generate."""
     return buckets.ceil_div(input_len + max_new_tokens, cfg.block_size)
