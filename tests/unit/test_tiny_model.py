@@ -17,3 +17,19 @@ def test_overhead_model_takes_another_models_tokenizer_and_a_head_size_vllm_acce
     donor_vocab = json.loads((donor / "tokenizer.json").read_text())["model"]["vocab"]
     assert json.loads((tmp_path / "overhead" / "tokenizer.json").read_text())["model"]["vocab"] == donor_vocab
     assert cfg["vocab_size"] == len(donor_vocab)
+
+
+def test_memory_floor_counts_what_a_decode_step_reads(tmp_path):
+    """Every weight of the decoder and the head, once; the input embedding only when the head is tied to it."""
+    import torch
+
+    from gaudi_runtime.bench.memory_floor import weight_bytes_per_step
+    from gaudi_runtime.models.registry import load_model
+
+    main([str(tmp_path / "m"), "--dtype", "float32"])
+    model = load_model(str(tmp_path / "m"), torch.float32, torch.device("cpu"))
+    cfg = model.config
+    embedding = cfg.vocab_size * cfg.hidden_size * 4
+    every = sum(p.numel() * 4 for p in model.parameters())  # a tied head's tensor appears once here
+    expected = every if cfg.tie_word_embeddings else every - embedding
+    assert weight_bytes_per_step(model) == expected
