@@ -124,6 +124,9 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
     ("USE_FLASH_ATTENTION", _bool, True, "Fused attention (FusedSDPA on HPU, torch SDPA elsewhere); false: explicit "
      "softmax(QK^T)V."),
     ("FLASH_ATTENTION_RECOMPUTE", _bool, False, "FusedSDPA recompute mode for the first token (HPU; saves memory)."),
+    ("CPU_PAGED_ATTENTION", _bool, True, "CPU: decode attention reads the paged KV cache in place with a C kernel, "
+     "compiled at start with the system compiler (CC, else cc) into $XDG_CACHE_HOME/gaudi-serve/kernels; "
+     "false, or no compiler, or a float8 KV cache: each step gathers the blocks into a copy first."),
     ("RECIPE_CACHE_SIZE_MB", int, 16384, "Gaudi: most megabytes of recipes each shard keeps under "
      "--recipe-cache-dir (Habana drops the oldest beyond it)."),
     ("QUANT_CONFIG", str, None, "INC FP8 JSON (QUANTIZE mode, allowlist/blocklist, dump_stats_path); implies "
@@ -211,6 +214,7 @@ class Config:
     prof_record_shapes: bool = False
     use_flash_attention: bool = True
     flash_attention_recompute: bool = False
+    cpu_paged_attention: bool = True
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -4,7 +4,8 @@
 
 No router, no gRPC: the shard's own step function over a KV cache filled with noise, so the
 numbers are the model's forward pass and nothing else (docs/performance.md). Variants (decode
-attention kernel; linear layers over oneDNN-reordered weights, or ``plain`` F.linear) are
+attention: ``paged`` reads the cache in place with the C kernel, ``sdpa`` and ``grouped`` run over
+the gathered blocks; linear layers over oneDNN-reordered weights, or ``plain`` F.linear) are
 interleaved, repetition by repetition, so that a noisy machine hurts them alike; the minimum
 and the median of the repetitions are printed. ``--profile`` adds torch.profiler's top
 operators for each batch size with the kernels the CPU backend selects.
@@ -28,9 +29,9 @@ from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 from gaudi_runtime.models.registry import load_model
 
 BLOCK = 16
-# name: (decode attention, linear layers over reordered weights)
-VARIANTS = {"sdpa": (F.scaled_dot_product_attention, True), "grouped": (grouped_decode_attention, True),
-            "plain": (grouped_decode_attention, False)}
+# name: (decode attention over the gathered blocks, read the cache in place, linear layers over reordered weights)
+VARIANTS = {"paged": (grouped_decode_attention, True, True), "sdpa": (F.scaled_dot_product_attention, False, True),
+            "grouped": (grouped_decode_attention, False, True), "plain": (grouped_decode_attention, False, False)}
 
 
 def step_inputs(batch: int, context: int, vocab: int):
@@ -52,7 +53,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="steps timed per repetition")
     ap.add_argument("--default-allocator", action="store_true", help="keep glibc's malloc defaults")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = ap.parse_args()
+    paged = attention.select_attention(True, False, "cpu").paged_decode  # None (warned) without a compiler
     if not args.default_allocator:
         tune_host_allocator()
     model = load_model(args.model_id, getattr(torch, args.dtype), torch.device("cpu"))
@@ -79,10 +82,11 @@ def main() -> None:
     with torch.inference_mode():
         for batch in args.batch:
             inputs = step_inputs(batch, args.context, vocab)
-            times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+            times: dict[str, list[float]] = {name: [] for name in args.variants}
             for _ in range(args.repeats):
-                for name, (kernel, on) in VARIANTS.items():
-                    attention.IMPL.decode = kernel
+                for name in args.variants:
+                    kernel, in_place, on = VARIANTS[name]
+                    attention.IMPL.decode, attention.IMPL.paged_decode = kernel, paged if in_place else None
                     use_packed(on)
                     step(*inputs)
                     start = time.perf_counter()
@@ -92,7 +96,8 @@ def main() -> None:
             for name, ts in times.items():
                 print(f"{batch:>5} {name:<8} {min(ts):>8.2f} {statistics.median(ts):>9.2f}")
             if args.profile:
-                attention.IMPL.decode = attention.select_attention(True, False, "cpu").decode
+                impl = attention.select_attention(True, False, "cpu")
+                attention.IMPL.decode, attention.IMPL.paged_decode = impl.decode, impl.paged_decode
                 use_packed(True)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     for _ in range(args.steps):

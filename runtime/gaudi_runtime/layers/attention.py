@@ -13,9 +13,13 @@ to float8 and back), as decode and a prefill reading them later do, so that a
 prompt's output does not depend on which of its blocks were cached.
 
 Decode (``S == 1``): the new K/V are written, then each sequence attends over
-its cache gathered through ``block_tables`` with positions ``>= context_lens``
-masked. Grouped-query attention is done by folding the query heads of one KV
-group into the query-length axis, so K/V are never repeated in decode.
+its first ``context_lens`` cached positions. On a CPU with a bfloat16 or
+float32 cache, a C kernel reads them in place through ``block_tables``
+(``device/cpu_paged_attention.py``): no copy, no mask, no work past a row's own
+length. Elsewhere (other devices, a float8 cache, no C compiler) the blocks are
+gathered through ``block_tables`` into a contiguous copy with positions
+``>= context_lens`` masked; grouped-query attention then folds the query heads
+of one KV group into the query-length axis, so K/V are never repeated.
 """
 
 from __future__ import annotations
@@ -97,15 +101,20 @@ class AttentionImpl:
     decode: object
     # Whether `prefill` takes torch SDPA's enable_gqa (K/V with fewer heads than Q, not repeated).
     prefill_gqa: bool = False
+    # (q, k_cache, v_cache, block_tables, context_lens, scale) -> [B, Hq, D] read from the paged cache in
+    # place, or None for tensors it does not take (which then go through the gather and `decode`).
+    paged_decode: object | None = None
 
 
 IMPL = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
 
 
-def select_attention(use_flash: bool, recompute: bool, device: str) -> AttentionImpl:
+def select_attention(use_flash: bool, recompute: bool, device: str, cpu_paged: bool = True) -> AttentionImpl:
     """USE_FLASH_ATTENTION / FLASH_ATTENTION_RECOMPUTE: Habana's FusedSDPA on HPU (recompute applies to the
-    first token), torch SDPA elsewhere (on CPU, decode takes `grouped_decode_attention`, which is faster there
-    for that shape); or the explicit math. Set once per shard process, before the model runs."""
+    first token), torch SDPA elsewhere; or the explicit math. On CPU, decode reads the paged cache in place
+    with the C kernel (CPU_PAGED_ATTENTION, `cpu_paged`; compiled here, so a missing compiler is found and
+    warned about at start), else over the gathered blocks with `grouped_decode_attention`, which is faster
+    there than SDPA for that shape. Set once per shard process, before the model runs."""
     if not use_flash:
         impl = AttentionImpl("math", math_attention, math_attention)
     elif device == "hpu":
@@ -113,11 +122,15 @@ def select_attention(use_flash: bool, recompute: bool, device: str) -> Attention
 
         impl = AttentionImpl("fused_sdpa", fused_sdpa(recompute), fused_sdpa(False))
     elif device == "cpu":
-        impl = AttentionImpl("sdpa (decode: grouped bmm)", F.scaled_dot_product_attention, grouped_decode_attention,
-                             True)
+        from gaudi_runtime.device.cpu_paged_attention import kernel
+
+        paged = kernel() if cpu_paged else None
+        name = "sdpa (decode: paged C kernel; float8 cache: grouped bmm)" if paged else "sdpa (decode: grouped bmm)"
+        impl = AttentionImpl(name, F.scaled_dot_product_attention, grouped_decode_attention, True, paged)
     else:
         impl = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
-    IMPL.name, IMPL.prefill, IMPL.decode, IMPL.prefill_gqa = impl.name, impl.prefill, impl.decode, impl.prefill_gqa
+    IMPL.name, IMPL.prefill, IMPL.decode = impl.name, impl.prefill, impl.decode
+    IMPL.prefill_gqa, IMPL.paged_decode = impl.prefill_gqa, impl.paged_decode
     return IMPL
 
 
@@ -242,6 +255,16 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        b = q.shape[0]
+        if IMPL.paged_decode is not None and k_cache.dtype not in FP8_KV_DTYPES:
+            out = IMPL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+            if out is not None:
+                return out.view(b, 1, self.num_heads, self.head_dim)
+        return self._gathered_decode(q, k_cache, v_cache, meta)
+
+    def _gathered_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """Decode over a contiguous copy of each row's blocks, positions past its context masked."""
         b = q.shape[0]
         block_tables, context_lens = meta.block_tables, meta.context_lens
         nb = block_tables.shape[1]

@@ -145,7 +145,8 @@ class BatchingEngine:
             details = json.loads(s.details_json or "{}")
             info["warmup"] = details.get("warmup")
             info["weight_bytes_per_shard"] = details.get("weight_bytes")  # rank 0's; every rank holds ~1/N
-            for key in ("quantization", "kv_cache_dtype", "warmup_from_cache", "recipe_cache", "startup_seconds"):
+            for key in ("quantization", "kv_cache_dtype", "attention", "warmup_from_cache", "recipe_cache",
+                        "startup_seconds"):
                 info[key] = details.get(key)
         if self.requests.allocator is not None:
             info["kv_blocks_free"] = self.requests.allocator.free_count  # cached blocks no request holds count

@@ -78,6 +78,8 @@ class Info(BaseModel):
     prefix_caching: bool | None = Field(None, description="Whether KV blocks of earlier prompts are reused "
                                         "(--prefix-caching); kv_blocks_cached, prefix_cache_queries and "
                                         "prefix_cache_hits say how much")
+    attention: str | None = Field(None, description="The attention kernels the shards run (on a CPU: whether "
+                                  "decode reads the paged KV cache in place)")
 
 
 # --- TGI -------------------------------------------------------------------------------------------

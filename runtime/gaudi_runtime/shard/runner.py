@@ -103,8 +103,10 @@ class ModelRunner:
         self.device = device = backend.torch_device
         self.dtype = getattr(torch, cfg.dtype)
         t0 = time.perf_counter()
-        attention = select_attention(cfg.use_flash_attention, cfg.flash_attention_recompute, backend.name)
+        attention = select_attention(cfg.use_flash_attention, cfg.flash_attention_recompute, backend.name,
+                                     cfg.cpu_paged_attention)
         log.info("attention: %s (FLASH_ATTENTION_RECOMPUTE=%s)", attention.name, cfg.flash_attention_recompute)
+        self.attention_name = attention.name
         rope = (cfg.rope_scaling, cfg.rope_factor) if cfg.rope_scaling else None  # --rope-scaling/--rope-factor
         self.model = load_model(model_dir, self.dtype, device, rank, world_size, process_group, rope=rope)
         # FP8 (--quantize / QUANT_CONFIG) swaps layers after load; --kv-cache-dtype sets the cache's scales.
@@ -492,6 +494,7 @@ class ModelRunner:
             "quantization": self.cfg.quantize,
             "kv_cache_dtype": self.cfg.kv_cache_dtype or self.cfg.dtype,
             "prefix_caching": self.cfg.prefix_caching,
+            "attention": self.attention_name,
             "warmup_from_cache": self.warmup_from_cache,
             "recipe_cache": self.recipe_cache.describe() if self.recipe_cache is not None else None,
             "startup_seconds": self.startup_seconds(),
