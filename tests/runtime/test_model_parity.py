@@ -3,6 +3,7 @@
 * prefill logits of a right-padded batch == transformers' logits of each prompt alone;
 * greedy generation through the paged KV cache (block_size 4, shuffled blocks) == transformers generate;
 * a continuous-batching pattern (prefills joining running decodes, changing row order) == generate;
+  both with decode over the gathered blocks and in place (the CPU kernel);
 * config variants (biases, MHA, head_dim != hidden/heads, linear/dynamic/llama3 RoPE in both config
   layouts, sharded checkpoints, Mistral's sliding window) with every weight perturbed;
 * unknown architectures raise UnsupportedModelError;
@@ -20,7 +21,7 @@ import socket
 import pytest
 import torch
 
-from gaudi_runtime.layers import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
+from gaudi_runtime.layers import AttentionMetadata, allocate_kv_cache, attention, kv_bytes_per_block
 from gaudi_runtime.layers.rotary import compute_inv_freq, rope_params_from_config
 from gaudi_runtime.models import SUPPORTED_ARCHITECTURES, UnsupportedModelError, load_model
 
@@ -148,6 +149,19 @@ def family(request):
     return request.param
 
 
+@pytest.fixture(params=["gather", "in-place"])
+def decode_attention(request):
+    """Decode over the gathered blocks (every device) or reading the cache in place (the CPU kernel)."""
+    from gaudi_runtime.device.cpu_paged_attention import kernel
+
+    saved = attention.IMPL.paged_decode
+    attention.IMPL.paged_decode = kernel() if request.param == "in-place" else None
+    if request.param == "in-place" and attention.IMPL.paged_decode is None:
+        pytest.fail("the CPU paged attention kernel did not build: is there a C compiler (cc or $CC)?")
+    yield
+    attention.IMPL.paged_decode = saved
+
+
 def _check_prefill(model, ref, prompts) -> None:
     runner = PagedRunner(model, prompts, MAX_NEW)
     runner.prefill()
@@ -174,7 +188,7 @@ def test_prefill_logits_match_transformers(tiny_model_dirs, family):
     _check_prefill(model, _reference(d), _prompts(model.vocab_size))
 
 
-def test_greedy_generation_through_paged_cache_matches_transformers(tiny_model_dirs, family):
+def test_greedy_generation_through_paged_cache_matches_transformers(tiny_model_dirs, family, decode_attention):
     d = tiny_model_dirs[family]
     model = load_model(d, torch.float32, torch.device("cpu"))
     _check_greedy(model, _reference(d), _prompts(model.vocab_size, seed=1))
@@ -262,7 +276,7 @@ def test_variants_match_transformers(variant_dirs, name):
     _check_greedy(model, ref, prompts, max_new=10)
 
 
-def test_continuous_batching_pattern_matches_transformers(tiny_model_dirs, family):
+def test_continuous_batching_pattern_matches_transformers(tiny_model_dirs, family, decode_attention):
     """Sequences join and leave the decode batch, in changing row orders, with padded rows."""
     d = tiny_model_dirs[family]
     model = load_model(d, torch.float32, torch.device("cpu"))
@@ -285,7 +299,7 @@ def test_continuous_batching_pattern_matches_transformers(tiny_model_dirs, famil
         assert mine[: len(theirs)] == theirs, (i, mine, theirs)
 
 
-def test_decode_logits_match_full_recompute(tiny_model_dirs):
+def test_decode_logits_match_full_recompute(tiny_model_dirs, decode_attention):
     """Every decode step's logits equal transformers' logits for the whole sequence so far."""
     d = tiny_model_dirs["llama31"]
     model = load_model(d, torch.float32, torch.device("cpu"))

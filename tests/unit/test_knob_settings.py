@@ -96,9 +96,10 @@ def test_override_rope_replaces_the_scaling_and_keeps_theta(config):
 
 @pytest.fixture
 def restore_attention():
-    saved = (attention.IMPL.name, attention.IMPL.prefill, attention.IMPL.decode)
+    saved = dict(vars(attention.IMPL))
     yield
-    attention.IMPL.name, attention.IMPL.prefill, attention.IMPL.decode = saved
+    for name, value in saved.items():
+        setattr(attention.IMPL, name, value)
 
 
 def test_math_attention_equals_sdpa_causal_and_masked():
