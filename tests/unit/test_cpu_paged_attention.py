@@ -5,7 +5,9 @@ produces; without a C compiler decode still works, through the gather, after one
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -218,6 +220,21 @@ def test_compiled_once_into_the_cache_and_reused(no_kernel_yet, monkeypatch, tmp
     assert cpu_paged_attention.build() == first
     assert all("--version" in cmd for cmd in compiles)  # asked its version for the key, compiled nothing
     assert cpu_paged_attention.load().path == first
+
+
+def test_a_read_only_cache_falls_back_to_a_private_temporary_directory(no_kernel_yet, monkeypatch, tmp_path):
+    """A read-only home (a hardened pod): the library goes to a directory of this user's own under $TMPDIR."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    path = cpu_paged_attention.build()
+    assert path.parent == tmp_path / "tmp" / f"gaudi-serve-kernels-{os.getuid()}"
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    path.parent.chmod(0o777)  # others could plant a library there: refused
+    with pytest.raises(cpu_paged_attention.KernelUnavailable, match="others may write"):
+        cpu_paged_attention.build()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")

@@ -6,8 +6,10 @@ work are most of a decode step. ``cpu_paged_attention.c`` walks the block table 
 CPU build does with its own kernel.
 
 The C source ships with the package and is compiled at first use with the system C compiler
-(``$CC``, else ``cc``) for this CPU (``-march=native``), into a per-user cache keyed by everything
-that changes the binary (source, flags, compiler version, CPU flags), so a restart loads it in
+(``$CC``, else ``cc``) for this CPU (``-march=native``), into a per-user cache
+(``$XDG_CACHE_HOME/gaudi-serve/kernels``; a directory of the user's own under the temporary
+directory where that is read-only) keyed by everything that changes the binary (source, flags,
+compiler version, CPU flags, the OpenMP runtime torch loaded), so a restart loads it in
 milliseconds. It is written under a temporary name and renamed, so that shards and tests compiling
 at once never load a half-written file. ``ctypes`` calls it (releasing the GIL). No compiler, a
 failed compile or a cache that cannot be written: one warning, and decode keeps the gather path.
@@ -31,8 +33,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
-# No -ffast-math: the kernel's reductions vectorize through `omp simd`, and its exp is its own.
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+# No -ffast-math: the kernel orders its sums itself, and its exp is its own (docs/performance.md
+# has the flags measured).
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # The kernel's rows are whole vectors (16 lanes with AVX-512, 8 elsewhere); other head sizes gather.
 HEAD_SIZE_MULTIPLE = 16
@@ -55,6 +58,28 @@ def cache_dir(environ=None) -> Path:
     return Path(base) / "gaudi-serve" / "kernels"
 
 
+def _writable_dir(environ=None) -> Path:
+    """The cache directory, else (a read-only home, a user without one) a directory of this user's own
+    under the temporary directory, which nobody else may write to: the library found there is loaded."""
+    directory = cache_dir(environ)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if os.access(directory, os.W_OK):
+            return directory
+    except OSError:
+        pass
+    directory = Path(tempfile.gettempdir()) / f"gaudi-serve-kernels-{os.getuid()}"
+    try:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        st = directory.stat()
+    except OSError as e:
+        raise KernelUnavailable(f"no writable directory for the kernel ({cache_dir(environ)}, {directory}): {e}") \
+            from None
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise KernelUnavailable(f"{directory} belongs to another user or others may write to it")
+    return directory
+
+
 def _cpu_flags() -> str:
     """What -march=native sees: the CPU's feature flags (Linux), else the architecture."""
     try:
@@ -65,6 +90,18 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.machine()
+
+
+def openmp_runtime() -> str | None:
+    """The libgomp torch has loaded (Linux), which the kernel links against: a wheel may ship it under
+    a name of its own, and a kernel linked to the system's would then load a second OpenMP runtime,
+    whose threads would compete with torch's for the same cores. None: link the compiler's own."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libgomp" in line}
+    except OSError:
+        return None
+    return min(paths) if len(paths) == 1 else None
 
 
 def _run(cmd: list[str]) -> str:
@@ -81,23 +118,28 @@ def build(environ=None) -> Path:
     """The compiled library for this source, compiler and CPU: from the cache, else compiled into it."""
     cc = compiler(environ)
     version = (_run([*cc, "--version"]).splitlines() or [""])[0]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), shlex.join(FLAGS), version, _cpu_flags()]).encode())
-    directory = cache_dir(environ)
+    runtime = openmp_runtime()
+    link = [runtime, f"-Wl,-rpath,{os.path.dirname(runtime)}"] if runtime else ["-lgomp"]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), shlex.join(FLAGS), shlex.join(link), version,
+                                     _cpu_flags()]).encode())
+    directory = _writable_dir(environ)
     target = directory / f"paged_attention-{key.hexdigest()[:24]}.so"
     if target.exists():
         return target
     try:
-        directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".paged_attention-", suffix=".so", dir=directory)
         os.close(fd)
     except OSError as e:
         raise KernelUnavailable(f"cannot write the kernel cache {directory}: {e}") from None
     try:
-        _run([*cc, *FLAGS, "-o", tmp, str(SOURCE)])
+        # Compiled, then linked without -fopenmp, which would add the compiler's own libgomp.
+        _run([*cc, *FLAGS, "-c", "-o", f"{tmp}.o", str(SOURCE)])
+        _run([*cc, "-shared", "-o", tmp, f"{tmp}.o", *link])
         os.replace(tmp, target)  # atomic: a concurrent loader sees no file or a whole one
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, f"{tmp}.o"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return target
 
 
