@@ -96,6 +96,7 @@ def test_greedy_concurrent_requests_joining_and_leaving_match(server, reference)
     code, info = get_json(server.url + "/info")
     assert code == 200
     assert info["kv_blocks_free"] == info["kv_blocks"]
+    assert "decode: paged C kernel" in info["attention"], info["attention"]  # decode read the cache in place
     assert "tgi_queue_size 0.0" in _metrics(server.url)
 
 
