@@ -14,7 +14,7 @@
 
    Arithmetic is float32 (scores, softmax, the weighted sum of values). The work is split over
    sequences (a sequence's KV heads together, so that each cache line is fetched once), with OpenMP:
-   the library binds to the libgomp torch has loaded, so both share one thread pool. Vectors are
+   the library is linked against the libgomp torch has loaded, so both share one thread pool. Vectors are
    GCC/Clang vector types, which the compiler maps onto the CPU's own: no intrinsics, and no
    -ffast-math (exp is a polynomial of ours, sums are reordered by hand). */
 
@@ -38,6 +38,7 @@ enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 #endif
 /* Positions scored together: one vector of scores. */
 enum { SPAN = LANES };
+/* How many spans ahead the rows are prefetched: a span's arithmetic outlasts a fetch from memory. */
 enum { AHEAD = 2 };
 
 typedef float f32xL __attribute__((vector_size(LANES * 4)));
