@@ -17,6 +17,7 @@ from gaudi_runtime.layers import attention
 from gaudi_runtime.layers.attention import (
     Attention,
     AttentionMetadata,
+    attention_in_use,
     grouped_decode_attention,
     select_attention,
 )
@@ -140,7 +141,9 @@ def test_decode_layer_reads_the_cache_in_place(kernel, restore_attention, monkey
 
 
 def test_float8_cache_and_odd_head_sizes_keep_the_gather_path(kernel, restore_attention):
-    select_attention(True, False, "cpu")
+    impl = select_attention(True, False, "cpu")
+    assert attention_in_use(impl, torch.bfloat16) == "sdpa (decode: paged C kernel)"
+    assert "gathered" in attention_in_use(impl, torch.float8_e4m3fn)  # what /info says
     calls = []
 
     def spy(*args):

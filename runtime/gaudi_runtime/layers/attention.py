@@ -125,13 +125,21 @@ def select_attention(use_flash: bool, recompute: bool, device: str, cpu_paged: b
         from gaudi_runtime.device.cpu_paged_attention import kernel
 
         paged = kernel() if cpu_paged else None
-        name = "sdpa (decode: paged C kernel; float8 cache: grouped bmm)" if paged else "sdpa (decode: grouped bmm)"
+        name = "sdpa (decode: paged C kernel)" if paged else "sdpa (decode: grouped bmm)"
         impl = AttentionImpl(name, F.scaled_dot_product_attention, grouped_decode_attention, True, paged)
     else:
         impl = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
     IMPL.name, IMPL.prefill, IMPL.decode = impl.name, impl.prefill, impl.decode
     IMPL.prefill_gqa, IMPL.paged_decode = impl.prefill_gqa, impl.paged_decode
     return IMPL
+
+
+def attention_in_use(impl: AttentionImpl, kv_dtype: torch.dtype) -> str:
+    """`impl`'s name as it runs over a cache of `kv_dtype` (for /info and the log): a float8 cache is never
+    read in place."""
+    if impl.paged_decode is not None and kv_dtype in FP8_KV_DTYPES:
+        return "sdpa (decode: grouped bmm; the float8 cache is gathered)"
+    return impl.name
 
 
 @dataclass
