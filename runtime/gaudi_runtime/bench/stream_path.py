@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -139,7 +138,8 @@ async def serve_and_load(model_dir: str, api: str, per_call: int, a) -> float:
     engine = TickEngine(tokenizer, per_call)
     runner, port = await start(build_app(config, engine, tokenizer), "127.0.0.1", 0)
     ticker = asyncio.ensure_future(engine.run())
-    cmd = [sys.executable, __file__, "--client", f"http://127.0.0.1:{port}", "--api", api,
+    me = ["-m", __spec__.name] if __spec__ is not None else [__file__]  # a module, or a file run by path
+    cmd = [sys.executable, *me, "--client", f"http://127.0.0.1:{port}", "--api", api,
            "--users", str(a.users), "--requests", str(a.requests), "--tokens", str(a.tokens)]
     try:
         t0 = os.times()
