@@ -10,6 +10,8 @@ ignore_eos_token. Markers in the prompt text steer it, so tests need no shared s
     ENDLESS             ignore EOS (generate until max_new_tokens)
     SLOW                pace tokens 10 ms apart (a request that lasts)
     HANG:N              after N tokens, wait until closed (a request that never ends)
+    BURST:N             hand tokens to the stream N at a time (default BURST), as a decode call of
+                        several steps does; SLOW hands them one at a time
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from gaudi_runtime.router.types import (
     ValidRequest,
 )
 
+BURST = 3  # tokens handed over together, unless the prompt says otherwise
+
 
 @dataclass
 class FakeEngine:
@@ -58,7 +62,7 @@ class FakeEngine:
     def _token(self, tid: int, text: str, logprob: float) -> Token:
         return Token(tid, text, logprob, tid in self.tokenizer.special_ids)
 
-    async def generate(self, request: ValidRequest):
+    async def generate_batches(self, request: ValidRequest):
         text = request.inputs
         self.started.append(request)
         if "FAIL:overloaded" in text:
@@ -69,11 +73,42 @@ class FakeEngine:
         fail_after = int(m.group(1)) if m else None
         m = re.search(r"HANG:(\d+)", text)
         hang_after = int(m.group(1)) if m else None
-        endless = "ENDLESS" in text or request.stopping.ignore_eos_token
-        slow = "SLOW" in text
+        m = re.search(r"BURST:(\d+)", text)
+        burst = 1 if "SLOW" in text else int(m.group(1)) if m else BURST
+        events = self._events(request)
+        batch: list[StreamEvent] = []
+        done = False
+        self.active += 1
+        try:
+            for i in range(request.stopping.max_new_tokens):
+                if (i == hang_after or i == fail_after) and batch:  # what came before is streamed first
+                    yield batch
+                    batch = []
+                if hang_after is not None and i >= hang_after:
+                    await asyncio.Event().wait()  # until the caller closes us (cancelled)
+                if fail_after is not None and i >= fail_after:
+                    raise GenerationError("Request failed during generation: fake failure mid-stream")
+                batch.append(next(events))
+                done = batch[-1].end is not None
+                if done:
+                    self.finished.append(request)
+                if done or len(batch) == burst:
+                    yield batch
+                    batch = []
+                    if done:
+                        return
+                    await asyncio.sleep(0.01 if "SLOW" in text else 0)
+        finally:
+            self.active -= 1
+            if not done:
+                self.closed.append(request)
+
+    def _events(self, request: ValidRequest):
+        """The request's events, one per token, the last with its end."""
         tok = self.tokenizer
         source = [t for t in request.input_ids if t not in tok.special_ids] or list(request.input_ids)
         eos = tok.eos_token_id
+        endless = "ENDLESS" in request.inputs or request.stopping.ignore_eos_token
         detok = IncrementalDetokenizer(tok, prompt_ids=request.input_ids)
         stop = StopSequenceMatcher(request.stopping.stop_sequences)
         s = request.sampling
@@ -84,48 +119,29 @@ class FakeEngine:
             prefill = [Token(t, tok.decode([t]), float("nan") if i == 0 else -1.0, t in tok.special_ids)
                        for i, t in enumerate(request.input_ids)]
         t0 = time.monotonic()
-        done = False
-        self.active += 1
-        try:
-            for i in range(request.stopping.max_new_tokens):
-                if hang_after is not None and i >= hang_after:
-                    await asyncio.Event().wait()  # until the caller closes us (cancelled)
-                if fail_after is not None and i >= fail_after:
-                    raise GenerationError("Request failed during generation: fake failure mid-stream")
-                if i < len(source) or endless or eos is None:
-                    tid = source[i % len(source)]
-                else:
-                    tid = eos
-                piece = detok.add(tid)
-                finish = None
-                if tid == eos and not endless:
-                    finish = FinishReason.EOS_TOKEN
-                elif stop.check(detok.text):
-                    finish = FinishReason.STOP_SEQUENCE
-                elif i + 1 == request.stopping.max_new_tokens:
-                    finish = FinishReason.LENGTH
-                end = None
-                if finish is not None:
-                    piece += detok.flush()
-                    end = GenerationEnd(
-                        finish_reason=finish, generated_text=tok.decode(detok.token_ids, skip_special_tokens=True),
-                        generated_tokens=i + 1,
-                        seed=s.seed if s.do_sample else None, prefill=prefill,
-                        queue_time=0.001, inference_time=time.monotonic() - t0)
-                tops = [self._token(t, tok.decode([t]), logprob - 0.1 * k)
-                        for k, t in enumerate(source[: request.top_n_tokens])]
-                ev = StreamEvent(self._token(tid, piece, logprob), tops, end)
-                if end is not None:
-                    done = True
-                    self.finished.append(request)
-                yield ev
-                if done:
-                    return
-                await asyncio.sleep(0.01 if slow else 0)
-        finally:
-            self.active -= 1
-            if not done:
-                self.closed.append(request)
+        for i in range(request.stopping.max_new_tokens):
+            tid = source[i % len(source)] if i < len(source) or endless or eos is None else eos
+            piece = detok.add(tid)
+            finish = None
+            if tid == eos and not endless:
+                finish = FinishReason.EOS_TOKEN
+            elif stop.check(detok.text):
+                finish = FinishReason.STOP_SEQUENCE
+            elif i + 1 == request.stopping.max_new_tokens:
+                finish = FinishReason.LENGTH
+            end = None
+            if finish is not None:
+                piece += detok.flush()
+                end = GenerationEnd(
+                    finish_reason=finish, generated_text=tok.decode(detok.token_ids, skip_special_tokens=True),
+                    generated_tokens=i + 1,
+                    seed=s.seed if s.do_sample else None, prefill=prefill,
+                    queue_time=0.001, inference_time=time.monotonic() - t0)
+            tops = [self._token(t, tok.decode([t]), logprob - 0.1 * k)
+                    for k, t in enumerate(source[: request.top_n_tokens])]
+            yield StreamEvent(self._token(tid, piece, logprob), tops, end)
+            if end is not None:
+                return
 
 
 class ServerThread:

@@ -234,3 +234,14 @@ def test_benchmark_refuses_a_batch_the_settings_cannot_hold(tiny_model_dir, tmp_
                      "--shard-uds-path", str(tmp_path / "s")])
     assert code == 2
     assert "--batch-size 8 exceeds --max-batch-size 4" in capsys.readouterr().err
+
+
+def test_stream_path_reports_router_cpu_per_token_for_each_api(tiny_model_dir, capsys):
+    from gaudi_runtime.bench import stream_path
+
+    stream_path.main(["--model-id", tiny_model_dir, "--users", "2", "--requests", "3", "--tokens", "5",
+                      "--per-call", "1", "3"])
+    out = json.loads(capsys.readouterr().out)
+    costs = {k: v for k, v in out.items() if k not in ("unit", "load")}
+    assert set(costs) == {"tgi per_call=1", "tgi per_call=3", "openai per_call=1", "openai per_call=3", "detokenizer"}
+    assert all(v >= 0 for v in costs.values())

@@ -44,7 +44,10 @@ def sse_frames(text: str) -> list[str]:
     for f in frames:
         assert f.startswith("data: "), f
         assert "\n" not in f
-        out.append(f[len("data: "):])
+        payload = f[len("data: "):]
+        if payload != "[DONE]":  # every event as json.dumps writes it: the same bytes for every client
+            assert payload == json.dumps(json.loads(payload), ensure_ascii=False), payload
+        out.append(payload)
     return out
 
 

@@ -3,8 +3,9 @@
 `start` connects to the shards, reads their info, warms them up, then runs the batching loop
 (router/batching.py) in a task. A failure on the way, or later in the loop, marks the engine
 failed: every request ends with a GenerationError and the router process exits on `failed`.
-`generate` queues a request (router/requests.py) and yields the events the output processor
-(router/output.py) puts on its queue; a caller that stops reading early cancels the request.
+`generate_batches` queues a request (router/requests.py) and yields the events the output processor
+(router/output.py) puts on its queue, all those queued by the time it reads at once (`generate`
+yields them one by one); a caller that stops reading early cancels the request.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class BatchingEngine:
             info["prefix_cache_hits"] = self.metrics.prefix_hits
         return info
 
-    async def generate(self, request: ValidRequest):
+    async def generate_batches(self, request: ValidRequest):
         if self.state == "failed":
             raise GenerationError(f"the shards failed: {self.failure}")
         if self.in_flight >= self.cfg.max_concurrent_requests:
@@ -165,14 +166,36 @@ class BatchingEngine:
         self.batching.wake()
         try:
             while True:
-                ev = await state.events.get()
-                if isinstance(ev, Exception):
-                    raise ev
-                yield ev
-                if ev.end is not None:
+                batch = await _ready(state.events)
+                last = batch[-1]
+                if isinstance(last, Exception):
+                    if len(batch) > 1:
+                        yield batch[:-1]
+                    raise last
+                yield batch
+                if last.end is not None:
                     return
         finally:
             self.in_flight -= 1
             if not state.ended:  # the caller stopped reading first: the request is cancelled
                 self.requests.end(state)
                 self.batching.wake()
+
+    async def generate(self, request: ValidRequest):
+        """One StreamEvent at a time (the offline LLM, benchmarks)."""
+        batches = self.generate_batches(request)
+        try:
+            async for batch in batches:
+                for ev in batch:
+                    yield ev
+        finally:
+            await batches.aclose()
+
+
+async def _ready(events: asyncio.Queue) -> list:
+    """Every item on the queue, once there is one: the tokens of one answer (several steps, several
+    pipelined calls) are queued together, and their stream writes them at once."""
+    batch = [await events.get()]
+    while not events.empty():
+        batch.append(events.get_nowait())
+    return batch

@@ -6,7 +6,6 @@ Both API modules import this one and never each other, so either can change its 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +15,7 @@ from aiohttp import web
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.grammars import check_grammars
 from gaudi_runtime.router.inference import Generation, RequestRecorder, check_health, collect_all
+from gaudi_runtime.router.json_text import dumps
 from gaudi_runtime.router.state import AppState, get_state
 from gaudi_runtime.router.types import ValidRequest
 from gaudi_runtime.router.validation import parse_json_body
@@ -73,10 +73,6 @@ def model_name(state: AppState) -> str:
 def finite_logprob(v: float | None) -> float | None:
     """JSON has no NaN or infinity: such a log-probability is sent as null."""
     return None if v is None or math.isnan(v) or math.isinf(v) else v
-
-
-def dumps(o) -> str:
-    return json.dumps(o, ensure_ascii=False)
 
 
 def json_response(body, *, headers: dict[str, str] | None = None) -> web.Response:

@@ -110,16 +110,20 @@ def check_health(state: AppState) -> None:
         raise UnhealthyError(f"the server cannot serve requests yet ({status})")
 
 
-async def events(state: AppState, request: ValidRequest, rec: RequestRecorder) -> AsyncIterator[StreamEvent]:
-    """The engine's events for one request; the engine's iterator is always closed."""
-    agen = state.engine.generate(request)
+async def events(state: AppState, request: ValidRequest, rec: RequestRecorder
+                 ) -> AsyncIterator[list[StreamEvent]]:
+    """The engine's events for one request, in lists of those ready together (a stream writes each
+    list at once); the engine's iterator is always closed."""
+    agen = state.engine.generate_batches(request)
     async with aclosing(agen):
-        async for ev in agen:
-            rec.token()
-            if ev.end is not None:
-                rec.ended(ev.end)
-            yield ev
-            if ev.end is not None:
+        async for batch in agen:
+            for _ in batch:
+                rec.token()
+            end = batch[-1].end
+            if end is not None:
+                rec.ended(end)
+            yield batch
+            if end is not None:
                 return
     raise GenerationError("the engine ended the request without a final token")
 
@@ -142,11 +146,11 @@ class Generation:
 async def collect(state: AppState, request: ValidRequest, rec: RequestRecorder) -> Generation:
     gen = Generation(request)
     async with aclosing(events(state, request, rec)) as it:
-        async for ev in it:
-            gen.tokens.append(ev.token)
-            gen.top_tokens.append(list(ev.top_tokens))
-            if ev.end is not None:
-                gen.end = ev.end
+        async for batch in it:
+            for ev in batch:
+                gen.tokens.append(ev.token)
+                gen.top_tokens.append(list(ev.top_tokens))
+            gen.end = batch[-1].end
     return gen
 
 
@@ -164,12 +168,13 @@ async def collect_all(state: AppState, requests: list[ValidRequest], rec: Reques
 
 
 async def merge(state: AppState, requests: list[ValidRequest], rec: RequestRecorder
-                ) -> AsyncIterator[tuple[int, StreamEvent]]:
-    """Events of several requests as they come, tagged with the request's index."""
+                ) -> AsyncIterator[tuple[int, list[StreamEvent]]]:
+    """Events of several requests as they come, tagged with the request's index (lists of the
+    events of one request ready together, as `events` gives them)."""
     if len(requests) == 1:
         async with aclosing(events(state, requests[0], rec)) as it:
-            async for ev in it:
-                yield 0, ev
+            async for batch in it:
+                yield 0, batch
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -177,8 +182,8 @@ async def merge(state: AppState, requests: list[ValidRequest], rec: RequestRecor
     async def pump(i: int, r: ValidRequest) -> None:
         try:
             async with aclosing(events(state, r, rec)) as it:
-                async for ev in it:
-                    await queue.put((i, ev, None))
+                async for batch in it:
+                    await queue.put((i, batch, None))
         except Exception as e:  # handed to the consumer
             await queue.put((i, None, e))
             return
@@ -188,13 +193,13 @@ async def merge(state: AppState, requests: list[ValidRequest], rec: RequestRecor
     try:
         remaining = len(tasks)
         while remaining:
-            i, ev, err = await queue.get()
+            i, batch, err = await queue.get()
             if err is not None:
                 raise err
-            if ev is done:
+            if batch is done:
                 remaining -= 1
                 continue
-            yield i, ev
+            yield i, batch
     finally:
         for t in tasks:
             t.cancel()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 import gaudi_runtime
-from gaudi_runtime.router import sse
+from gaudi_runtime.router import json_text, sse
 from gaudi_runtime.router.http_common import (
     admit,
     finite_logprob,
@@ -50,6 +50,7 @@ from gaudi_runtime.router.tool_calls import MARKERS, ToolCallStream, parse, tool
 from gaudi_runtime.router.types import FinishReason, StreamEvent, Token, ValidRequest
 
 FINISH = {FinishReason.LENGTH: "length", FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop"}
+FINGERPRINT = f"{gaudi_runtime.__version__}-gaudi-serve"
 
 
 @dataclass
@@ -62,8 +63,13 @@ class Envelope:
 
     def wrap(self, object_type: str, choices: list[dict], usage: dict | None = None) -> dict:
         return {"id": self.id, "object": object_type, "created": self.created, "model": self.model,
-                "system_fingerprint": f"{gaudi_runtime.__version__}-gaudi-serve", "choices": choices,
-                "usage": usage}
+                "system_fingerprint": FINGERPRINT, "choices": choices, "usage": usage}
+
+    def chunk_template(self, object_type: str) -> tuple[str, str]:
+        """The JSON text of `wrap(object_type, [choice])` before and after the choice's own."""
+        head = json_text.dumps({"id": self.id, "object": object_type, "created": self.created, "model": self.model,
+                                "system_fingerprint": FINGERPRINT})
+        return head[:-1] + ', "choices": [', '], "usage": null}'
 
 
 def usage(reqs: list[ValidRequest], completion_tokens: int) -> dict:
@@ -83,15 +89,19 @@ def _include_usage(req: OpenAIRequest) -> bool:
 async def _stream(request: web.Request, reqs: list[ValidRequest], req: OpenAIRequest, rec: RequestRecorder,
                   envelope: Envelope, object_type: str, choice) -> web.StreamResponse:
     """Stream the requests' tokens as chunks of `object_type`; `choice(i, event)` renders the choices
-    one token of request i gives (one chunk each). Usage (when asked for) and `[DONE]` follow the last chunk."""
+    one token of request i gives, as JSON text (one chunk each). Usage (when asked for) and `[DONE]`
+    follow the last chunk."""
     generated = 0
+    before, after = envelope.chunk_template(object_type)
 
-    def render(item: tuple[int, StreamEvent]) -> list[dict]:
+    def render(item: tuple[int, list[StreamEvent]]):
         nonlocal generated
-        i, ev = item
-        if ev.end is not None:
-            generated += ev.end.generated_tokens
-        return [envelope.wrap(object_type, [c]) for c in choice(i, ev)]
+        i, batch = item
+        for ev in batch:
+            if ev.end is not None:
+                generated += ev.end.generated_tokens
+            for c in choice(i, ev):
+                yield before + c + after
 
     def finish() -> list:
         return ([envelope.wrap(object_type, [], usage(reqs, generated))] if _include_usage(req) else []) + ["[DONE]"]
@@ -136,17 +146,22 @@ def _completion_choice(i: int, g: Generation, req: CompletionRequest) -> dict:
     }
 
 
+def _finish_text(ev: StreamEvent) -> str:
+    return "null" if ev.end is None else json_text.string(FINISH[ev.end.finish_reason])
+
+
 def _completion_chunk_choice(reqs: list[ValidRequest], req: CompletionRequest):
     echoed: set[int] = set()
 
-    def choice(i: int, ev: StreamEvent) -> dict:
+    def choice(i: int, ev: StreamEvent) -> list[str]:
         text = "" if ev.token.special else ev.token.text
         if req.echo and i not in echoed:
             echoed.add(i)
             text = reqs[i].inputs + text
-        lp = completion_logprobs([ev.token], [list(ev.top_tokens)]) if req.logprobs is not None else None
-        finish = None if ev.end is None else FINISH[ev.end.finish_reason]
-        return [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]
+        lp = json_text.dumps(completion_logprobs([ev.token], [list(ev.top_tokens)])) \
+            if req.logprobs is not None else "null"
+        return [f'{{"index": {i}, "text": {json_text.string(text)}, "logprobs": {lp}, '
+                f'"finish_reason": {_finish_text(ev)}}}']
 
     return choice
 
@@ -208,12 +223,13 @@ def _chat_choice(i: int, g: Generation, req: ChatCompletionRequest, fmt: str | N
 def _chat_chunk_choice(req: ChatCompletionRequest, fmt: str | None):
     streams: dict[int, ToolCallStream] = {}
 
-    def choice(i: int, ev: StreamEvent) -> list[dict]:
+    def choice(i: int, ev: StreamEvent) -> list[str]:
         lp = chat_logprobs([ev.token], [list(ev.top_tokens)]) if req.logprobs else None
-        finish = None if ev.end is None else FINISH[ev.end.finish_reason]
         if fmt is None:
-            delta = {"role": "assistant", "content": "" if ev.token.special else ev.token.text}
-            return [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]
+            content = json_text.string("" if ev.token.special else ev.token.text)
+            return [f'{{"index": {i}, "delta": {{"role": "assistant", "content": {content}}}, '
+                    f'"logprobs": {json_text.dumps(lp)}, "finish_reason": {_finish_text(ev)}}}']
+        finish = None if ev.end is None else FINISH[ev.end.finish_reason]
         stream = streams.setdefault(i, ToolCallStream(fmt))
         text = ev.token.text if not ev.token.special or ev.token.text in MARKERS[fmt] else ""
         out = [{"index": i, "delta": {"role": "assistant", **d}, "logprobs": lp, "finish_reason": None}
@@ -221,7 +237,7 @@ def _chat_chunk_choice(req: ChatCompletionRequest, fmt: str | None):
         if finish is not None:
             finish = "tool_calls" if finish == "stop" and stream.called else finish
             out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish})
-        return out
+        return [json_text.dumps(c) for c in out]
 
     return choice
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from aiohttp import web
 
 import gaudi_runtime
-from gaudi_runtime.router import sse
+from gaudi_runtime.router import json_text, sse
 from gaudi_runtime.router.http_common import (
     admit,
     finite_logprob,
@@ -136,6 +136,22 @@ def stream_event_json(index: int, ev: StreamEvent, request: ValidRequest) -> dic
     }
 
 
+def token_text(t: Token) -> str:
+    """`token_json(t)` as JSON text."""
+    return (f'{{"id": {t.id}, "text": {json_text.string(t.text)}, "logprob": {json_text.logprob(t.logprob)}, '
+            f'"special": {"true" if t.special else "false"}}}')
+
+
+def stream_event_text(index: int, ev: StreamEvent, request: ValidRequest) -> str:
+    """`stream_event_json` as JSON text; every event but the last (the one with `details`) from a
+    template, only its token serialized."""
+    if ev.end is not None:
+        return json_text.dumps(stream_event_json(index, ev, request))
+    tops = ", ".join(token_text(t) for t in ev.top_tokens)
+    return (f'{{"index": {index}, "token": {token_text(ev.token)}, "top_tokens": [{tops}], '
+            '"generated_text": null, "details": null}')
+
+
 async def run_generate_stream(request: web.Request, body: dict | GenerateRequest,
                               rec: RequestRecorder) -> web.StreamResponse:
     state = get_state(request)
@@ -149,10 +165,11 @@ async def stream_tgi(request: web.Request, state: AppState, vreq: ValidRequest,
                      rec: RequestRecorder) -> web.StreamResponse:
     index = 0
 
-    def render(ev: StreamEvent) -> list[dict]:
+    def render(batch: list[StreamEvent]):
         nonlocal index
-        index += 1
-        return [stream_event_json(index, ev, vreq)]
+        for ev in batch:
+            index += 1
+            yield stream_event_text(index, ev, vreq)
 
     return await sse.drive(request, events(state, vreq, rec), rec, render,
                            headers={"x-model-id": model_name(state)})

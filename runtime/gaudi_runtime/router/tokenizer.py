@@ -7,6 +7,7 @@ token ids and decoded text is the comma-separated ids (TGI-Gaudi's benchmarking 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,36 @@ def _fast_tokenizer_class(path: Path):
     return transformers.PreTrainedTokenizerFast
 
 
+# Text that `clean_up_tokenization` changes (a space before punctuation and contractions): if
+# transformers' decode leaves it as the backend decodes it, its clean-up is off for this tokenizer.
+_CLEAN_UP_PROBE = "a . b , c ! d ? e n't f 'm g 's h 've i 're j"
+
+
+def backend_decode(hf) -> Callable[[list[int], bool], str] | None:
+    """The `tokenizers` library's own decode, where it gives exactly what `hf.decode` gives.
+
+    transformers' decode converts its arguments and calls that same backend decode, at several
+    times the decode's own cost on the router's per-token path; then it may clean up
+    tokenization spaces. A tokenizer class with a decode of its own, or whose decode does clean up,
+    keeps transformers' decode (None).
+    """
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    cls = type(hf)
+    if (getattr(cls, "decode", None) is not PreTrainedTokenizerBase.decode
+            or getattr(cls, "_decode", None) is not PreTrainedTokenizerFast._decode):
+        return None
+    backend = hf.backend_tokenizer
+    if getattr(hf, "clean_up_tokenization_spaces", False):
+        ids = backend.encode(_CLEAN_UP_PROBE, add_special_tokens=False).ids
+        raw = backend.decode(ids, skip_special_tokens=False)
+        # The probe proves the clean-up off only where it would have changed the text.
+        if raw == hf.clean_up_tokenization(raw) or hf.decode(ids) != raw:
+            return None
+    return backend.decode
+
+
 class RouterTokenizer:
     def __init__(self, hf_tokenizer: Any | None, *, skip_tokenizer: bool = False,
                  eos_token_ids: list[int] | None = None, bos_token_id: int | None = None,
@@ -86,6 +117,8 @@ class RouterTokenizer:
         self.special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids if hf_tokenizer else ())
         # Token ids a client may send (a prompt of ids, SKIP_TOKENIZER_IN_TGI): the tokenizer's, else the model's.
         self.vocab_size = len(hf_tokenizer) if hf_tokenizer is not None else vocab_size
+        # Detokenization runs twice per generated token: the backend's decode where it is exact.
+        self._decode = None if hf_tokenizer is None else backend_decode(hf_tokenizer) or hf_tokenizer.decode
 
     @classmethod
     def load(cls, path: str, config: Config) -> RouterTokenizer:
@@ -138,7 +171,7 @@ class RouterTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.skip_tokenizer:
             return ",".join(str(i) for i in ids)
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._decode(ids, skip_special_tokens=skip_special_tokens)
 
     @property
     def chat_template(self) -> str | None:

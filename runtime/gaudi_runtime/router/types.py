@@ -1,7 +1,7 @@
 """Plain data passed between the HTTP layer and the batching engine in the router.
 
 The HTTP layer turns a request body into a `ValidRequest`; the engine streams
-`StreamEvent`s back. Nothing here does I/O.
+`StreamEvent`s back, in lists of those ready together. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -95,8 +95,10 @@ class OverloadedError(Exception):
 class Engine(Protocol):
     """What the HTTP layer calls. The batching engine implements it; tests may fake it."""
 
-    def generate(self, request: ValidRequest) -> AsyncIterator[StreamEvent]:
-        """Yield one StreamEvent per generated token, the last one with `end` set.
+    def generate_batches(self, request: ValidRequest) -> AsyncIterator[list[StreamEvent]]:
+        """Yield one StreamEvent per generated token, in order, the last one with `end` set;
+        each item is a list of the events ready together (the tokens of one decode call), which
+        a stream sends in one write.
 
         Raises OverloadedError before yielding when the server is full, and
         GenerationError if the shards fail. Closing the iterator early (client
