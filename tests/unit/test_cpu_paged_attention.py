@@ -246,3 +246,16 @@ def test_shares_torchs_openmp_runtime(kernel):
     with open("/proc/self/maps") as f:
         runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libomp" in line}
     assert len(runtimes) <= 1, runtimes
+
+
+def test_benchmark_prints_both_paths(kernel):
+    """`python -m gaudi_runtime.bench.decode_attention` (docs/performance.md), on a tiny problem."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "gaudi_runtime.bench.decode_attention", "--batch", "2",
+                          "--context", "40", "--threads", "1", "--layers", "2", "--repeats", "1", "--steps", "1",
+                          "--heads", "4", "--kv-heads", "2", "--head-size", "32"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("1", "2", "40", "gather"), ("1", "2", "40", "paged")]
+    assert all(float(r[4]) > 0 for r in rows)
