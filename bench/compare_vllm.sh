@@ -23,7 +23,7 @@
 #   measure what the engine spends around it. `gaudi-serve loadtest --profile constant`, streaming
 #   /v1/completions, 128 in / 128 out, EOS ignored, OV_REQUESTS (default 192) requests at each of
 #   OV_CONCURRENCY (default "48 64"), a seed per concurrency so no prompt is cached from an earlier
-#   step. OV_ALL_CORES=1 runs ours again with a torch thread per core (OMP_NUM_THREADS=nproc).
+#   step. OV_THREADS=N runs ours again with N torch threads (OMP_NUM_THREADS=N, label ours-threadsN).
 # - base: the `base` model of ../shared/bench/make_bench_model.py (~150M parameters), offline as above
 #   and online at concurrency 16.
 set -euo pipefail
@@ -57,7 +57,7 @@ base_model=${BASE_MODEL:-$cache/model-base}
 overhead_model=${OVERHEAD_MODEL:-$cache/model-overhead}
 ov_concurrency=${OV_CONCURRENCY:-48 64}
 ov_requests=${OV_REQUESTS:-192}
-ov_all_cores=${OV_ALL_CORES:-0}
+ov_threads=${OV_THREADS:-}
 
 [ -x "$ours/gaudi-serve" ] || { echo "run 'make venv' first" >&2; exit 2; }
 [ -d "$peer" ] || { echo "peer scripts not found at $peer (set PEER_BENCH)" >&2; exit 2; }
@@ -221,9 +221,9 @@ for run in $(seq 1 "$runs"); do
     stop_server
     echo "== run $run: engine overhead, gaudi-serve" >&2
     overhead_ours ours
-    if [ "$ov_all_cores" = 1 ]; then
-      echo "== run $run: engine overhead, gaudi-serve with a torch thread per core" >&2
-      OURS_EXTRA_ENV="OMP_NUM_THREADS=$(nproc)" overhead_ours ours-allcores
+    if [ -n "$ov_threads" ]; then
+      echo "== run $run: engine overhead, gaudi-serve with $ov_threads torch threads" >&2
+      OURS_EXTRA_ENV="OMP_NUM_THREADS=$ov_threads" overhead_ours "ours-threads$ov_threads"
     fi
   fi
   if wants offline; then

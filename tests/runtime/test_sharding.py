@@ -409,7 +409,7 @@ def test_cpu_threads_are_split_between_shards():
     from gaudi_runtime.shard.server import cpu_threads
 
     cores = len(os.sched_getaffinity(0))
-    assert cpu_threads(1, {}) == max(1, cores - 1)  # a core is left to the router
-    assert cpu_threads(2, {}) == max(1, (cores - 1) // 2)
+    assert cpu_threads(1, {}) == cores
+    assert cpu_threads(2, {}) == max(1, cores // 2)
     assert cpu_threads(cores * 4, {}) == 1
     assert cpu_threads(2, {"OMP_NUM_THREADS": "3"}) is None

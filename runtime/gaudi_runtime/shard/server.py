@@ -26,11 +26,11 @@ log = logging.getLogger(__name__)
 def cpu_threads(world_size: int, environ=None) -> int | None:
     """Intra-op threads for one of `world_size` shards sharing this machine's cores (None: leave torch's).
 
-    The shards of one pod and its router run on the same CPUs. One core is left to the router (its
-    HTTP streams, tokenizer and gRPC), as vLLM's CPU build keeps one for its frontend: a shard whose
-    threads take every core waits at each OpenMP barrier for a peer the router has descheduled, and
-    shards taking each other's cores wait in their collectives. OMP_NUM_THREADS, when set, is the
-    operator's choice and wins.
+    The shards of one pod run on the same CPUs; each taking every core oversubscribes them (collectives
+    then wait on descheduled peers). The router gets no core of its own: on a quiet machine the forward
+    passes gain more from every core than the router's streams lose (docs/performance.md, "Threads").
+    OMP_NUM_THREADS, when set, is the operator's choice and wins: one fewer than the cores suits a
+    machine where many streams or other processes compete for them.
     """
     environ = os.environ if environ is None else environ
     if environ.get("OMP_NUM_THREADS"):
@@ -39,7 +39,7 @@ def cpu_threads(world_size: int, environ=None) -> int | None:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, (cores - 1) // max(1, world_size))
+    return max(1, cores // max(1, world_size))
 
 
 def plan_recipe_cache(cfg: Config, model_dir: str, rank: int) -> RecipeCache | None:
