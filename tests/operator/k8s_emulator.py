@@ -5,7 +5,9 @@ What it does, as the real API server does it:
 * create, get, list (label selectors =, !=, existence), delete (with finalizers, and a
   resourceVersion precondition), watch streams from a resourceVersion (with bookmarks);
 * garbage collection by ownerReferences: a dependent goes with its last owner; while other
-  owners remain, only the reference to the deleted one is removed;
+  owners remain, only the reference to the deleted one is removed; a dependent written with
+  references to owners that are already gone is collected the same way (a client that read its
+  owner before the owner's deletion may still create it);
 * a merge patch carrying metadata.resourceVersion is refused (409) if the object changed since;
 * pods/log, from text the tests set (`logs`), as a kubelet would serve it (tailLines);
 * a global resourceVersion; metadata.generation bumped on changes outside metadata/status;
@@ -255,6 +257,7 @@ class Emulator:
         self._bump(obj)
         self.objects[key] = obj
         self._emit(res, "ADDED", obj)
+        self._collect_orphan(res, key)
         return obj
 
     def _write(self, res: Res, key: tuple[Res, str, str], new: dict[str, Any], sub: str | None) -> dict[str, Any]:
@@ -289,6 +292,7 @@ class Emulator:
             return new
         self.objects[key] = new
         self._emit(res, "MODIFIED", new)
+        self._collect_orphan(res, key)
         return new
 
     def patch(self, res: Res, ns: str, name: str, patch: Any, content_type: str, sub: str | None = None,
@@ -349,6 +353,16 @@ class Emulator:
                             None)
             else:
                 self.delete(res, ns, name)
+
+    def _collect_orphan(self, res: Res, key: tuple[Res, str, str]) -> None:
+        """Garbage collection of a dependent whose owners (some or all) no longer exist."""
+        refs = self.objects[key]["metadata"].get("ownerReferences") or []
+        if not refs:
+            return
+        uids = {o["metadata"].get("uid") for o in self.objects.values()}
+        for owner in [o for o in refs if o.get("uid") not in uids]:
+            if key in self.objects:
+                self._cascade(owner.get("uid"))
 
     def list(self, res: Res, ns: str | None, selector: str | None = None) -> list[dict[str, Any]]:
         return [copy.deepcopy(o) for (r, n, _), o in sorted(self.objects.items(), key=lambda kv: kv[0][1:])

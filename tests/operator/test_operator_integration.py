@@ -314,8 +314,9 @@ def test_a_prefetched_model_is_downloaded_once_then_served(cluster: tuple[Thread
 
 def test_a_download_refused_by_the_hub_fails_the_service(cluster: tuple[ThreadedEmulator, _Errors]) -> None:
     emu, _ = cluster
-    emu.create(_isvc("refused", model={**CACHED, "revision": "v9"}))
-    job = wait_for(lambda: (j := _download_jobs(emu)) and j[0], what="the download Job")
+    uid = emu.create(_isvc("refused", model={**CACHED, "revision": "v9"}))["metadata"]["uid"]
+    job = wait_for(lambda: next(j for j in _download_jobs(emu) if [o["uid"] for o in j["metadata"]["ownerReferences"]]
+                                == [uid]), what="the download Job")
     pod = f"{job['metadata']['name']}-x1"
     tail = '{"event": "error", "reason": "unauthorized", "message": "the hub refused the request for org/tiny (401)"}'
     _job_pod(emu, job, pod, {"phase": "Failed", "containerStatuses": [
@@ -331,6 +332,24 @@ def test_a_download_refused_by_the_hub_fails_the_service(cluster: tuple[Threaded
     assert "check the HF token Secret 'hf-token'" in warning["message"] and "(401)" in warning["message"]
     emu.delete(*ISVC, NS, "refused")
     assert _download_jobs(emu) == []
+
+
+def test_a_dependent_of_a_deleted_owner_is_collected(cluster: tuple[ThreadedEmulator, _Errors]) -> None:
+    """A pass that read its InferenceService just before the deletion may still create a child (a
+    download Job); as in a real cluster, the garbage collector removes it, and a dangling reference
+    beside a live owner is dropped."""
+    emu, _ = cluster
+    live = emu.create(_isvc("owner"))["metadata"]
+    ref = {"apiVersion": ISVC[0], "kind": ISVC[1], "name": "gone", "uid": "no-such-uid"}
+    emu.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "orphan", "namespace": NS,
+                "ownerReferences": [ref]}, "spec": {"containers": [{"name": "c", "image": "x"}]}})
+    assert emu.get("v1", "Pod", NS, "orphan") is None
+    emu.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "kept", "namespace": NS, "ownerReferences": [
+        ref, {"apiVersion": ISVC[0], "kind": ISVC[1], "name": "owner", "uid": live["uid"]}]},
+        "spec": {"containers": [{"name": "c", "image": "x"}]}})
+    assert [o["uid"] for o in emu.get("v1", "Pod", NS, "kept")["metadata"]["ownerReferences"]] == [live["uid"]]
+    emu.delete(*ISVC, NS, "owner")
+    assert emu.get("v1", "Pod", NS, "kept") is None
 
 
 def test_delete_is_clean(cluster: tuple[ThreadedEmulator, _Errors]) -> None:
