@@ -175,7 +175,7 @@ class Serving(_Model):
     max_batch_total_tokens: int | None = Field(None, ge=1)
     max_concurrent_requests: int = Field(128, ge=1)
     max_waiting_tokens: int = Field(20, ge=0)
-    waiting_served_ratio: float = Field(0.3, ge=0)
+    waiting_served_ratio: float = Field(0.0, ge=0)
     drain_seconds: int = Field(300, ge=DRAIN_MARGIN_SECONDS + 10)
 
     @model_validator(mode="after")

@@ -45,7 +45,8 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--max-batch-prefill-tokens", None, int, None, "Most prompt tokens in one prefill (default: max-input-tokens + 50)."),
     ("--max-batch-total-tokens", None, int, None, "KV-cache budget in tokens (default: sized from the device)."),
     ("--max-waiting-tokens", None, int, 20, "Decode steps before waiting requests are forced into the batch."),
-    ("--waiting-served-ratio", None, float, 0.3, "Waiting/running ratio that allows a prefill to interrupt decoding."),
+    ("--waiting-served-ratio", None, float, 0.0, "Waiting/running ratio that allows a prefill to interrupt decoding (0: a waiting "
+     "request joins at the next step)."),
     ("--decode-steps", None, int, 4, "Most decode steps one call to the shards runs while no request waits, "
      "as many as fit 20 ms at the recent step time; their tokens stream together (1: a call per token, as in TGI)."),
     ("--prefix-caching", None, _bool, True, "Keep the KV blocks of prompts (and of generated text) to reuse for "
@@ -152,7 +153,7 @@ class Config:
     max_batch_prefill_tokens: int = 0
     max_batch_total_tokens: int | None = None
     max_waiting_tokens: int = 20
-    waiting_served_ratio: float = 0.3
+    waiting_served_ratio: float = 0.0
     decode_steps: int = 4
     prefix_caching: bool = True
     max_concurrent_requests: int = 128

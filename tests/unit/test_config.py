@@ -16,7 +16,7 @@ def test_defaults_follow_tgi():
     assert cfg.max_batch_prefill_tokens == 2047 + 50
     assert cfg.max_concurrent_requests == 128
     assert cfg.max_waiting_tokens == 20
-    assert cfg.waiting_served_ratio == 0.3
+    assert cfg.waiting_served_ratio == 0.0
     assert cfg.num_shard == 1 and not cfg.sharded
 
 
