@@ -33,8 +33,8 @@ ENV = {"PAD_SEQUENCE_TO_MULTIPLE_OF": "16", "BATCH_BUCKET_SIZE": "4", "PREFILL_B
        "BASE_IMAGE_TOKENS": "48", "MAX_IMAGE_BYTES": "20000", "IMAGE_FETCH_TIMEOUT_S": "2",
        # Loopback is not fetched from unless allow-listed; `localhost` stays out, to be refused.
        "ALLOWED_MEDIA_DOMAINS": "127.0.0.1",
-       # While a batch runs, waiting prompts are held until it ends (or 20 steps): prompts sent together
-       # share a prefill however slowly the router takes them in.
+       # While a batch runs, waiting prompts are held until it ends (or 20 steps), so prompts sent
+       # together share a prefill even when the router takes them in one by one.
        "WAITING_SERVED_RATIO": "100", "QUEUE_THRESHOLD_MS": "60000"}
 
 
