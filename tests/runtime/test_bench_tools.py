@@ -245,3 +245,13 @@ def test_stream_path_reports_router_cpu_per_token_for_each_api(tiny_model_dir, c
     costs = {k: v for k, v in out.items() if k not in ("unit", "load")}
     assert set(costs) == {"tgi per_call=1", "tgi per_call=3", "openai per_call=1", "openai per_call=3", "detokenizer"}
     assert all(v >= 0 for v in costs.values())
+
+
+def test_context_prefill_benchmark_prints_each_kernel_and_the_whole_prompt(tiny_model_dir):
+    """`python -m gaudi_runtime.bench.context_prefill` (docs/performance.md), on a tiny problem."""
+    out = subprocess.run([sys.executable, "-m", "gaudi_runtime.bench.context_prefill", "--model-id", tiny_model_dir,
+                          "--new", "5", "--cached", "32", "--batch", "2", "--repeats", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [tuple(r[:4]) for r in rows] == [("2", "5", "32", name) for name in ("matmuls", "sdpa", "whole")]
+    assert all(float(r[4]) > 0 for r in rows)

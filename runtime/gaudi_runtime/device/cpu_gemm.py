@@ -33,6 +33,14 @@ def supported() -> bool:
         return False
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (avx512_bf16 or AMX), not by widening to float32."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:
+        return False
+
+
 def _packed_linear(packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

@@ -6,7 +6,9 @@ real tokens never see them). A prefill whose prompts start with cached blocks
 (prefix caching) attends over those blocks, gathered through ``block_tables``
 (the first ``context_lens`` positions of each row), then causally over its own
 new tokens; the gather follows this layer's write, so a row may read blocks
-another row of the same batch has just filled.
+another row of the same batch has just filled. On a CPU with native bfloat16
+that attention runs as two matmuls (`grouped_context_attention`), elsewhere as
+SDPA with a mask.
 
 With a float8 cache, prefill attends to the K/V values the cache holds (rounded
 to float8 and back), as decode and a prefill reading them later do, so that a
@@ -92,6 +94,35 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2)  # [B, Hkv, G, D]
 
 
+# Score elements (batch x query heads x new tokens x keys) up to which a prefill over cached blocks
+# runs as two matmuls: their float32 scores are materialised (128 MiB at the cap). Larger ones take SDPA.
+GROUPED_CONTEXT_MAX_SCORES = 32 * 1024 * 1024
+
+
+def grouped_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
+                              scale: float) -> torch.Tensor | None:
+    """Prefill over cached blocks on CPU: the new tokens against the gathered context and themselves.
+
+    q ``[B, Hq, S, D]``; k/v ``[B, Hkv, L, D]``; attn_mask ``[B, 1, S, L]`` additive. CPU's flash
+    kernel runs a few hundred queries over a long masked key axis at about half the speed of two
+    oneDNN matmuls (docs/performance.md), so each KV group's query heads are stacked along the query
+    axis (K/V are never repeated), scored in one matmul, softmaxed in float32 as transformers' eager
+    attention does, and applied in another. That holds for bfloat16 on a CPU that multiplies it in
+    hardware (`select_attention` checks); in float32 the flash kernel is the faster one. None for
+    other dtypes and when the scores would exceed GROUPED_CONTEXT_MAX_SCORES: the caller then runs
+    SDPA, which never materialises them.
+    """
+    b, hq, s, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    if q.dtype != torch.bfloat16 or b * hq * s * length > GROUPED_CONTEXT_MAX_SCORES:
+        return None
+    g = hq // hkv
+    scores = torch.matmul(q.reshape(b, hkv, g * s, d), k.transpose(-1, -2)).float()  # [B, Hkv, G * S, L]
+    scores = scores.view(b, hkv, g, s, length).mul_(scale).add_(attn_mask.view(b, 1, 1, s, length))
+    probs = scores.softmax(-1).to(v.dtype).view(b, hkv, g * s, length)
+    return torch.matmul(probs, v).view(b, hq, s, d)
+
+
 @dataclass
 class AttentionImpl:
     """The kernels every Attention layer of this process calls (q, k, v, attn_mask, is_causal, scale)."""
@@ -104,6 +135,9 @@ class AttentionImpl:
     # (q, k_cache, v_cache, block_tables, context_lens, scale) -> [B, Hq, D] read from the paged cache in
     # place, or None for tensors it does not take (which then go through the gather and `decode`).
     paged_decode: object | None = None
+    # (q [B, Hq, S, D], k/v [B, Hkv, L, D], additive mask, scale) -> [B, Hq, S, D] for a prefill over
+    # cached blocks, or None for shapes it does not take (which then go through `prefill`).
+    context_prefill: object | None = None
 
 
 IMPL = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
@@ -122,15 +156,18 @@ def select_attention(use_flash: bool, recompute: bool, device: str, cpu_paged: b
 
         impl = AttentionImpl("fused_sdpa", fused_sdpa(recompute), fused_sdpa(False))
     elif device == "cpu":
+        from gaudi_runtime.device.cpu_gemm import native_bf16
         from gaudi_runtime.device.cpu_paged_attention import kernel
 
         paged = kernel() if cpu_paged else None
         name = "sdpa (decode: paged C kernel)" if paged else "sdpa (decode: grouped bmm)"
-        impl = AttentionImpl(name, F.scaled_dot_product_attention, grouped_decode_attention, True, paged)
+        impl = AttentionImpl(name, F.scaled_dot_product_attention, grouped_decode_attention, True, paged,
+                             grouped_context_attention if native_bf16() else None)
     else:
         impl = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
     IMPL.name, IMPL.prefill, IMPL.decode = impl.name, impl.prefill, impl.decode
     IMPL.prefill_gqa, IMPL.paged_decode = impl.prefill_gqa, impl.paged_decode
+    IMPL.context_prefill = impl.context_prefill
     return IMPL
 
 
@@ -258,8 +295,13 @@ class Attention(nn.Module):
             allowed = torch.cat([cached[:, None, :].expand(b, s, length), causal.expand(b, s, s)], dim=-1)
             meta.context_mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
                 allowed.logical_not(), float("-inf"))[:, None]
-        return self._prefill(q, torch.cat([keys.to(k.dtype), k], 1), torch.cat([values.to(v.dtype), v], 1),
-                             meta.context_mask)
+        keys, values = torch.cat([keys.to(k.dtype), k], 1), torch.cat([values.to(v.dtype), v], 1)
+        if IMPL.context_prefill is not None:
+            out = IMPL.context_prefill(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                       meta.context_mask, self.scale)
+            if out is not None:
+                return out.transpose(1, 2)
+        return self._prefill(q, keys, values, meta.context_mask)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
