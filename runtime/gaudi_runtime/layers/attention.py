@@ -95,7 +95,8 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 # Score elements (batch x query heads x new tokens x keys) up to which a prefill over cached blocks
-# runs as two matmuls: their float32 scores are materialised (128 MiB at the cap). Larger ones take SDPA.
+# runs as two matmuls: their scores are materialised (128 MiB in float32 at the cap, about three times
+# that while the softmax runs). Larger ones take SDPA.
 GROUPED_CONTEXT_MAX_SCORES = 32 * 1024 * 1024
 
 
