@@ -1,6 +1,6 @@
 """A prefill over cached blocks on CPU (new tokens against the gathered context, then causally against
-each other) gives SDPA's answer for every grouping, ragged contexts and padded rows, and hands shapes
-too large for it back to SDPA."""
+each other) in bfloat16 gives float32 SDPA's answer within bfloat16's precision for every grouping,
+ragged contexts and padded rows, and hands float32 and shapes too large for it back to SDPA."""
 
 from __future__ import annotations
 
