@@ -13,6 +13,7 @@ from gaudi_runtime.layers import attention
 from gaudi_runtime.layers.attention import (
     Attention,
     AttentionMetadata,
+    context_prefill_mask,
     grouped_context_attention,
     select_attention,
 )
@@ -30,11 +31,7 @@ def context_prefill_case(b: int, hkv: int, g: int, s: int, blocks: int, d: int, 
     v = torch.randn(b, length + s, hkv, d, generator=gen).to(dtype).transpose(1, 2)
     context = torch.randint(1, blocks + 1, (b,), generator=gen) * BLOCK
     context[0] = 0
-    cached = torch.arange(length)[None, :] < context[:, None]
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
-    allowed = torch.cat([cached[:, None, :].expand(b, s, length), causal.expand(b, s, s)], dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(allowed.logical_not(), float("-inf"))[:, None]
-    return q, k, v, mask
+    return q, k, v, context_prefill_mask(context, length, s, dtype)
 
 
 def sdpa(q, k, v, mask, scale):

@@ -94,6 +94,18 @@ def grouped_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2)  # [B, Hkv, G, D]
 
 
+def context_prefill_mask(context_lens: torch.Tensor, length: int, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive ``[B, 1, S, L + S]`` mask of a prefill over cached blocks: each row's first
+    ``context_lens`` gathered positions of ``length``, then its new tokens causally (0 or -inf: CPU SDPA
+    runs a float mask faster than a boolean one)."""
+    b, device = context_lens.shape[0], context_lens.device
+    cached = torch.arange(length, device=device)[None, :] < context_lens[:, None]  # [B, L]
+    causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    allowed = torch.cat([cached[:, None, :].expand(b, s, length), causal.expand(b, s, s)], dim=-1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
+        allowed.logical_not(), float("-inf"))[:, None]
+
+
 # Score elements (batch x query heads x new tokens x keys) up to which a prefill over cached blocks
 # runs as two matmuls: their scores are materialised (128 MiB in float32 at the cap, about three times
 # that while the softmax runs). Larger ones take SDPA.
@@ -191,8 +203,7 @@ class AttentionMetadata:
     # decode: which gathered positions each row attends to, [B, 1, 1, L]; the first layer builds it
     # and the others reuse it (one forward pass, one metadata object).
     decode_mask: torch.Tensor | None = None
-    # prefill with cached blocks: [B, 1, S, L + S] (gathered context, then the new tokens), additive
-    # (0 or -inf: CPU SDPA runs a float mask faster than a boolean one), built once
+    # prefill with cached blocks: `context_prefill_mask`, built by the first layer, reused by the others
     context_mask: torch.Tensor | None = None
 
 
@@ -291,11 +302,7 @@ class Attention(nn.Module):
         if k_cache.dtype in FP8_KV_DTYPES:
             keys, values = keys.to(q.dtype) * self.k_scale, values.to(q.dtype) * self.v_scale
         if meta.context_mask is None:
-            cached = torch.arange(length, device=q.device)[None, :] < meta.context_lens[:, None]  # [B, L]
-            causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            allowed = torch.cat([cached[:, None, :].expand(b, s, length), causal.expand(b, s, s)], dim=-1)
-            meta.context_mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(
-                allowed.logical_not(), float("-inf"))[:, None]
+            meta.context_mask = context_prefill_mask(meta.context_lens, length, s, q.dtype)
         keys, values = torch.cat([keys.to(k.dtype), k], 1), torch.cat([values.to(v.dtype), v], 1)
         if IMPL.context_prefill is not None:
             out = IMPL.context_prefill(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
