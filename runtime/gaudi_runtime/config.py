@@ -128,6 +128,10 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
     ("CPU_PAGED_ATTENTION", _bool, True, "CPU: decode attention reads the paged KV cache in place with a C kernel, "
      "compiled at start with the system compiler (CC, else cc) into $XDG_CACHE_HOME/gaudi-serve/kernels; "
      "false, or no compiler, or a float8 KV cache: each step gathers the blocks into a copy first."),
+    ("CPU_GEMV", _bool, True, "CPU: a product of one activation row (batch-1 decode) runs through a C "
+     "matrix-vector kernel over the plain weights, compiled as CPU_PAGED_ATTENTION's is; each linear layer "
+     "keeps its plain weight for it beside oneDNN's reordered copy, twice the linear weights' memory. false, "
+     "or no compiler: oneDNN for every product."),
     ("RECIPE_CACHE_SIZE_MB", int, 16384, "Gaudi: most megabytes of recipes each shard keeps under "
      "--recipe-cache-dir (Habana drops the oldest beyond it)."),
     ("QUANT_CONFIG", str, None, "INC FP8 JSON (QUANTIZE mode, allowlist/blocklist, dump_stats_path); implies "
@@ -216,6 +220,7 @@ class Config:
     use_flash_attention: bool = True
     flash_attention_recompute: bool = False
     cpu_paged_attention: bool = True
+    cpu_gemv: bool = True
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -1,11 +1,12 @@
-"""bf16 linear layers over oneDNN-reordered weights give the same logits as F.linear."""
+"""Linear layers on a CPU: over oneDNN-reordered weights and, for one row, through the C kernel, they give
+F.linear's logits (the same bits in bf16; float32 rounding apart in float32)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gaudi_runtime.device import cpu_gemm
+from gaudi_runtime.device import cpu_gemm, cpu_gemv
 from gaudi_runtime.layers.attention import AttentionMetadata
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 from gaudi_runtime.models.registry import load_model
@@ -20,15 +21,28 @@ def model_dir(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def prompt_logits(model) -> torch.Tensor:
-    kv = allocate_kv_cache(model.num_layers, 4, 16, model.num_kv_heads, model.head_dim, torch.bfloat16,
+def prompt_logits(model, rows: int = 2) -> torch.Tensor:
+    """Logits of `rows` prompts of 12 tokens; with one row of one token (`rows=0`), every product is one row."""
+    length = 12 if rows else 1
+    rows = rows or 1
+    kv = allocate_kv_cache(model.num_layers, 4, 16, model.num_kv_heads, model.head_dim, model.dtype,
                            torch.device("cpu"))
-    ids = torch.arange(3, 27).view(2, 12)
-    pos = torch.arange(12).expand(2, 12)
-    slots = torch.cat([torch.arange(16, 28), torch.arange(32, 44)]).view(2, 12)
+    ids = torch.arange(3, 3 + rows * length).view(rows, length)
+    pos = torch.arange(length).expand(rows, length)
+    slots = (torch.arange(length) + 16 * torch.arange(1, rows + 1).view(rows, 1))
     with torch.inference_mode():
         hidden = model(ids, pos, kv, AttentionMetadata(is_prefill=True, slots=slots))
         return model.compute_logits(hidden)
+
+
+def counted_gemv(monkeypatch) -> list[tuple[int, int]]:
+    """The (out, in) of every product the C kernel runs from here on."""
+    calls = []
+    k = cpu_gemv.kernel()
+    assert k is not None, "the one-row kernel did not build here: is there a C compiler (cc or $CC)?"
+    real = type(k).__call__
+    monkeypatch.setattr(type(k), "__call__", lambda self, x, w, b: calls.append(tuple(w.shape)) or real(self, x, w, b))
+    return calls
 
 
 def test_reordered_weights_give_the_same_logits_and_free_the_originals(model_dir):
@@ -37,7 +51,7 @@ def test_reordered_weights_give_the_same_logits_and_free_the_originals(model_dir
     head_shared = model.lm_head.weight.data_ptr() in {p.data_ptr() for n, p in model.named_parameters()
                                                        if not n.startswith("lm_head")}
 
-    assert cpu_gemm.prepack_linears(model) > 0
+    assert cpu_gemm.prepack_linears(model, one_row=False) > 0
     after = prompt_logits(model)
 
     torch.testing.assert_close(after, before, rtol=0, atol=0)
@@ -47,13 +61,52 @@ def test_reordered_weights_give_the_same_logits_and_free_the_originals(model_dir
     assert (model.lm_head.weight.numel() > 0) == head_shared
 
 
-def test_float32_and_fp8_layers_keep_their_own_kernels(tmp_path):
-    model_dir = make_tiny_model(tmp_path / "llama", "llama")
+def test_float32_layers_are_reordered_too(model_dir):
+    """F.linear's float32 path is MKL's sgemm; oneDNN over reordered weights gives the same logits but
+    for the order of float32 sums."""
     model = load_model(str(model_dir), torch.float32, torch.device("cpu"))
-    assert cpu_gemm.prepack_linears(model) == 0
+    before = prompt_logits(model)
+    assert cpu_gemm.prepack_linears(model, one_row=False) > 0
+    torch.testing.assert_close(prompt_logits(model), before, rtol=1e-5, atol=1e-5)
 
+
+def test_fp8_layers_keep_their_own_kernels(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "llama", "llama")
     model = load_model(str(model_dir), torch.bfloat16, torch.device("cpu"))
     down = model.model.layers[0].mlp.down_proj
     to_fp8(down, torch.bfloat16)
     cpu_gemm.prepack_linears(model)
     assert is_fp8(down) and down.kernel is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_row_products_run_through_the_c_kernel_with_the_same_logits(model_dir, dtype, monkeypatch):
+    """Batch-1 decode (one row) goes through the C kernel over the kept plain weights; a batch of rows
+    still goes through oneDNN, as it does without the kernel."""
+    model = load_model(str(model_dir), dtype, torch.device("cpu"))
+    one_before = prompt_logits(model, rows=0)
+    layers = [m for m in model.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2
+              and hasattr(m, "kernel")]
+
+    cpu_gemm.prepack_linears(model, release=False, one_row=False)
+    many_onednn = prompt_logits(model)
+    cpu_gemm.prepack_linears(model)
+    calls = counted_gemv(monkeypatch)
+    many_after = prompt_logits(model)
+    assert calls == []
+    torch.testing.assert_close(many_after, many_onednn, rtol=0, atol=0)
+    one_after = prompt_logits(model, rows=0)
+
+    assert len(calls) == len(layers), "a layer's one-row product did not go through the kernel"
+    assert all(m.weight.numel() > 0 for m in layers)  # the kernel reads the plain weights
+    if dtype == torch.bfloat16:  # float32 sums in another order: the bf16 roundings of the logits agree here
+        torch.testing.assert_close(one_after, one_before, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(one_after, one_before, rtol=1e-5, atol=1e-5)
+
+
+def test_switched_off_every_product_stays_on_onednn(model_dir, monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "kernel", lambda: pytest.fail("built although switched off"))
+    model = load_model(str(model_dir), torch.float32, torch.device("cpu"))
+    assert cpu_gemm.prepack_linears(model, one_row=False) > 0
+    assert all(m.kernel.func is cpu_gemm._packed_linear for m in model.modules() if getattr(m, "kernel", None))

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 import torch
 
-from gaudi_runtime.device import cpu_paged_attention
+from gaudi_runtime.device import cpu_kernels, cpu_paged_attention
 from gaudi_runtime.layers import attention
 from gaudi_runtime.layers.attention import (
     Attention,
@@ -218,8 +218,8 @@ def test_compiled_once_into_the_cache_and_reused(no_kernel_yet, monkeypatch, tmp
     assert first.parent == tmp_path / "gaudi-serve" / "kernels" and first.suffix == ".so"
     assert [p.name for p in first.parent.iterdir()] == [first.name]
     compiles = []
-    real_run = cpu_paged_attention._run
-    monkeypatch.setattr(cpu_paged_attention, "_run", lambda cmd: compiles.append(cmd) or real_run(cmd))
+    real_run = cpu_kernels._run
+    monkeypatch.setattr(cpu_kernels, "_run", lambda cmd: compiles.append(cmd) or real_run(cmd))
     assert cpu_paged_attention.build() == first
     assert all("--version" in cmd for cmd in compiles)  # asked its version for the key, compiled nothing
     assert cpu_paged_attention.load().path == first

@@ -5,7 +5,8 @@
 No router, no gRPC: the shard's own step function over a KV cache filled with noise, so the
 numbers are the model's forward pass and nothing else (docs/performance.md). Variants (decode
 attention: ``paged`` reads the cache in place with the C kernel, ``sdpa`` and ``grouped`` run over
-the gathered blocks; linear layers over oneDNN-reordered weights, or ``plain`` F.linear) are
+the gathered blocks; linear layers as the CPU backend sets them up, one-row products through the C
+kernel, or ``no-gemv`` without it, or ``plain`` F.linear for every product) are
 interleaved, repetition by repetition, so that a noisy machine hurts them alike; the minimum
 and the median of the repetitions are printed. ``--profile`` adds torch.profiler's top
 operators for each batch size with the kernels the CPU backend selects.
@@ -29,9 +30,13 @@ from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 from gaudi_runtime.models.registry import load_model
 
 BLOCK = 16
-# name: (decode attention over the gathered blocks, read the cache in place, linear layers over reordered weights)
-VARIANTS = {"paged": (grouped_decode_attention, True, True), "sdpa": (F.scaled_dot_product_attention, False, True),
-            "grouped": (grouped_decode_attention, False, True), "plain": (grouped_decode_attention, False, False)}
+# name: (decode attention over the gathered blocks, read the cache in place, linear layers' kernels:
+# "gemv" as the CPU backend sets them up, "no-gemv" without the one-row kernel, "torch" F.linear)
+VARIANTS = {"paged": (grouped_decode_attention, True, "gemv"),
+            "no-gemv": (grouped_decode_attention, True, "no-gemv"),
+            "sdpa": (F.scaled_dot_product_attention, False, "gemv"),
+            "grouped": (grouped_decode_attention, False, "gemv"),
+            "plain": (grouped_decode_attention, False, "torch")}
 
 
 def step_inputs(batch: int, context: int, vocab: int):
@@ -41,6 +46,21 @@ def step_inputs(batch: int, context: int, vocab: int):
     ctx = torch.full((batch,), context)
     slots = tables[:, (context - 1) // BLOCK] * BLOCK + (context - 1) % BLOCK
     return torch.randint(0, vocab, (batch,)), ctx - 1, slots, tables, ctx
+
+
+def linear_kernels(model):
+    """A function that sets every linear layer's kernels as a VARIANTS entry names them."""
+    layers = [m for m in model.modules() if hasattr(m, "kernel")]
+    prepack_linears(model, release=False, one_row=False)
+    kernels = {"no-gemv": [m.kernel for m in layers]}
+    prepack_linears(model, release=False)
+    kernels["gemv"] = [m.kernel for m in layers]
+    kernels["torch"] = [None for _ in layers]
+
+    def use_linears(name: str) -> None:
+        for m, kernel in zip(layers, kernels[name]):
+            m.kernel = kernel
+    return use_linears
 
 
 def main() -> None:
@@ -59,12 +79,7 @@ def main() -> None:
     if not args.default_allocator:
         tune_host_allocator()
     model = load_model(args.model_id, getattr(torch, args.dtype), torch.device("cpu"))
-    prepack_linears(model, release=False)
-    packed = {m: m.kernel for m in model.modules() if getattr(m, "kernel", None) is not None}
-
-    def use_packed(on: bool) -> None:
-        for m, kernel in packed.items():
-            m.kernel = kernel if on else None
+    use_linears = linear_kernels(model)
     blocks = 1 + max(args.batch) * ceil_div(args.context, BLOCK)
     kv = allocate_kv_cache(model.num_layers, blocks, BLOCK, model.num_kv_heads, model.head_dim,
                            getattr(torch, args.dtype), torch.device("cpu"))
@@ -85,9 +100,9 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in args.variants}
             for _ in range(args.repeats):
                 for name in args.variants:
-                    kernel, in_place, on = VARIANTS[name]
+                    kernel, in_place, linears = VARIANTS[name]
                     attention.IMPL.decode, attention.IMPL.paged_decode = kernel, paged if in_place else None
-                    use_packed(on)
+                    use_linears(linears)
                     step(*inputs)
                     start = time.perf_counter()
                     for _ in range(args.steps):
@@ -98,7 +113,7 @@ def main() -> None:
             if args.profile:
                 impl = attention.select_attention(True, False, "cpu")
                 attention.IMPL.decode, attention.IMPL.paged_decode = impl.decode, impl.paged_decode
-                use_packed(True)
+                use_linears("gemv")
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     for _ in range(args.steps):
                         step(*inputs)

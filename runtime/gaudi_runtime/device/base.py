@@ -29,8 +29,9 @@ class Backend:
         """(free, total) bytes of device memory, or None when unknown."""
         return None
 
-    def prepare_model(self, model: torch.nn.Module) -> None:
-        """Adapt the loaded (and quantized) model to the device's kernels; nothing by default."""
+    def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
+        """Adapt the loaded (and quantized) model to the device's kernels (as the Config `cfg` asks);
+        nothing by default."""
 
     def graphed(self, fn: Callable[..., torch.Tensor], name: str) -> Callable[..., torch.Tensor]:
         """`fn` over tensors, run through a device graph captured once per input shape where the

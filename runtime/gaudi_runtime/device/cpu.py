@@ -26,5 +26,5 @@ class CpuBackend(Backend):
         except (ValueError, OSError):
             return None
 
-    def prepare_model(self, model: torch.nn.Module) -> None:
-        prepack_linears(model)
+    def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
+        prepack_linears(model, one_row=cfg is None or cfg.cpu_gemv)

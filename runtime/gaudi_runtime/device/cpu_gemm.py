@@ -1,10 +1,17 @@
-"""bf16 linear layers on a CPU over weights reordered once for oneDNN.
+"""Linear layers on a CPU: weights reordered once for oneDNN, one-row products through a C kernel.
 
 ``F.linear`` in bf16 hands the plain ``[out, in]`` weight to oneDNN, which
 reorders it into its blocked layout on every call: at decode batch sizes that
 reorder is a third of the matmul's time (docs/performance.md). Reordering once
 after loading, as vLLM's CPU build does, leaves oneDNN only the product; the
-results are the same bits as ``F.linear``'s.
+results are the same bits as ``F.linear``'s. In float32 ``F.linear`` goes to
+MKL's sgemm instead, which oneDNN over reordered weights outruns at every row
+count measured (same sums in another order: float32 rounding apart).
+
+A product of a single row (batch-1 decode) is bound by reading the weights, and
+oneDNN reads them far below the memory's speed; ``cpu_gemv`` streams the plain
+weight instead, which a layer then keeps beside the reordered copy
+(CPU_GEMV=false gives that memory back).
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ from collections import Counter
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
+from gaudi_runtime.device import cpu_gemv
 from gaudi_runtime.layers.embedding import ParallelLMHead
 from gaudi_runtime.layers.linear import LinearBase
 
@@ -26,9 +35,15 @@ log = logging.getLogger(__name__)
 ROWS_HINT = 16
 
 
-def supported() -> bool:
+PACKED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def supported(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether oneDNN here multiplies `dtype` (one of PACKED_DTYPES) over reordered weights."""
     try:
-        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        if not torch.backends.mkldnn.is_available():
+            return False
+        return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):
         return False
 
@@ -45,29 +60,57 @@ def _packed_linear(packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _plain_bf16(m: nn.Module) -> bool:
-    # An FP8 layer holds ``qweight`` and derives ``weight``; it keeps its own kernel.
+def _plain_linear(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _plain(m: nn.Module, dtype: torch.dtype) -> bool:
+    # An FP8 layer holds ``qweight`` and derives ``weight``; it keeps its own kernel. A released weight
+    # (0 rows) was reordered already.
     w = m._parameters.get("weight")
-    return w is not None and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
+    return w is not None and w.dtype == dtype and w.device.type == "cpu" and w.dim() == 2 and w.numel() > 0
 
 
-def prepack_linears(model: nn.Module, release: bool = True) -> int:
-    """Give every bf16 linear layer and LM head a reordered weight; returns how many got one.
+def _one_row_or(many, gemv: cpu_gemv.GemvKernel, weight: torch.Tensor):
+    """A layer kernel: one row through `gemv` over the plain `weight`, more rows through `many`."""
+    def kernel(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.numel() == x.shape[-1]:
+            return gemv(x, weight, bias)
+        return many(x, bias)
+    return kernel
 
-    With ``release``, a layer's own weight is dropped (a 0-row tensor, so that a stray ``F.linear``
-    on it fails loudly) unless another module shares it: a tied LM head keeps the embedding's table.
+
+def _linears(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead)) and _plain(m, dtype)]
+
+
+def prepack_linears(model: nn.Module, release: bool = True, one_row: bool = True) -> int:
+    """Give every bf16 and float32 linear layer and LM head a reordered weight; returns how many got one.
+
+    With `one_row` (and the C kernel built here), a product of one row runs through ``cpu_gemv`` over the
+    plain weight, which the layer then keeps. Otherwise, with ``release``, a layer's own weight is dropped
+    (a 0-row tensor, so that a stray ``F.linear`` on it fails loudly) unless another module shares it: a
+    tied LM head keeps the embedding's table.
     """
-    if not supported():
-        return 0
-    layers = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead)) and _plain_bf16(m)]
+    gemv = cpu_gemv.kernel() if one_row else None
+    layers = [m for dtype in PACKED_DTYPES if supported(dtype) for m in _linears(model, dtype)]
     owners = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
     for m in layers:
         w = m.weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT)
         m.register_buffer("packed_weight", packed, persistent=False)  # counted where the model's memory is
         m.kernel = functools.partial(_packed_linear, packed)
-        if release and owners[w.data_ptr()] == 1:
+        if gemv is not None and cpu_gemv.takes(w, m._parameters.get("bias")):
+            m.kernel = _one_row_or(m.kernel, gemv, w)
+        elif release and owners[w.data_ptr()] == 1:
             m.weight = nn.Parameter(w.new_empty(0, w.shape[1]), requires_grad=False)
+    others = [m for dtype in PACKED_DTYPES if not supported(dtype) for m in _linears(model, dtype)
+              if gemv is not None and cpu_gemv.takes(m.weight, m._parameters.get("bias"))]
+    for m in others:
+        w = m.weight.detach()
+        m.kernel = _one_row_or(functools.partial(_plain_linear, w), gemv, w)
     if layers:
-        log.info("cpu: %d bf16 linear layers use weights reordered for oneDNN", len(layers))
+        log.info("cpu: %d linear layers use weights reordered for oneDNN", len(layers))
+    if gemv is not None:
+        log.info("cpu: one-row products of %d linear layers run through the C kernel", len(layers) + len(others))
     return len(layers)

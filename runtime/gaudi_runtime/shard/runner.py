@@ -115,7 +115,7 @@ class ModelRunner:
         m = self.model
         self.rank, self.world_size = rank, world_size
         self.weight_bytes = weight_bytes(m)
-        backend.prepare_model(m)
+        backend.prepare_model(m, cfg)
         per_block = kv_bytes_per_block(m.num_layers, cfg.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype)
         free = backend.memory_info()
         self.num_blocks = size_kv_cache(cfg, per_block, free[0] if free else None)

@@ -1,0 +1,135 @@
+/* One activation row times a weight matrix on a CPU: y = x W^T (+ bias), with W [out, in] as loaded.
+
+   Decode at batch 1 multiplies one row by every weight matrix of the model, a product bound by how
+   fast the weights stream from memory. oneDNN (over its reordered weights) and torch's float32 path
+   run it well below the memory's speed (docs/performance.md); this reads each weight row once, in
+   order, one row per thread at a time, which the hardware prefetcher follows. Plain C with GCC/Clang
+   vector types (no intrinsics, no -ffast-math); cpu_gemv.py builds and calls it.
+
+   Layouts (contiguous): x [in], w [out, in], bias [out] or NULL, y [out]; all float32 or all bfloat16.
+   Arithmetic is float32. Each output is summed by one thread in one fixed order, so the result does
+   not depend on the thread count. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
+
+/* One AVX-512 register of floats, else 8 lanes (one AVX2 register; two SSE or NEON ones). */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+/* Values of a row taken per step: two vectors (a cache line of bfloat16 with AVX-512). */
+enum { STEP = 2 * LANES };
+/* Rows up to this many values are done by one thread: splitting them costs more than it saves. */
+enum { MIN_VALUES_PER_THREAD = 1 << 15 };
+
+typedef float f32xL __attribute__((vector_size(LANES * 4)));
+typedef uint32_t u32xL __attribute__((vector_size(LANES * 4)));
+
+/* A step of a row as two vectors. bfloat16 is widened by shifting bits: the even-indexed values go to
+   the first vector and the odd-indexed ones to the second. x is widened once into the same order. */
+ALWAYS_INLINE void load_step(const void *row, int64_t i, const int bf16, f32xL *a, f32xL *b) {
+    if (bf16) {
+        u32xL pairs;
+        memcpy(&pairs, (const uint16_t *)row + i, sizeof pairs);
+        *a = (f32xL)(pairs << 16);
+        *b = (f32xL)(pairs & 0xffff0000u);
+    } else {
+        memcpy(a, (const float *)row + i, sizeof *a);
+        memcpy(b, (const float *)row + i + LANES, sizeof *b);
+    }
+}
+
+ALWAYS_INLINE float load_one(const void *p, int64_t i, const int bf16) {
+    if (bf16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+/* float32 -> bfloat16 bits, rounded to nearest even as torch rounds. */
+ALWAYS_INLINE uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* The lanes of v summed pairwise, in a fixed order. */
+ALWAYS_INLINE float sum_lanes(f32xL v) {
+    float lanes[LANES];
+    memcpy(lanes, &v, sizeof lanes);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    return lanes[0];
+}
+
+/* One output: the row's dot product with x (xs: x widened, in step order), plus bias. Two accumulators
+   so that consecutive steps do not wait on each other's sums. */
+ALWAYS_INLINE void one_row(void *y, const float *xs, const void *x, const void *w, const void *bias, int64_t in,
+                           int64_t o, const int bf16) {
+    const int64_t steps = in / STEP;
+    const void *row = (const char *)w + (size_t)o * (size_t)in * (bf16 ? 2 : 4);
+    f32xL even = (f32xL){0}, odd = (f32xL){0};
+    int64_t s = 0;
+    for (; s + 1 < steps; s += 2) {
+        f32xL xa, xb, xc, xd, wa, wb, wc, wd;
+        memcpy(&xa, xs + s * STEP, sizeof xa);
+        memcpy(&xb, xs + s * STEP + LANES, sizeof xb);
+        memcpy(&xc, xs + (s + 1) * STEP, sizeof xc);
+        memcpy(&xd, xs + (s + 1) * STEP + LANES, sizeof xd);
+        load_step(row, s * STEP, bf16, &wa, &wb);
+        load_step(row, (s + 1) * STEP, bf16, &wc, &wd);
+        even += xa * wa + xb * wb;
+        odd += xc * wc + xd * wd;
+    }
+    if (s < steps) {
+        f32xL xa, xb, wa, wb;
+        memcpy(&xa, xs + s * STEP, sizeof xa);
+        memcpy(&xb, xs + s * STEP + LANES, sizeof xb);
+        load_step(row, s * STEP, bf16, &wa, &wb);
+        even += xa * wa + xb * wb;
+    }
+    float v = sum_lanes(even + odd);
+    for (int64_t i = steps * STEP; i < in; i++) v += load_one(x, i, bf16) * load_one(row, i, bf16);
+    if (bias) v += load_one(bias, o, bf16);
+    if (bf16)
+        ((uint16_t *)y)[o] = to_bf16(v);
+    else
+        ((float *)y)[o] = v;
+}
+
+/* Returns 0, or -2 when there is no memory for the widened copy of x. */
+int gemv(void *y, const void *x, const void *w, const void *bias, int64_t in, int64_t out, int dtype, int threads) {
+    const int bf16 = dtype == DTYPE_BFLOAT16;
+    const int64_t steps = in / STEP;
+    float *xs = malloc((size_t)(steps > 0 ? steps : 1) * STEP * sizeof(float));
+    if (!xs) return -2;
+    for (int64_t s = 0; s < steps; s++) {
+        f32xL a, b;
+        load_step(x, s * STEP, bf16, &a, &b);
+        memcpy(xs + s * STEP, &a, sizeof a);
+        memcpy(xs + s * STEP + LANES, &b, sizeof b);
+    }
+    const int64_t most = (in * out) / MIN_VALUES_PER_THREAD;
+    if (threads > most) threads = most > 1 ? (int)most : 1;
+    /* Two copies of the loop, so that each is compiled for its dtype. */
+    if (bf16) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t o = 0; o < out; o++) one_row(y, xs, x, w, bias, in, o, 1);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t o = 0; o < out; o++) one_row(y, xs, x, w, bias, in, o, 0);
+    }
+    free(xs);
+    return 0;
+}
