@@ -6,7 +6,8 @@ No router, no gRPC: the shard's own step function over a KV cache filled with no
 numbers are the model's forward pass and nothing else (docs/performance.md). Variants (decode
 attention: ``paged`` reads the cache in place with the C kernel, ``sdpa`` and ``grouped`` run over
 the gathered blocks; linear layers as the CPU backend sets them up, one-row products through the C
-kernel, or ``no-gemv`` without it, or ``plain`` F.linear for every product) are
+kernel, or ``no-gemv`` without it, or ``torch-linear`` F.linear for every product; ``plain``: the gather
+and F.linear) are
 interleaved, repetition by repetition, so that a noisy machine hurts them alike; the minimum
 and the median of the repetitions are printed. ``--profile`` adds torch.profiler's top
 operators for each batch size with the kernels the CPU backend selects.
@@ -34,6 +35,7 @@ BLOCK = 16
 # "gemv" as the CPU backend sets them up, "no-gemv" without the one-row kernel, "torch" F.linear)
 VARIANTS = {"paged": (grouped_decode_attention, True, "gemv"),
             "no-gemv": (grouped_decode_attention, True, "no-gemv"),
+            "torch-linear": (grouped_decode_attention, True, "torch"),
             "sdpa": (F.scaled_dot_product_attention, False, "gemv"),
             "grouped": (grouped_decode_attention, False, "gemv"),
             "plain": (grouped_decode_attention, False, "torch")}
@@ -93,7 +95,7 @@ def main() -> None:
                                  context_lens=context_lens)
         return model.compute_logits(model(input_ids[:, None], positions[:, None], kv, meta)[:, -1])
 
-    print(f"{'batch':>5} {'kernel':<8} {'min ms':>8} {'median ms':>9}  (context {args.context}, {args.dtype})")
+    print(f"{'batch':>5} {'kernel':<12} {'min ms':>8} {'median ms':>9}  (context {args.context}, {args.dtype})")
     with torch.inference_mode():
         for batch in args.batch:
             inputs = step_inputs(batch, args.context, vocab)
@@ -109,7 +111,7 @@ def main() -> None:
                         step(*inputs)
                     times[name].append((time.perf_counter() - start) / args.steps * 1e3)
             for name, ts in times.items():
-                print(f"{batch:>5} {name:<8} {min(ts):>8.2f} {statistics.median(ts):>9.2f}")
+                print(f"{batch:>5} {name:<12} {min(ts):>8.2f} {statistics.median(ts):>9.2f}")
             if args.profile:
                 impl = attention.select_attention(True, False, "cpu")
                 attention.IMPL.decode, attention.IMPL.paged_decode = impl.decode, impl.paged_decode
