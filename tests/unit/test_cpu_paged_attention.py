@@ -225,6 +225,15 @@ def test_compiled_once_into_the_cache_and_reused(no_kernel_yet, monkeypatch, tmp
     assert cpu_paged_attention.load().path == first
 
 
+def test_flags_in_cc_give_a_library_of_their_own(no_kernel_yet, monkeypatch, tmp_path):
+    """CC="cc -mno-avx512f" (a build for older CPUs) is not served the library built without those flags."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    plain = cpu_paged_attention.build()
+    monkeypatch.setenv("CC", "cc -DGAUDI_SERVE_TEST_FLAG=1")
+    flagged = cpu_paged_attention.build()
+    assert flagged != plain and flagged.exists() and plain.exists()
+
+
 def test_a_read_only_cache_falls_back_to_a_private_temporary_directory(no_kernel_yet, monkeypatch, tmp_path):
     """A read-only home (a hardened pod): the library goes to a directory of this user's own under $TMPDIR."""
     blocked = tmp_path / "not-a-directory"
