@@ -110,3 +110,12 @@ def test_switched_off_every_product_stays_on_onednn(model_dir, monkeypatch):
     model = load_model(str(model_dir), torch.float32, torch.device("cpu"))
     assert cpu_gemm.prepack_linears(model, one_row=False) > 0
     assert all(m.kernel.func is cpu_gemm._packed_linear for m in model.modules() if getattr(m, "kernel", None))
+
+
+def test_a_row_of_another_dtype_is_refused_not_misread(model_dir):
+    """A float32 row into a bf16 layer fails as it does without the C kernel, not read as bf16 bits."""
+    model = load_model(str(model_dir), torch.bfloat16, torch.device("cpu"))
+    cpu_gemm.prepack_linears(model)
+    head = model.lm_head
+    with pytest.raises(RuntimeError):
+        head.kernel(torch.randn(1, head.weight.shape[1]), None)

@@ -72,9 +72,10 @@ def _plain(m: nn.Module, dtype: torch.dtype) -> bool:
 
 
 def _one_row_or(many, gemv: cpu_gemv.GemvKernel, weight: torch.Tensor):
-    """A layer kernel: one row through `gemv` over the plain `weight`, more rows through `many`."""
+    """A layer kernel: one row through `gemv` over the plain `weight`, more rows (or an activation of
+    another dtype, which `many` then refuses as F.linear would) through `many`."""
     def kernel(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.numel() == x.shape[-1]:
+        if x.numel() == x.shape[-1] and x.dtype == weight.dtype:
             return gemv(x, weight, bias)
         return many(x, bias)
     return kernel
