@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from gaudi_runtime.device import cpu_kernels
-from gaudi_runtime.device.cpu_kernels import KernelUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -63,20 +62,10 @@ def takes(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def load(environ=None) -> GemvKernel:
     """Build (or find) and load the kernel; raises KernelUnavailable saying why not."""
-    path = build(environ)
-    try:
-        return GemvKernel(path)
-    except (OSError, AttributeError) as e:
-        raise KernelUnavailable(f"cannot load {path}: {e}") from None
+    return cpu_kernels.load(SOURCE, "gemv", GemvKernel, environ)
 
 
 @functools.lru_cache(maxsize=1)
 def kernel() -> GemvKernel | None:
     """The kernel for this process, or None (warned once) when it cannot be had here."""
-    try:
-        k = load()
-    except KernelUnavailable as e:
-        log.warning("cpu: no one-row product kernel (%s); batch-1 decode multiplies as larger batches do", e)
-        return None
-    log.info("cpu: one-row product kernel %s", k.path)
-    return k
+    return cpu_kernels.load_or_warn(load, "one-row product", "batch-1 decode multiplies as larger batches do", log)

@@ -12,12 +12,17 @@ so that shards and tests compiling at once never load a half-written file. Calle
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shlex
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+K = TypeVar("K")
 
 # No -ffast-math: the kernels order their sums themselves (docs/performance.md has the flags measured).
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11")
@@ -125,3 +130,25 @@ def build(source: Path, name: str, environ=None) -> Path:
             if os.path.exists(leftover):
                 os.unlink(leftover)
     return target
+
+
+def load(source: Path, name: str, wrap: Callable[[Path], K], environ=None) -> K:
+    """Build (or find) the library and wrap it (``wrap(path)`` opens it with ctypes); raises
+    KernelUnavailable saying why not."""
+    path = build(source, name, environ)
+    try:
+        return wrap(path)
+    except (OSError, AttributeError) as e:
+        raise KernelUnavailable(f"cannot load {path}: {e}") from None
+
+
+def load_or_warn(load_kernel: Callable[[], K], what: str, instead: str, log: logging.Logger) -> K | None:
+    """``load_kernel()``, or None after a warning that names `what` kernel is missing and what runs
+    `instead`."""
+    try:
+        k = load_kernel()
+    except KernelUnavailable as e:
+        log.warning("cpu: no %s kernel (%s); %s", what, e, instead)
+        return None
+    log.info("cpu: %s kernel %s", what, k.path)
+    return k

@@ -74,20 +74,10 @@ class PagedDecodeKernel:
 
 def load(environ=None) -> PagedDecodeKernel:
     """Build (or find) and load the kernel; raises KernelUnavailable saying why not."""
-    path = build(environ)
-    try:
-        return PagedDecodeKernel(path)
-    except (OSError, AttributeError) as e:
-        raise KernelUnavailable(f"cannot load {path}: {e}") from None
+    return cpu_kernels.load(SOURCE, "paged_attention", PagedDecodeKernel, environ)
 
 
 @functools.lru_cache(maxsize=1)
 def kernel() -> PagedDecodeKernel | None:
     """The kernel for this process, or None (warned once) when it cannot be had here."""
-    try:
-        k = load()
-    except KernelUnavailable as e:
-        log.warning("cpu: no paged decode attention kernel (%s); decode gathers the KV blocks instead", e)
-        return None
-    log.info("cpu: paged decode attention kernel %s", k.path)
-    return k
+    return cpu_kernels.load_or_warn(load, "paged decode attention", "decode gathers the KV blocks instead", log)
