@@ -96,6 +96,7 @@ def prepack_linears(model: nn.Module, release: bool = True, one_row: bool = True
     gemv = cpu_gemv.kernel() if one_row else None
     layers = [m for dtype in PACKED_DTYPES if supported(dtype) for m in _linears(model, dtype)]
     owners = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
+    one_row_layers = 0
     for m in layers:
         w = m.weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT)
@@ -103,6 +104,7 @@ def prepack_linears(model: nn.Module, release: bool = True, one_row: bool = True
         m.kernel = functools.partial(_packed_linear, packed)
         if gemv is not None and cpu_gemv.takes(w, m._parameters.get("bias")):
             m.kernel = _one_row_or(m.kernel, gemv, w)
+            one_row_layers += 1
         elif release and owners[w.data_ptr()] == 1:
             m.weight = nn.Parameter(w.new_empty(0, w.shape[1]), requires_grad=False)
     others = [m for dtype in PACKED_DTYPES if not supported(dtype) for m in _linears(model, dtype)
@@ -113,5 +115,5 @@ def prepack_linears(model: nn.Module, release: bool = True, one_row: bool = True
     if layers:
         log.info("cpu: %d linear layers use weights reordered for oneDNN", len(layers))
     if gemv is not None:
-        log.info("cpu: one-row products of %d linear layers run through the C kernel", len(layers) + len(others))
+        log.info("cpu: one-row products of %d linear layers run through the C kernel", one_row_layers + len(others))
     return len(layers)
