@@ -253,5 +253,5 @@ def test_context_prefill_benchmark_prints_each_kernel_and_the_whole_prompt(tiny_
                           "--new", "5", "--cached", "32", "--batch", "2", "--repeats", "1", "--threads", "1"],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     rows = [line.split() for line in out.splitlines()[1:]]
-    assert [tuple(r[:4]) for r in rows] == [("2", "5", "32", name) for name in ("matmuls", "sdpa", "whole")]
+    assert [tuple(r[:4]) for r in rows] == [("2", "5", "32", name) for name in ("matmuls", "sdpa", "whole", "whole-flash")]
     assert all(float(r[4]) > 0 for r in rows)

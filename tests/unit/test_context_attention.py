@@ -13,6 +13,7 @@ from gaudi_runtime.layers import attention
 from gaudi_runtime.layers.attention import (
     Attention,
     AttentionMetadata,
+    chunked_causal_attention,
     context_prefill_mask,
     grouped_context_attention,
     select_attention,
@@ -99,12 +100,13 @@ def test_a_layer_reading_cached_blocks_answers_as_sdpa_does(monkeypatch, cap):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_selected_for_cpu_with_native_bf16_only(monkeypatch, native):
+def test_the_matmul_prefills_are_selected_for_cpu_with_native_bf16_only(monkeypatch, native):
     monkeypatch.setattr(cpu_gemm, "native_bf16", lambda: native)
     try:
-        expected = grouped_context_attention if native else None
-        assert select_attention(True, False, "cpu").context_prefill is expected
-        assert select_attention(True, False, "cuda").context_prefill is None
-        assert select_attention(False, False, "cpu").context_prefill is None
+        expected = (grouped_context_attention, chunked_causal_attention) if native else (None, None)
+        for device, flash in (("cpu", True), ("cuda", True), ("cpu", False)):
+            impl = select_attention(flash, False, device)
+            chosen = (impl.context_prefill, impl.causal_prefill)
+            assert chosen == (expected if (device, flash) == ("cpu", True) else (None, None))
     finally:
         select_attention(True, False, "cuda")

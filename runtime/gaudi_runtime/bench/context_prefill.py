@@ -6,9 +6,10 @@ computed whole.
 No router, no gRPC: the model's forward pass over a KV cache filled with noise. ``matmuls`` runs the
 context attention as the CPU shard does on a CPU with native bfloat16 (`grouped_context_attention`),
 ``sdpa`` as torch's flash kernel; ``whole`` is a plain prefill of all ``cached + new`` tokens, what
-the same prompt costs without the prefix cache. Variants are interleaved, repetition by repetition,
-so that a noisy machine hurts them alike; the minimum and the median are printed
-(docs/performance.md).
+the same prompt costs without the prefix cache, its causal attention run as the CPU shard runs it in
+bfloat16 (`chunked_causal_attention`), and ``whole-flash`` the same through torch's flash kernel.
+Variants are interleaved, repetition by repetition, so that a noisy machine hurts them alike; the
+minimum and the median are printed (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from gaudi_runtime.buckets import ceil_div
 from gaudi_runtime.device.cpu_gemm import prepack_linears
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers import attention
-from gaudi_runtime.layers.attention import AttentionMetadata, grouped_context_attention
+from gaudi_runtime.layers.attention import AttentionMetadata, chunked_causal_attention, grouped_context_attention
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 from gaudi_runtime.models.registry import load_model
 
@@ -74,12 +75,14 @@ def main() -> None:
         meta = AttentionMetadata(is_prefill=True, slots=slots, block_tables=context, context_lens=context_lens)
         return model.compute_logits(model(ids, pos, kv, meta)[:, -1])
 
-    def computed_whole():
+    def computed_whole(kernel):
+        attention.IMPL.causal_prefill = kernel
         meta = AttentionMetadata(is_prefill=True, slots=whole[2])
         return model.compute_logits(model(whole[0], whole[1], kv, meta)[:, -1])
 
     variants = {"matmuls": lambda: over_cache(grouped_context_attention), "sdpa": lambda: over_cache(None),
-                "whole": computed_whole}
+                "whole": lambda: computed_whole(chunked_causal_attention),
+                "whole-flash": lambda: computed_whole(None)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.inference_mode():
         for _ in range(args.repeats):
@@ -88,9 +91,9 @@ def main() -> None:
                 start = time.perf_counter()
                 run()
                 times[name].append((time.perf_counter() - start) * 1e3)
-    print(f"{'batch':>5} {'new':>5} {'cached':>6} {'kernel':<8} {'min ms':>8} {'median ms':>9}  ({args.dtype})")
+    print(f"{'batch':>5} {'new':>5} {'cached':>6} {'kernel':<11} {'min ms':>8} {'median ms':>9}  ({args.dtype})")
     for name, ts in times.items():
-        print(f"{args.batch:>5} {args.new:>5} {args.cached:>6} {name:<8} {min(ts):>8.2f} {statistics.median(ts):>9.2f}")
+        print(f"{args.batch:>5} {args.new:>5} {args.cached:>6} {name:<11} {min(ts):>8.2f} {statistics.median(ts):>9.2f}")
 
 
 if __name__ == "__main__":

@@ -136,6 +136,48 @@ def grouped_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(probs, v).view(b, hq, s, d)
 
 
+# Queries per chunk of a causal prefill run as matmuls: each chunk's scores ([B, Hq, chunk, keys] in
+# bfloat16) stay in the last-level cache between the two matmuls and the softmax, and the keys past the
+# chunk's last query are never scored (docs/performance.md, "A causal prefill in chunks").
+CAUSAL_CHUNK = 128
+
+
+@lru_cache(maxsize=4)
+def _causal_block(c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive ``[c, c]`` mask of a chunk's queries over its own keys: 0 on and below the diagonal."""
+    upper = torch.ones(c, c, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(c, c, dtype=dtype, device=device).masked_fill_(upper, float("-inf"))
+
+
+def chunked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """A causal prefill on CPU as two matmuls per chunk of CAUSAL_CHUNK queries.
+
+    q ``[B, Hq, S, D]``; k/v ``[B, Hkv, S, D]`` (views, not repeated per query head). A chunk's queries
+    score every key up to its last one; the chunk's own keys get the causal mask. As transformers' eager
+    attention, scores are bfloat16 products scaled, the softmax runs in float32 and is rounded to
+    bfloat16, and the values' matmul accumulates in float32. CPU's flash kernel takes about half as
+    long again here: its bfloat16 products go through MKL, which on some CPUs widens them to float32
+    sgemm, where oneDNN's matmuls multiply bfloat16 in hardware (`select_attention` checks). None for
+    other dtypes: the caller runs SDPA.
+    """
+    if q.dtype != torch.bfloat16:
+        return None
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    out = q.new_empty(b, hkv, g, s, d)
+    grouped = q.view(b, hkv, g, s, d)
+    for start in range(0, s, CAUSAL_CHUNK):
+        end = min(s, start + CAUSAL_CHUNK)
+        c = end - start
+        scores = torch.matmul(grouped[:, :, :, start:end].reshape(b, hkv, g * c, d), k[:, :, :end].transpose(-1, -2))
+        scores = scores.view(b, hkv, g, c, end).mul_(scale)
+        scores[..., start:].add_(_causal_block(c, scores.dtype, scores.device))
+        probs = torch.softmax(scores, -1).view(b, hkv, g * c, end)
+        out[:, :, :, start:end] = torch.matmul(probs, v[:, :, :end]).view(b, hkv, g, c, d)
+    return out.view(b, hq, s, d)
+
+
 @dataclass
 class AttentionImpl:
     """The kernels every Attention layer of this process calls (q, k, v, attn_mask, is_causal, scale)."""
@@ -151,6 +193,9 @@ class AttentionImpl:
     # (q [B, Hq, S, D], k/v [B, Hkv, L, D], additive mask, scale) -> [B, Hq, S, D] for a prefill over
     # cached blocks, or None for shapes it does not take (which then go through `prefill`).
     context_prefill: object | None = None
+    # (q [B, Hq, S, D], k/v [B, Hkv, S, D], scale) -> [B, Hq, S, D] for a causal prefill (no cached
+    # blocks), or None for tensors it does not take (which then go through `prefill`).
+    causal_prefill: object | None = None
 
 
 IMPL = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
@@ -174,13 +219,15 @@ def select_attention(use_flash: bool, recompute: bool, device: str, cpu_paged: b
 
         paged = kernel() if cpu_paged else None
         name = "sdpa (decode: paged C kernel)" if paged else "sdpa (decode: grouped bmm)"
+        matmuls = native_bf16()
         impl = AttentionImpl(name, F.scaled_dot_product_attention, grouped_decode_attention, True, paged,
-                             grouped_context_attention if native_bf16() else None)
+                             grouped_context_attention if matmuls else None,
+                             chunked_causal_attention if matmuls else None)
     else:
         impl = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
     IMPL.name, IMPL.prefill, IMPL.decode = impl.name, impl.prefill, impl.decode
     IMPL.prefill_gqa, IMPL.paged_decode = impl.prefill_gqa, impl.paged_decode
-    IMPL.context_prefill = impl.context_prefill
+    IMPL.context_prefill, IMPL.causal_prefill = impl.context_prefill, impl.causal_prefill
     return IMPL
 
 
@@ -278,6 +325,10 @@ class Attention(nn.Module):
                  attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """q ``[B, S, Hq, D]`` over k/v ``[B, L, Hkv, D]``: causal (L == S) unless a mask is given."""
         b, length = k.shape[:2]
+        if attn_mask is None and IMPL.causal_prefill is not None:
+            out = IMPL.causal_prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.scale)
+            if out is not None:
+                return out.transpose(1, 2)
         if self.group > 1 and attn_mask is not None and IMPL.prefill_gqa:  # the long keys of a cached prefix
             out = IMPL.prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
                                scale=self.scale, enable_gqa=True)
