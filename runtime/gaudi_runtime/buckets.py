@@ -10,6 +10,11 @@ logarithmic for long contexts at the cost of more padding.
 A prefill whose prompts start with cached blocks (prefix caching) has a third
 dimension, the cached blocks its new tokens attend to; those buckets always grow
 exponentially, so that they multiply the prefill shapes by a few only.
+
+Where decode attends over the blocks in use laid out flat (HPU,
+`layers/flat_paged_attention.py`), a decode step's second dimension is the
+batch's total blocks instead of its widest row; those buckets also grow
+exponentially, up to what the rows bucket can hold.
 """
 
 from __future__ import annotations
@@ -112,6 +117,27 @@ def decode_buckets(cfg: Config) -> list[tuple[int, int]]:
     batches = bucket_values(cfg.batch_bucket_size, decode_batch_cap(cfg), exp)
     widths = bucket_values(block_step(cfg), decode_block_cap(cfg), exp)
     return [(b, w) for b in batches for w in widths]
+
+
+def decode_total_blocks_cap(rows: int, cfg: Config) -> int:
+    """Most blocks `rows` rows of a flat decode step can use: each at most a whole sequence's."""
+    return rows * decode_block_cap(cfg)
+
+
+def decode_total_blocks_bucket(total: int, rows: int, cfg: Config) -> int:
+    """Padded block count of a flat decode step on the rows bucket `rows` whose rows use `total` blocks."""
+    return bucket(total, block_step(cfg), decode_total_blocks_cap(rows, cfg), exponential=True)
+
+
+def decode_flat_buckets(cfg: Config) -> list[tuple[int, int]]:
+    """Every (batch, total blocks) shape a flat decode step may run on. A rows bucket holds more rows than
+    the one below it, each using a block at least, so totals below that never occur and are left out."""
+    shapes, fewest = [], 1
+    for rows in bucket_values(cfg.batch_bucket_size, decode_batch_cap(cfg), cfg.exponential_bucketing):
+        totals = bucket_values(block_step(cfg), decode_total_blocks_cap(rows, cfg), exponential=True)
+        shapes += [(rows, total) for total in totals if total >= fewest]
+        fewest = rows + 1
+    return shapes
 
 
 def context_block_cap(cfg: Config) -> int:

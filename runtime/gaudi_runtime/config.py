@@ -122,8 +122,8 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
     ("PROF_PATH", str, "/tmp/hpu_profile", "Profiler: directory the Chrome-trace files are written to."),
     ("PROF_RANKS", str, "0", "Profiler: comma-separated shard ranks that record a trace."),
     ("PROF_RECORD_SHAPES", _bool, False, "Profiler: record operator input shapes."),
-    ("USE_FLASH_ATTENTION", _bool, True, "Fused attention (FusedSDPA on HPU, torch SDPA elsewhere); false: explicit "
-     "softmax(QK^T)V."),
+    ("USE_FLASH_ATTENTION", _bool, True, "Fused attention (FusedSDPA on HPU, whose decode attends over the blocks "
+     "in use laid out flat; torch SDPA elsewhere); false: explicit softmax(QK^T)V over gathered blocks."),
     ("FLASH_ATTENTION_RECOMPUTE", _bool, False, "FusedSDPA recompute mode for the first token (HPU; saves memory)."),
     ("CPU_PAGED_ATTENTION", _bool, True, "CPU: decode attention reads the paged KV cache in place with a C kernel, "
      "compiled at start with the system compiler (CC, else cc) into $XDG_CACHE_HOME/gaudi-serve/kernels; "

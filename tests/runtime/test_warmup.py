@@ -71,7 +71,7 @@ def test_hpu_graphs_capture_each_bucket_once_and_only_replay_while_serving(fake_
     runner = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
     progress = list(runner.warmup())
     total = sum(len(shapes) for shapes in (buckets.prefill_buckets(cfg), buckets.prefill_context_buckets(cfg),
-                                           buckets.decode_buckets(cfg)))
+                                           buckets.decode_flat_buckets(cfg)))  # HPU decodes over flat blocks
     assert progress[-1] == (total, total, "done")
     captured = fake_hpu["captures"]
     assert len(captured) == total == len(set(captured))  # one capture per bucket
@@ -101,7 +101,7 @@ def test_limit_hpu_graph_keeps_prefill_out_of_graphs(fake_hpu, model_dir):
     runner = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
     list(runner.warmup())
     assert {k[0] for k in fake_hpu["captures"]} == {"decode"}
-    assert len(fake_hpu["captures"]) == len(buckets.decode_buckets(cfg))
+    assert len(fake_hpu["captures"]) == len(buckets.decode_flat_buckets(cfg))
 
 
 def test_graphs_off_means_no_wrapping(fake_hpu, model_dir):
@@ -275,7 +275,7 @@ def test_multi_turn_traffic_with_prefix_caching_runs_only_warmed_graphs(fake_hpu
     traffic = conversation_traffic(random.Random(11), conversations=6, turns=4, max_input=cfg.max_input_tokens)
     info = asyncio.run(serve_in_process(runner, cfg, model_dir, str(tmp_path / "shard"), traffic))
     warmed = len(buckets.prefill_buckets(cfg)) + len(buckets.prefill_context_buckets(cfg)) + len(
-        buckets.decode_buckets(cfg))
+        buckets.decode_flat_buckets(cfg))
     assert len(fake_hpu["captures"]) == warmed  # serving captured (compiled) nothing
     assert {k[0] for k in fake_hpu["replays"]} == {"prefill", "prefill_context", "decode"}
     assert info["unwarmed_shapes"] == 0 and runner.unwarmed_shapes == 0

@@ -40,6 +40,28 @@ def test_every_reachable_shape_is_in_the_bucket_set():
             assert (buckets.decode_batch_bucket(n, c), buckets.decode_block_bucket(ctx, c)) in dec
 
 
+@pytest.mark.parametrize("exponential", ["false", "true"])
+def test_every_reachable_flat_decode_shape_is_in_the_bucket_set(exponential):
+    """A flat decode step of n rows uses n to n * blocks_per_sequence blocks in all: every such total, on
+    every rows bucket, lands on a warmed (rows, total blocks) shape that holds it."""
+    c = cfg(EXPONENTIAL_BUCKETING=exponential)
+    flat = buckets.decode_flat_buckets(c)
+    assert len(flat) == len(set(flat))
+    per_row, reached = buckets.blocks_per_sequence(c), set()
+    for n in range(1, c.max_batch_size + 1):
+        rows = buckets.decode_batch_bucket(n, c)
+        for used in range(n, n * per_row + 1):
+            total = buckets.decode_total_blocks_bucket(used, rows, c)
+            assert total >= used and (rows, total) in flat
+            reached.add((rows, total))
+    assert reached == set(flat)  # and none is warmed in vain here
+    # totals grow exponentially: a few shapes per rows bucket, none below what its rows use
+    for rows in {r for r, _ in flat}:
+        totals = sorted(t for r, t in flat if r == rows)
+        assert len(totals) <= 2 + (rows * buckets.decode_block_cap(c)).bit_length()
+        assert totals[-1] == rows * buckets.decode_block_cap(c)
+
+
 def test_scheduler_respects_batch_size_prefill_budget_and_blocks():
     c = cfg()
     w = [Waiting(input_len=60, max_new_tokens=20)] * 20

@@ -143,7 +143,7 @@ def test_hpu_uses_fused_sdpa_with_recompute_for_the_first_token(fake_hpu, restor
                                  context_lens=torch.tensor([6]))
         return first, layer(q, k, v, cache, meta)
 
-    assert select_attention(True, recompute, "hpu").name == "fused_sdpa"
+    assert select_attention(True, recompute, "hpu").name == "fused_sdpa (decode: flat paged)"
     fused = run_layer()
     assert fake_hpu["fused_sdpa"] == [{"is_causal": True, "recompute": recompute, "softmax_mode": "None"},
                                       {"is_causal": False, "recompute": False, "softmax_mode": "None"}]

@@ -15,6 +15,9 @@ class Backend:
     # Whether forward passes must run on the bucket shapes (graphs, or HPU lazy mode that compiles per
     # shape). Where they need not, padding is wasted work: the runner runs the batch's own shape.
     pads_to_buckets = False
+    # Whether decode attention takes the batch's used blocks laid out flat (`layers/flat_paged_attention.py`)
+    # rather than a block table padded to the widest row; the runner then buckets decode by total blocks.
+    flat_decode = False
 
     def __init__(self, torch_device: torch.device):
         self.torch_device = torch_device

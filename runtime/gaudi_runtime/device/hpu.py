@@ -95,6 +95,20 @@ def fused_sdpa(recompute: bool):
     return attend
 
 
+def block_softmax_adjustment():
+    """Habana's fused rescale of flat paged attention's per-block softmaxes
+    (``torch.ops.hpu.block_softmax_adjustment(block_max, block_sums, block_groups, batch_size)``, see
+    `layers/flat_paged_attention.py`), or None where the installed bridge lacks it: decode then
+    computes the same with plain ops."""
+    import habana_frameworks.torch.core  # noqa: F401  (loading the bridge registers torch.ops.hpu)
+
+    try:
+        return torch.ops.hpu.block_softmax_adjustment
+    except (AttributeError, RuntimeError):
+        log.info("this Habana bridge has no block_softmax_adjustment op: decode rescales its blocks with plain ops")
+        return None
+
+
 class _Step(torch.nn.Module):
     """A step function as a module, the unit `wrap_in_hpu_graph` caches graphs for."""
 
@@ -111,6 +125,7 @@ class HpuBackend(Backend):
     name = "hpu"
     distributed_backend = "hccl"
     pads_to_buckets = True  # lazy mode compiles a graph per shape even without HPU graphs
+    flat_decode = True  # as vLLM on Gaudi: no row pays for the widest one
 
     def __init__(self, world_size: int = 1, graphs: bool = True, torch_device: torch.device | None = None):
         if world_size > 1:

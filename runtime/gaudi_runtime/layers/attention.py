@@ -18,20 +18,26 @@ Decode (``S == 1``): the new K/V are written, then each sequence attends over
 its first ``context_lens`` cached positions. On a CPU with a bfloat16 or
 float32 cache, a C kernel reads them in place through ``block_tables``
 (``device/cpu_paged_attention.py``): no copy, no mask, no work past a row's own
-length. Elsewhere (other devices, a float8 cache, no C compiler) the blocks are
-gathered through ``block_tables`` into a contiguous copy with positions
-``>= context_lens`` masked; grouped-query attention then folds the query heads
-of one KV group into the query-length axis, so K/V are never repeated.
+length. On HPU, the runner lays out the blocks each row uses flat
+(``block_list``, ``block_groups``, ``block_bias``) and decode attends block by
+block (`flat_paged_attention.py`), so no row pays for the batch's widest one.
+Elsewhere (other devices, a float8 cache on CPU, no C compiler, the math
+fallback) the blocks are gathered through ``block_tables`` into a contiguous
+copy with positions ``>= context_lens`` masked; grouped-query attention then
+folds the query heads of one KV group into the query-length axis, so K/V are
+never repeated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from gaudi_runtime.layers.flat_paged_attention import flat_paged_decode
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)  # --kv-cache-dtype fp8_e4m3fn
 
@@ -196,6 +202,10 @@ class AttentionImpl:
     # (q [B, Hq, S, D], k/v [B, Hkv, S, D], scale) -> [B, Hq, S, D] for a causal prefill (no cached
     # blocks), or None for tensors it does not take (which then go through `prefill`).
     causal_prefill: object | None = None
+    # (q [B, Hq, D], k_cache, v_cache, block_list, block_groups, block_bias, scale) -> [B, Hq, D] over the
+    # flat layout of `flat_paged_attention`: decode steps whose metadata carries it (the runner builds it
+    # where this is set and the backend asks for it).
+    flat_decode: object | None = None
 
 
 IMPL = AttentionImpl("sdpa", F.scaled_dot_product_attention, F.scaled_dot_product_attention, True)
@@ -206,13 +216,17 @@ def select_attention(use_flash: bool, recompute: bool, device: str, cpu_paged: b
     first token), torch SDPA elsewhere; or the explicit math. On CPU, decode reads the paged cache in place
     with the C kernel (CPU_PAGED_ATTENTION, `cpu_paged`; compiled here, so a missing compiler is found and
     warned about at start), else over the gathered blocks with `grouped_decode_attention`, which is faster
-    there than SDPA for that shape. Set once per shard process, before the model runs."""
+    there than SDPA for that shape. On HPU, decode attends over the flat layout of the blocks in use
+    (`flat_paged_decode`, with Habana's fused softmax rescale where the bridge has it). Set once per shard
+    process, before the model runs."""
     if not use_flash:
         impl = AttentionImpl("math", math_attention, math_attention)
     elif device == "hpu":
-        from gaudi_runtime.device.hpu import fused_sdpa
+        from gaudi_runtime.device.hpu import block_softmax_adjustment, fused_sdpa
 
-        impl = AttentionImpl("fused_sdpa", fused_sdpa(recompute), fused_sdpa(False))
+        flat = partial(flat_paged_decode, adjust=block_softmax_adjustment())
+        impl = AttentionImpl("fused_sdpa (decode: flat paged)", fused_sdpa(recompute), fused_sdpa(False),
+                             flat_decode=flat)
     elif device == "cpu":
         from gaudi_runtime.device.cpu_gemm import native_bf16
         from gaudi_runtime.device.cpu_paged_attention import kernel
@@ -228,6 +242,7 @@ def select_attention(use_flash: bool, recompute: bool, device: str, cpu_paged: b
     IMPL.name, IMPL.prefill, IMPL.decode = impl.name, impl.prefill, impl.decode
     IMPL.prefill_gqa, IMPL.paged_decode = impl.prefill_gqa, impl.paged_decode
     IMPL.context_prefill, IMPL.causal_prefill = impl.context_prefill, impl.causal_prefill
+    IMPL.flat_decode = impl.flat_decode
     return IMPL
 
 
@@ -252,6 +267,11 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None
     # prefill with cached blocks: `context_prefill_mask`, built by the first layer, reused by the others
     context_mask: torch.Tensor | None = None
+    # decode over the flat layout (`flat_paged_attention.flat_layout`), in place of block_tables and
+    # context_lens: the blocks in use [T], each one's row [T] (padding: the row count), its bias [T, bs]
+    block_list: torch.LongTensor | None = None
+    block_groups: torch.LongTensor | None = None
+    block_bias: torch.Tensor | None = None
 
 
 def fp8_round_trip(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -365,11 +385,28 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         b = q.shape[0]
+        if meta.block_list is not None:
+            return self._flat_decode(q, k_cache, v_cache, meta)
         if IMPL.paged_decode is not None and k_cache.dtype not in FP8_KV_DTYPES:
             out = IMPL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
             if out is not None:
                 return out.view(b, 1, self.num_heads, self.head_dim)
         return self._gathered_decode(q, k_cache, v_cache, meta)
+
+    def _flat_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """Decode block by block over the flat layout of the blocks in use."""
+        if IMPL.flat_decode is None:
+            raise ValueError(f"attention {IMPL.name!r} does not decode over a flat block layout")
+        b = q.shape[0]
+        fp8 = k_cache.dtype in FP8_KV_DTYPES
+        # A float8 cache holds k / k_scale and v / v_scale: k_scale scales the scores, v_scale the output.
+        scale = self.scale * self.k_scale if fp8 else self.scale
+        out = IMPL.flat_decode(q.reshape(b, self.num_heads, self.head_dim), k_cache, v_cache, meta.block_list,
+                               meta.block_groups, meta.block_bias, scale)
+        if fp8:
+            out = out * self.v_scale
+        return out.view(b, 1, self.num_heads, self.head_dim)
 
     def _gathered_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata) -> torch.Tensor:

@@ -19,6 +19,7 @@ class ShardBatch:
     id: int
     request_ids: list[int]
     block_tables: torch.Tensor  # [B, W] every reserved block of each request, 0-padded
+    block_tables_host: np.ndarray  # the same, on the host, to lay out flat decode steps without a sync
     seq_lens: torch.Tensor  # [B] tokens in the KV cache (device)
     seq_lens_host: np.ndarray  # [B] the same, on the host, to pick buckets without a sync
     last_ids: torch.Tensor  # [B] the token the next decode step feeds
@@ -40,6 +41,7 @@ class ShardBatch:
             id=self.id,
             request_ids=list(request_ids),
             block_tables=self.block_tables[idx],
+            block_tables_host=self.block_tables_host[keep],
             seq_lens=self.seq_lens[idx],
             seq_lens_host=self.seq_lens_host[keep],
             last_ids=self.last_ids[idx],
@@ -52,10 +54,13 @@ class ShardBatch:
             return batches[0]
         width = max(b.block_tables.shape[1] for b in batches)
         tables = [torch.nn.functional.pad(b.block_tables, (0, width - b.block_tables.shape[1])) for b in batches]
+        host_tables = [np.pad(b.block_tables_host, ((0, 0), (0, width - b.block_tables_host.shape[1])))
+                       for b in batches]
         return ShardBatch(
             id=batches[0].id,
             request_ids=[r for b in batches for r in b.request_ids],
             block_tables=torch.cat(tables),
+            block_tables_host=np.concatenate(host_tables),
             seq_lens=torch.cat([b.seq_lens for b in batches]),
             seq_lens_host=np.concatenate([b.seq_lens_host for b in batches]),
             last_ids=torch.cat([b.last_ids for b in batches]),

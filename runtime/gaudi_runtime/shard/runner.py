@@ -20,6 +20,7 @@ from gaudi_runtime import buckets
 from gaudi_runtime.config import Config
 from gaudi_runtime.device.base import Backend
 from gaudi_runtime.layers.attention import AttentionMetadata, attention_in_use, select_attention
+from gaudi_runtime.layers.flat_paged_attention import flat_layout
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from gaudi_runtime.models import load_model
 from gaudi_runtime.params import SamplingParameters
@@ -111,6 +112,8 @@ class ModelRunner:
         self.model = quantize_loaded(self.model, cfg, backend.name, self.dtype, rank, world_size)
         self.kv_dtype = kv_cache_dtype(cfg, self.dtype)
         self.attention_name = attention_in_use(attention, self.kv_dtype)
+        # Decode over the flat layout of the blocks in use (HPU, unless the math fallback keeps the gather).
+        self.flat_decode = backend.flat_decode and attention.flat_decode is not None
         log.info("attention: %s (FLASH_ATTENTION_RECOMPUTE=%s)", self.attention_name, cfg.flash_attention_recompute)
         m = self.model
         self.rank, self.world_size = rank, world_size
@@ -140,7 +143,8 @@ class ModelRunner:
         self.warmed: set[tuple] | None = None  # (kind, *shape) of every shape warmup ran; None until it ran
         self.unwarmed_shapes = 0  # forward passes on a shape warmup did not run
         self._unwarmed_seen: set[tuple] = set()
-        self._decode_fn = backend.graphed(self._decode_step, "decode")
+        decode_step = self._flat_decode_step if self.flat_decode else self._decode_step
+        self._decode_fn = backend.graphed(decode_step, "decode")
         self._prefill_fn = self._prefill_step if cfg.limit_hpu_graph else backend.graphed(self._prefill_step,
                                                                                           "prefill")
         self._prefill_context_fn = self._prefill_context_step if cfg.limit_hpu_graph else backend.graphed(
@@ -186,6 +190,13 @@ class ModelRunner:
         hidden = self.model(input_ids[:, None], positions[:, None], self.kv_cache, meta)
         return self.model.compute_logits(hidden[:, -1])
 
+    def _flat_decode_step(self, input_ids, positions, slots, block_list, block_groups, block_bias):
+        """A decode step whose attention reads the blocks in use, laid out flat (`flat_layout`)."""
+        meta = AttentionMetadata(is_prefill=False, slots=slots[:, None], block_list=block_list,
+                                 block_groups=block_groups, block_bias=block_bias)
+        hidden = self.model(input_ids[:, None], positions[:, None], self.kv_cache, meta)
+        return self.model.compute_logits(hidden[:, -1])
+
     def _note_shape(self, kind: str, *shape: int) -> None:
         if self.warmed is None or (kind, *shape) in self.warmed:
             return
@@ -227,6 +238,7 @@ class ModelRunner:
             id=batch_id,
             request_ids=[r.id for r in reqs],
             block_tables=torch.from_numpy(tables).to(dev),
+            block_tables_host=tables,
             seq_lens=torch.from_numpy(lens).to(dev),
             seq_lens_host=lens,
             last_ids=out.next_ids[:n],
@@ -368,9 +380,26 @@ class ModelRunner:
                 raise ValueError(f"no cached batch {batch_id}")
             parts.append(b.filter(request_ids))
         batch = ShardBatch.concat(parts)
+        rows = buckets.decode_batch_bucket(len(batch), self.cfg)
+        inputs = (self._flat_decode_inputs if self.flat_decode else self._decode_inputs)(batch, rows)
+        rows = inputs[0].shape[0]
+        t0 = time.perf_counter_ns()
+        logits = self._decode_fn(*inputs)
+        self.backend.mark_step()
+        out = self._sample(batch.sampler, logits, rows)
+        batch.last_ids = out.next_ids[:len(batch)]
+        if self.profiler is not None:
+            self.profiler.step()
+        batch.seq_lens = batch.seq_lens + 1
+        batch.seq_lens_host = batch.seq_lens_host + 1
+        self.batches[batch.id] = batch
+        return batch.id, StepResult(list(batch.request_ids), out, {}, time.perf_counter_ns() - t0)
+
+    def _decode_inputs(self, batch: ShardBatch, rows: int) -> tuple:
+        """A decode step's inputs on `rows` rows: ids, positions, slots, the block tables padded to the
+        bucket of the longest row, context lengths."""
         cfg, bs, dev = self.cfg, self.cfg.block_size, self.device
         n = len(batch)
-        rows = buckets.decode_batch_bucket(n, cfg)
         longest = int(batch.seq_lens_host.max()) + 1
         width = buckets.decode_block_bucket(longest, cfg)
         self._note_shape("decode", rows, width)
@@ -392,17 +421,25 @@ class ModelRunner:
             tables = torch.cat([tables, torch.zeros(pad, width, dtype=torch.long, device=dev)])
         else:
             input_ids = batch.last_ids
-        t0 = time.perf_counter_ns()
-        logits = self._decode_fn(input_ids, positions, slots, tables, positions + 1)
-        self.backend.mark_step()
-        out = self._sample(batch.sampler, logits, rows)
-        batch.last_ids = out.next_ids[:n]
-        if self.profiler is not None:
-            self.profiler.step()
-        batch.seq_lens = batch.seq_lens + 1
-        batch.seq_lens_host = batch.seq_lens_host + 1
-        self.batches[batch.id] = batch
-        return batch.id, StepResult(list(batch.request_ids), out, {}, time.perf_counter_ns() - t0)
+        return input_ids, positions, slots, tables, positions + 1
+
+    def _flat_decode_inputs(self, batch: ShardBatch, rows: int) -> tuple:
+        """A flat decode step's inputs on `rows` rows: ids, positions and slots, then the flat layout of the
+        blocks the rows use (`flat_layout`), padded to the bucket of their total, built on the host."""
+        bs, n = self.cfg.block_size, len(batch)
+        pos = batch.seq_lens_host
+        used = int((pos // bs + 1).sum())  # blocks holding each row's pos + 1 tokens
+        total = buckets.decode_total_blocks_bucket(used, rows, self.cfg)
+        self._note_shape("decode", rows, total)
+        if not self.backend.pads_to_buckets:  # eager device: no padded rows or blocks
+            rows, total = n, used
+        tables = batch.block_tables_host
+        positions, slots = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        positions[:n] = pos
+        slots[:n] = tables[np.arange(n), pos // bs] * bs + pos % bs
+        layout = flat_layout(tables, pos + 1, bs, rows, total)
+        input_ids = batch.last_ids if rows == n else torch.cat([batch.last_ids, self._zeros(rows - n)])
+        return input_ids, *(torch.from_numpy(a).to(self.device) for a in (positions, slots, *layout))
 
     # ---- warmup --------------------------------------------------------
 
@@ -417,9 +454,10 @@ class ModelRunner:
             self.warmup_summary = {"enabled": False}
             yield 0, 0, "done"
             return
+        warm_decode = self._warm_flat_decode if self.flat_decode else self._warm_decode
         phases = [("prefill", buckets.prefill_buckets(cfg), self._warm_prefill),
                   ("prefill_context", buckets.prefill_context_buckets(cfg), self._warm_prefill_context),
-                  ("decode", buckets.decode_buckets(cfg), self._warm_decode)]
+                  ("decode", self._decode_shapes(), warm_decode)]
         # Without padding (CPU, CUDA without graphs) nothing is compiled per shape: of the many prefill
         # shapes with cached blocks, only the one with the largest attention runs, to meet running out
         # of memory at start rather than under traffic; the others count as warmed.
@@ -467,6 +505,17 @@ class ModelRunner:
         self._warm(f"decode bucket (batch {rows}, {width} blocks)", "--max-batch-size or --max-total-tokens",
                    self._decode_fn, zeros, zeros, zeros, self._zeros(rows, width), torch.ones_like(zeros))
 
+    def _warm_flat_decode(self, rows: int, total: int) -> None:
+        zeros, blocks = self._zeros(rows), self._zeros(total)  # every block: block 0, row 0, unmasked
+        bias = torch.zeros(total, self.cfg.block_size, device=self.device)
+        self._warm(f"decode bucket (batch {rows}, {total} blocks in all)", "--max-batch-size or --max-total-tokens",
+                   self._decode_fn, zeros, zeros, zeros, blocks, blocks, bias)
+
+    def _decode_shapes(self) -> list[tuple[int, int]]:
+        """Every shape a decode step may run on: (batch, total blocks) over the flat layout, else (batch,
+        block-table width)."""
+        return buckets.decode_flat_buckets(self.cfg) if self.flat_decode else buckets.decode_buckets(self.cfg)
+
     def _warm(self, what: str, setting: str, fn, *args) -> None:
         try:
             fn(*args)
@@ -508,7 +557,7 @@ class ModelRunner:
             "unwarmed_shapes": self.unwarmed_shapes,
             "buckets": {"prefill": len(buckets.prefill_buckets(self.cfg)),
                         "prefill_context": len(buckets.prefill_context_buckets(self.cfg)),
-                        "decode": len(buckets.decode_buckets(self.cfg)),
+                        "decode": len(self._decode_shapes()),
                         "exponential": self.cfg.exponential_bucketing},
         }
 
