@@ -24,7 +24,11 @@ from gaudi_runtime.buckets import ceil_div
 from gaudi_runtime.device.cpu_gemm import prepack_linears
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers import attention
-from gaudi_runtime.layers.attention import AttentionMetadata, chunked_causal_attention, grouped_context_attention
+from gaudi_runtime.layers.attention import (
+    AttentionMetadata,
+    chunked_causal_attention,
+    grouped_context_attention,
+)
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 from gaudi_runtime.models.registry import load_model
 
