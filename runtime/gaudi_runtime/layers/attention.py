@@ -113,8 +113,8 @@ def context_prefill_mask(context_lens: torch.Tensor, length: int, s: int, dtype:
 
 
 # Score elements (batch x query heads x new tokens x keys) up to which a prefill over cached blocks
-# runs as two matmuls: their scores are materialised (128 MiB in float32 at the cap, about three times
-# that while the softmax runs). Larger ones take SDPA.
+# runs as two matmuls: their scores are materialised (64 MiB in bfloat16 at the cap, twice that while
+# the softmax writes its probabilities). Larger ones take SDPA.
 GROUPED_CONTEXT_MAX_SCORES = 32 * 1024 * 1024
 
 
@@ -125,8 +125,9 @@ def grouped_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q ``[B, Hq, S, D]``; k/v ``[B, Hkv, L, D]``; attn_mask ``[B, 1, S, L]`` additive. CPU's flash
     kernel runs a few hundred queries over a long masked key axis at about half the speed of two
     oneDNN matmuls (docs/performance.md), so each KV group's query heads are stacked along the query
-    axis (K/V are never repeated), scored in one matmul, softmaxed in float32 as transformers' eager
-    attention does, and applied in another. That holds for bfloat16 on a CPU that multiplies it in
+    axis (K/V are never repeated), scored in one matmul, softmaxed as transformers' eager attention
+    does (float32 inside, rounded to bfloat16; reading and writing bfloat16 halves the softmax's memory
+    traffic against a float32 copy of the scores), and applied in another. That holds for bfloat16 on a CPU that multiplies it in
     hardware (`select_attention` checks); in float32 the flash kernel is the faster one. None for
     other dtypes and when the scores would exceed GROUPED_CONTEXT_MAX_SCORES: the caller then runs
     SDPA, which never materialises them.
@@ -136,9 +137,9 @@ def grouped_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.dtype != torch.bfloat16 or b * hq * s * length > GROUPED_CONTEXT_MAX_SCORES:
         return None
     g = hq // hkv
-    scores = torch.matmul(q.reshape(b, hkv, g * s, d), k.transpose(-1, -2)).float()  # [B, Hkv, G * S, L]
+    scores = torch.matmul(q.reshape(b, hkv, g * s, d), k.transpose(-1, -2))  # [B, Hkv, G * S, L]
     scores = scores.view(b, hkv, g, s, length).mul_(scale).add_(attn_mask.view(b, 1, 1, s, length))
-    probs = scores.softmax(-1).to(v.dtype).view(b, hkv, g * s, length)
+    probs = scores.softmax(-1).view(b, hkv, g * s, length)
     return torch.matmul(probs, v).view(b, hq, s, d)
 
 
