@@ -2,7 +2,9 @@
 
 Prefill: right-padded ``[B, S]`` batch; K/V of every token are written into
 its slot; attention is causal within each row (pads come after real tokens, so
-real tokens never see them). A prefill whose prompts start with cached blocks
+real tokens never see them); on a CPU with native bfloat16 it runs as matmuls
+over chunks of queries (`chunked_causal_attention`), elsewhere as SDPA. A prefill
+whose prompts start with cached blocks
 (prefix caching) attends over those blocks, gathered through ``block_tables``
 (the first ``context_lens`` positions of each row), then causally over its own
 new tokens; the gather follows this layer's write, so a row may read blocks
@@ -126,11 +128,11 @@ def grouped_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernel runs a few hundred queries over a long masked key axis at about half the speed of two
     oneDNN matmuls (docs/performance.md), so each KV group's query heads are stacked along the query
     axis (K/V are never repeated), scored in one matmul, softmaxed as transformers' eager attention
-    does (float32 inside, rounded to bfloat16; reading and writing bfloat16 halves the softmax's memory
-    traffic against a float32 copy of the scores), and applied in another. That holds for bfloat16 on a CPU that multiplies it in
-    hardware (`select_attention` checks); in float32 the flash kernel is the faster one. None for
-    other dtypes and when the scores would exceed GROUPED_CONTEXT_MAX_SCORES: the caller then runs
-    SDPA, which never materialises them.
+    does (float32 inside, rounded to bfloat16; reading and writing bfloat16 halves the softmax's
+    memory traffic against a float32 copy of the scores), and applied in another. That holds for
+    bfloat16 on a CPU that multiplies it in hardware (`select_attention` checks); in float32 the
+    flash kernel is the faster one. None for other dtypes and when the scores would exceed
+    GROUPED_CONTEXT_MAX_SCORES: the caller then runs SDPA, which never materialises them.
     """
     b, hq, s, d = q.shape
     hkv, length = k.shape[1], k.shape[2]
