@@ -9,7 +9,6 @@ import torch
 from gaudi_runtime import buckets
 from gaudi_runtime.config import resolve
 from gaudi_runtime.device.base import Backend
-from gaudi_runtime.layers import attention
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput
 from gaudi_runtime.tools.tiny_model import make_tiny_model
@@ -33,12 +32,8 @@ def fake_hpu(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def restore_attention():
+def _attention_restored(restore_attention):
     """Each runner selects the process's attention kernels: put back what the tests before had."""
-    saved = dict(vars(attention.IMPL))
-    yield
-    for name, value in saved.items():
-        setattr(attention.IMPL, name, value)
 
 
 def config(model_dir, **kw):

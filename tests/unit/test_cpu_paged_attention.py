@@ -34,14 +34,6 @@ def kernel():
     return k
 
 
-@pytest.fixture
-def restore_attention():
-    saved = attention.AttentionImpl(**vars(attention.IMPL))
-    yield
-    for name, value in vars(saved).items():
-        setattr(attention.IMPL, name, value)
-
-
 def paged_batch(heads: int, kv_heads: int, head_size: int, block: int, dtype: torch.dtype, lengths=LENGTHS,
                 seed: int = 0):
     """q [B, 1, Hq, D], caches and a block table whose blocks are in random order, padded with block 0 (the

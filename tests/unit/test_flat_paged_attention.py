@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from gaudi_runtime.layers import attention
 from gaudi_runtime.layers.attention import Attention, AttentionMetadata, select_attention
 from gaudi_runtime.layers.flat_paged_attention import flat_layout, flat_paged_decode
 from tests.fake_modules import load_fake
@@ -20,14 +19,6 @@ INF = float("-inf")
 @pytest.fixture
 def fake_hpu(monkeypatch):
     yield from load_fake(monkeypatch, "habana_frameworks", "habana_frameworks.torch")
-
-
-@pytest.fixture
-def restore_attention():
-    saved = dict(vars(attention.IMPL))
-    yield
-    for name, value in saved.items():
-        setattr(attention.IMPL, name, value)
 
 
 def test_flat_layout_lists_the_blocks_in_use_row_after_row():

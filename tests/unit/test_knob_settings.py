@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from gaudi_runtime.config import ConfigError, add_arguments, resolve
-from gaudi_runtime.layers import attention
 from gaudi_runtime.layers.attention import math_attention, select_attention
 from gaudi_runtime.layers.rotary import rope_params_from_config
 from gaudi_runtime.models.registry import override_rope
@@ -93,14 +92,6 @@ def test_override_rope_replaces_the_scaling_and_keeps_theta(config):
 
 
 # ---- attention implementation ---------------------------------------------------------------------
-
-@pytest.fixture
-def restore_attention():
-    saved = dict(vars(attention.IMPL))
-    yield
-    for name, value in saved.items():
-        setattr(attention.IMPL, name, value)
-
 
 def test_math_attention_equals_sdpa_causal_and_masked():
     torch.manual_seed(0)
