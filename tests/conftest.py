@@ -2,7 +2,8 @@
 and Dockerfile.runtime (tests/images/engine.py), used by tests/images and by the operator-image
 scenario of tests/e2e. Any test that takes the `images` fixture starts the build, in the
 background, as soon as collection ends; if the build fails, those tests fail (never skip). And
-`restore_attention`, for the unit and runtime tests that select the process's attention kernels."""
+`restore_attention` and `fake_hpu`, for the unit and runtime tests that select the process's attention
+kernels or drive the HPU backend."""
 
 from __future__ import annotations
 
@@ -89,3 +90,11 @@ def restore_attention() -> Iterator[None]:
     yield
     for name, value in saved.items():
         setattr(attention.IMPL, name, value)
+
+
+@pytest.fixture
+def fake_hpu(monkeypatch):
+    """The recording habana_frameworks fake (tests/fakes), importable for this test only; yields its record."""
+    from tests.fake_modules import load_fake
+
+    yield from load_fake(monkeypatch, "habana_frameworks", "habana_frameworks.torch")

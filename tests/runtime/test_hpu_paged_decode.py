@@ -12,7 +12,6 @@ from gaudi_runtime.device.base import Backend
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.fake_modules import load_fake
 
 SMALL = {"DTYPE": "float32", "MAX_INPUT_TOKENS": "48", "MAX_TOTAL_TOKENS": "96", "MAX_BATCH_SIZE": "8",
          "MAX_BATCH_PREFILL_TOKENS": "96", "BLOCK_SIZE": "4", "PAD_SEQUENCE_TO_MULTIPLE_OF": "16",
@@ -24,11 +23,6 @@ PROMPT_LENS = [3, 17, 9, 40, 26]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
-
-
-@pytest.fixture
-def fake_hpu(monkeypatch):
-    yield from load_fake(monkeypatch, "habana_frameworks", "habana_frameworks.torch")
 
 
 @pytest.fixture(autouse=True)

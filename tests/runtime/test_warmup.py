@@ -17,7 +17,6 @@ from gaudi_runtime.device.base import Backend
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput, WarmupError
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.fake_modules import load_fake
 from tests.runtime.launched import get_json, launch
 
 SMALL = {"DTYPE": "float32", "MAX_INPUT_TOKENS": "48", "MAX_TOTAL_TOKENS": "96", "MAX_BATCH_SIZE": "8",
@@ -32,12 +31,6 @@ def model_dir(tmp_path_factory):
 
 def config(model_dir, **kw):
     return resolve(None, {"MODEL_ID": str(model_dir), **SMALL, **{k: str(v) for k, v in kw.items()}})
-
-
-@pytest.fixture
-def fake_hpu(monkeypatch):
-    """The recording habana_frameworks fake, importable for this test only."""
-    yield from load_fake(monkeypatch, "habana_frameworks", "habana_frameworks.torch")
 
 
 def serve_some(runner: ModelRunner, steps: int = 6) -> None:

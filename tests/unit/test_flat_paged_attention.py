@@ -11,14 +11,8 @@ import torch
 
 from gaudi_runtime.layers.attention import Attention, AttentionMetadata, select_attention
 from gaudi_runtime.layers.flat_paged_attention import flat_layout, flat_paged_decode
-from tests.fake_modules import load_fake
 
 INF = float("-inf")
-
-
-@pytest.fixture
-def fake_hpu(monkeypatch):
-    yield from load_fake(monkeypatch, "habana_frameworks", "habana_frameworks.torch")
 
 
 def test_flat_layout_lists_the_blocks_in_use_row_after_row():
