@@ -81,7 +81,7 @@ def gathered(q, k_cache, v_cache, tables, lengths, scale):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("head_size", [32, 64, 128])
+@pytest.mark.parametrize("head_size", [32, 64, 128, 256])
 @pytest.mark.parametrize("block", [16, 128])  # CPU default and HPU default
 def test_matches_reference_and_gather_path(kernel, dtype, group, head_size, block):
     kv_heads = 2
@@ -132,7 +132,7 @@ def test_decode_layer_reads_the_cache_in_place(kernel, restore_attention, monkey
     torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
 
 
-def test_float8_cache_and_odd_head_sizes_keep_the_gather_path(kernel, restore_attention):
+def test_float8_cache_and_odd_or_large_head_sizes_keep_the_gather_path(kernel, restore_attention):
     impl = select_attention(True, False, "cpu")
     assert attention_in_use(impl, torch.bfloat16) == "sdpa (decode: paged C kernel)"
     assert "gathered" in attention_in_use(impl, torch.float8_e4m3fn)  # what /info says
@@ -155,6 +155,12 @@ def test_float8_cache_and_odd_head_sizes_keep_the_gather_path(kernel, restore_at
     assert len(calls) == 1 and kernel(*calls[0]) is None  # offered, declined, gathered
     expected = reference(q, odd[0], odd[1], meta["block_tables"], meta["context_lens"], 24 ** -0.5)
     torch.testing.assert_close(out.view(1, 4, 24), expected)
+    big = allocate_kv_cache(1, 3, 16, 1, 512, torch.float32, "cpu")[0]  # past the kernel's MAX_HEAD_SIZE
+    q, k, v = torch.randn(1, 1, 2, 512), torch.randn(1, 1, 1, 512), torch.randn(1, 1, 1, 512)
+    out = Attention(2, 1, 512)(q, k, v, big, AttentionMetadata(**meta))
+    assert len(calls) == 2 and kernel(*calls[1]) is None
+    expected = reference(q, big[0], big[1], meta["block_tables"], meta["context_lens"], 512 ** -0.5)
+    torch.testing.assert_close(out.view(1, 2, 512), expected)
 
 
 @pytest.mark.parametrize("tables, lengths", [

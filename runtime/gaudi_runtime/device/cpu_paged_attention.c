@@ -10,7 +10,8 @@
      block_tables  [batch, max_blocks] int64;  context_lens [batch] int64
    Sequence b attends to its positions 0 .. context_lens[b] - 1; position j lives at
    cache[block_tables[b, j / block_size], j % block_size]. A row with context length 0 (a padded
-   row) attends to its position 0 alone, so its output stays finite. head_size is a multiple of 16.
+   row) attends to its position 0 alone, so its output stays finite. head_size is a multiple of 16
+   and at most MAX_HEAD_SIZE.
 
    Arithmetic is float32 (scores, softmax, the weighted sum of values). The work is split over
    sequences (a sequence's KV heads together, so that each cache line is fetched once), with OpenMP:
@@ -40,6 +41,10 @@ enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 enum { SPAN = LANES };
 /* How many spans ahead the rows are prefetched: a span's arithmetic outlasts a fetch from memory. */
 enum { AHEAD = 2 };
+/* Bounds of a tile's arrays: head size <= MAX_HEAD_SIZE (cpu_paged_attention.py checks), query heads
+   per tile <= MAX_GT (tile_heads). Arrays of a fixed size are kept in registers once the loops over
+   them unroll; variable-length ones stay on the stack, and every step then waits on a store. */
+enum { MAX_HEAD_SIZE = 256, MAX_C = MAX_HEAD_SIZE / 8, MAX_GT = 8 };
 
 typedef float f32xL __attribute__((vector_size(LANES * 4)));
 typedef int32_t i32xL __attribute__((vector_size(LANES * 4)));
@@ -72,6 +77,7 @@ ALWAYS_INLINE f32xL load_plain(const void *base, int64_t offset, const int bf16)
 ALWAYS_INLINE void load_row(const void *base, int64_t offset, const int64_t c, const int bf16, f32xL *row) {
     int64_t i = 0;
     if (bf16) {
+#pragma GCC unroll 16
         for (; i + 1 < c; i += 2) {
             u32xL pairs;
             memcpy(&pairs, (const uint16_t *)base + offset + i * LANES, sizeof pairs);
@@ -112,31 +118,33 @@ ALWAYS_INLINE void store_row(void *base, int64_t offset, const int64_t c, const 
 
 /* ---- arithmetic on vectors -------------------------------------------------------------------- */
 
-/* Lane l of the result is the sum of the lanes of x[l]: LANES dot products finished at once by a
-   tree of shuffles, instead of LANES horizontal sums. */
+/* Dot products are finished LANES at a time by a tree of shuffles instead of LANES horizontal sums:
+   `combine` is one level of that tree. At level 0, a and b are the lane-wise products of two positions;
+   at level l they are two results of level l - 1, in position order. After LEVELS levels lane j holds
+   position j's dot product. */
 #if LANES == 16
-ALWAYS_INLINE f32xL sum_lanes(f32xL *x) {
-    for (int k = 0; k < 8; k++)
-        x[k] = SHUFFLE(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               SHUFFLE(x[2 * k], x[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int k = 0; k < 4; k++)
-        x[k] = SHUFFLE(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-               SHUFFLE(x[2 * k], x[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int k = 0; k < 2; k++)
-        x[k] = SHUFFLE(x[2 * k], x[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-               SHUFFLE(x[2 * k], x[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return SHUFFLE(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           SHUFFLE(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+enum { LEVELS = 4 };
+ALWAYS_INLINE f32xL combine(f32xL a, f32xL b, const int level) {
+    if (level == 0)
+        return SHUFFLE(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUFFLE(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    if (level == 1)
+        return SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    if (level == 2)
+        return SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 #else
-ALWAYS_INLINE f32xL sum_lanes(f32xL *x) {
-    for (int k = 0; k < 4; k++)
-        x[k] = SHUFFLE(x[2 * k], x[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-               SHUFFLE(x[2 * k], x[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int k = 0; k < 2; k++)
-        x[k] = SHUFFLE(x[2 * k], x[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-               SHUFFLE(x[2 * k], x[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-    return SHUFFLE(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15);
+enum { LEVELS = 3 };
+ALWAYS_INLINE f32xL combine(f32xL a, f32xL b, const int level) {
+    if (level == 0)
+        return SHUFFLE(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+    if (level == 1)
+        return SHUFFLE(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + SHUFFLE(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+    return SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 #endif
 
@@ -191,51 +199,58 @@ typedef struct {
     int64_t base, stride, n;
     /* where the same rows of a span AHEAD spans later start (or -1): prefetched row by row, so
        that the blocks, which lie anywhere in the cache where no hardware prefetcher looks, are
-       on their way while this span is computed */
+       on their way while this span is computed. Into the outer caches (locality 1): fetches
+       into L1 wait on its few miss buffers and run at a third of the memory's speed here
+       (docs/performance.md). */
     int64_t ahead;
 } Span;
 
 ALWAYS_INLINE void prefetch_row(const void *cache, Span s, int64_t j, const int64_t c, const int bf16) {
     if (s.ahead < 0) return;
     const char *row = (const char *)cache + (s.ahead + j * s.stride) * (bf16 ? 2 : 4);
-    for (int64_t b = 0; b < c * LANES * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(row + b);
+    for (int64_t b = 0; b < c * LANES * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(row + b, 0, 1);
 }
 
 /* scores[g * row_len + j] = q_g . k_j for the span's positions j. A whole vector of SPAN scores is
    written; the lanes past the span repeat its last position and are overwritten by the next span or
-   by the row's padding. K is widened again for each head of the tile: cheaper than a round trip
-   through memory. */
+   by the row's padding. Each K row is widened once for all heads of the tile, and each head's dot
+   products enter the tree of `combine` as they come (pending[g][l]: the level-l result waiting for
+   its pair), so that the tile's state fits in registers. */
 ALWAYS_INLINE void score_span(const void *k_cache, const float *q, float *scores, int64_t row_len, Span s,
                               const int64_t c, const int64_t gt, const int bf16) {
-    f32xL qv[c], row[c], dots[SPAN];
-    for (int64_t g = 0; g < gt; g++) {
-        memcpy(qv, q + g * c * LANES, sizeof qv);
+    f32xL qv[MAX_GT][MAX_C], row[MAX_C], pending[MAX_GT][LEVELS + 1];
+    for (int64_t g = 0; g < gt; g++) memcpy(qv[g], q + g * c * LANES, sizeof(f32xL) * c);
 #pragma GCC unroll 16
-        for (int64_t j = 0; j < SPAN; j++) {
-            if (g == 0) prefetch_row(k_cache, s, j, c, bf16);
-            load_row(k_cache, s.base + (j < s.n ? j : s.n - 1) * s.stride, c, bf16, row);
-            dots[j] = qv[0] * row[0];
-            for (int64_t i = 1; i < c; i++) dots[j] += qv[i] * row[i];
+    for (int64_t j = 0; j < SPAN; j++) {
+        prefetch_row(k_cache, s, j, c, bf16);
+        load_row(k_cache, s.base + (j < s.n ? j : s.n - 1) * s.stride, c, bf16, row);
+        for (int64_t g = 0; g < gt; g++) {
+            f32xL v = qv[g][0] * row[0];
+            for (int64_t i = 1; i < c; i++) v += qv[g][i] * row[i];
+            int level = 0;
+            for (int64_t t = j; t & 1; t >>= 1, level++) v = combine(pending[g][level], v, level);
+            pending[g][level] = v;
         }
-        const f32xL sums = sum_lanes(dots);
-        memcpy(scores + g * row_len, &sums, sizeof sums);
     }
+    for (int64_t g = 0; g < gt; g++) memcpy(scores + g * row_len, &pending[g][LEVELS], sizeof(f32xL));
 }
 
 /* acc_g += sum over the span of probs[g * row_len + j] * v_j. */
 ALWAYS_INLINE void weigh_span(const void *v_cache, const float *probs, float *acc, int64_t row_len, Span s,
                               const int64_t c, const int64_t gt, const int bf16) {
-    f32xL sums[gt][c], row[c];
-    memcpy(sums, acc, sizeof sums);
+    f32xL sums[MAX_GT][MAX_C], row[MAX_C];
+    for (int64_t g = 0; g < gt; g++) memcpy(sums[g], acc + g * c * LANES, sizeof(f32xL) * c);
     for (int64_t j = 0; j < s.n; j++) {
         prefetch_row(v_cache, s, j, c, bf16);
         load_row(v_cache, s.base + j * s.stride, c, bf16, row);
+#pragma GCC unroll 8
         for (int64_t g = 0; g < gt; g++) {
             const float w = probs[g * row_len + j];
+#pragma GCC unroll 16
             for (int64_t i = 0; i < c; i++) sums[g][i] += w * row[i];
         }
     }
-    memcpy(acc, sums, sizeof sums);
+    for (int64_t g = 0; g < gt; g++) memcpy(acc + g * c * LANES, sums[g], sizeof(f32xL) * c);
 }
 
 /* Query heads per tile: the most (dividing the group) whose accumulators fit REGS vectors. */
@@ -350,11 +365,13 @@ static int attend(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *wo
 }
 
 /* Returns 0; -1 when a context length exceeds its block table or a block id is out of range (that
-   row's output is then left unwritten); -2 when scratch memory could not be allocated. */
+   row's output is then left unwritten); -2 when scratch memory could not be allocated; -3 (nothing
+   written) for a head size the kernel does not take. */
 int paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
                            int64_t num_kv_heads, int64_t group, int64_t head_size, int64_t block_size,
                            int64_t max_blocks, int64_t num_blocks, float scale, int dtype, int num_threads) {
+    if (head_size % 16 || head_size > MAX_HEAD_SIZE) return -3;
     Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, batch, num_kv_heads, group, head_size,
                  block_size, max_blocks, num_blocks, scale, dtype};
     int64_t max_len = 1;

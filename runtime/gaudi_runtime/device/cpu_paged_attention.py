@@ -25,6 +25,7 @@ SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # The kernel's rows are whole vectors (16 lanes with AVX-512, 8 elsewhere); other head sizes gather.
 HEAD_SIZE_MULTIPLE = 16
+MAX_HEAD_SIZE = 256  # the C file's bound on a tile's arrays
 
 __all__ = ["KernelUnavailable", "PagedDecodeKernel", "build", "kernel", "load"]
 
@@ -50,11 +51,11 @@ class PagedDecodeKernel:
                  context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
         """q ``[B, 1, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]`` -> ``[B, Hq, D]`` in q's dtype;
         None when the tensors are not ones the kernel takes (another device or dtype, a strided cache, a
-        head size that is not a multiple of HEAD_SIZE_MULTIPLE)."""
+        head size that is not a multiple of HEAD_SIZE_MULTIPLE or exceeds MAX_HEAD_SIZE)."""
         dtype = k_cache.dtype
         num_blocks, block_size, hkv, d = k_cache.shape
         if (dtype not in DTYPES or q.dtype != dtype or v_cache.dtype != dtype or k_cache.device.type != "cpu"
-                or d % HEAD_SIZE_MULTIPLE or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+                or d % HEAD_SIZE_MULTIPLE or d > MAX_HEAD_SIZE or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
             return None
         b = q.shape[0]
         q = q.reshape(b, -1, d).contiguous()
