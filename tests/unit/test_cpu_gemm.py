@@ -1,5 +1,6 @@
 """Linear layers on a CPU: over oneDNN-reordered weights and, for one row, through the C kernel, they give
-F.linear's logits (the same bits in bf16; float32 rounding apart in float32)."""
+F.linear's logits (the same bits in bf16; float32 rounding apart in float32); a few bf16 rows through the
+C kernel give oneDNN's tokens."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ def model_dir(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def prompt_logits(model, rows: int = 2) -> torch.Tensor:
-    """Logits of `rows` prompts of 12 tokens; with one row of one token (`rows=0`), every product is one row."""
-    length = 12 if rows else 1
+def prompt_logits(model, rows: int = 2, length: int = 12) -> torch.Tensor:
+    """Logits of `rows` prompts of `length` tokens; with one row of one token (`rows=0`), every product is
+    one row, with `rows` prompts of one token (a decode batch), `rows` rows."""
+    length = length if rows else 1
     rows = rows or 1
-    kv = allocate_kv_cache(model.num_layers, 4, 16, model.num_kv_heads, model.head_dim, model.dtype,
+    kv = allocate_kv_cache(model.num_layers, rows + 2, 16, model.num_kv_heads, model.head_dim, model.dtype,
                            torch.device("cpu"))
     ids = torch.arange(3, 3 + rows * length).view(rows, length)
     pos = torch.arange(length).expand(rows, length)
@@ -51,7 +53,7 @@ def test_reordered_weights_give_the_same_logits_and_free_the_originals(model_dir
     head_shared = model.lm_head.weight.data_ptr() in {p.data_ptr() for n, p in model.named_parameters()
                                                        if not n.startswith("lm_head")}
 
-    assert cpu_gemm.prepack_linears(model, one_row=False) > 0
+    assert cpu_gemm.prepack_linears(model, few_rows=False) > 0
     after = prompt_logits(model)
 
     torch.testing.assert_close(after, before, rtol=0, atol=0)
@@ -66,7 +68,7 @@ def test_float32_layers_are_reordered_too(model_dir):
     for the order of float32 sums."""
     model = load_model(str(model_dir), torch.float32, torch.device("cpu"))
     before = prompt_logits(model)
-    assert cpu_gemm.prepack_linears(model, one_row=False) > 0
+    assert cpu_gemm.prepack_linears(model, few_rows=False) > 0
     torch.testing.assert_close(prompt_logits(model), before, rtol=1e-5, atol=1e-5)
 
 
@@ -88,7 +90,7 @@ def test_one_row_products_run_through_the_c_kernel_with_the_same_logits(model_di
     layers = [m for m in model.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2
               and hasattr(m, "kernel")]
 
-    cpu_gemm.prepack_linears(model, release=False, one_row=False)
+    cpu_gemm.prepack_linears(model, release=False, few_rows=False)
     many_onednn = prompt_logits(model)
     cpu_gemm.prepack_linears(model)
     calls = counted_gemv(monkeypatch)
@@ -105,10 +107,25 @@ def test_one_row_products_run_through_the_c_kernel_with_the_same_logits(model_di
         torch.testing.assert_close(one_after, one_before, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="several rows need avx512_bf16")
+def test_a_small_bf16_decode_batch_runs_through_the_c_kernel_with_the_same_tokens(model_dir, monkeypatch):
+    model = load_model(str(model_dir), torch.bfloat16, torch.device("cpu"))
+    layers = [m for m in model.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2
+              and hasattr(m, "kernel")]
+    cpu_gemm.prepack_linears(model, release=False, few_rows=False)
+    onednn = prompt_logits(model, rows=4, length=1)
+    cpu_gemm.prepack_linears(model)
+    calls = counted_gemv(monkeypatch)
+    after = prompt_logits(model, rows=4, length=1)
+    assert len(calls) == len(layers), "a layer's four-row product did not go through the kernel"
+    assert torch.equal(after.argmax(-1), onednn.argmax(-1))
+    torch.testing.assert_close(after, onednn, rtol=2 ** -6, atol=2 ** -6)
+
+
 def test_switched_off_every_product_stays_on_onednn(model_dir, monkeypatch):
     monkeypatch.setattr(cpu_gemv, "kernel", lambda: pytest.fail("built although switched off"))
     model = load_model(str(model_dir), torch.float32, torch.device("cpu"))
-    assert cpu_gemm.prepack_linears(model, one_row=False) > 0
+    assert cpu_gemm.prepack_linears(model, few_rows=False) > 0
     assert all(m.kernel.func is cpu_gemm._packed_linear for m in model.modules() if getattr(m, "kernel", None))
 
 

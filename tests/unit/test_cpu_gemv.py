@@ -1,6 +1,7 @@
-"""The one-row product kernel (``cpu_gemv.c``) gives F.linear's answer for every shape a layer has (rows
-that are not a whole number of vectors, a handful of outputs, a bias), whatever the thread count; without a
-C compiler, layers keep oneDNN's path after one warning."""
+"""The few-row product kernel (``cpu_gemv.c``) gives F.linear's answer for every shape a layer has (rows
+that are not a whole number of vectors, a handful of outputs, a bias), whatever the thread count: one row in
+bf16 and float32, two to eight bf16 rows where the CPU has avx512_bf16; without a C compiler, layers keep
+oneDNN's path after one warning."""
 
 from __future__ import annotations
 
@@ -55,6 +56,35 @@ def test_matches_a_float64_reference_and_f_linear(kernel, shape, with_bias, dtyp
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-6)
 
 
+def few_rows_supported() -> bool:
+    return bool(torch.cpu._is_avx512_bf16_supported())
+
+
+def test_takes_several_bf16_rows_exactly_where_the_cpu_has_avx512_bf16(kernel):
+    assert kernel.takes_rows(1, torch.bfloat16) and kernel.takes_rows(1, torch.float32)
+    assert kernel.takes_rows(8, torch.bfloat16) == kernel.takes_rows(2, torch.bfloat16) == few_rows_supported()
+    assert not kernel.takes_rows(9, torch.bfloat16) and not kernel.takes_rows(2, torch.float32)
+
+
+@pytest.mark.skipif(not few_rows_supported(), reason="several rows need avx512_bf16; this CPU has one row only")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", [2, 3, 8])
+def test_several_bf16_rows_match_a_float64_reference_and_f_linear(kernel, shape, rows):
+    _, w, b = operands(*shape, torch.bfloat16)
+    x = torch.randn(rows, 1, shape[1], generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = kernel(x, w, b)
+    assert got.shape == (rows, 1, shape[0]) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), F.linear(x.double(), w.double(), b.double()), rtol=2 ** -7, atol=1e-6)
+    assert (got != F.linear(x, w, b)).float().mean() < 0.01
+    # a row's answer does not depend on the rows beside it, nor on the thread count
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel(x[:2], w, b), got[:2])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_leading_dimensions_of_one_are_kept(kernel):
     x, w, b = operands(40, 64, torch.float32)
     assert kernel(x.view(1, 1, 64), w, b).shape == (1, 1, 40)
@@ -92,7 +122,7 @@ def test_without_a_compiler_layers_keep_onednns_path_after_one_warning(no_kernel
     with caplog.at_level(logging.WARNING, logger=cpu_gemv.__name__):
         for _ in range(2):  # the kernel is looked for once per process
             cpu_gemm.prepack_linears(model)
-    warnings = [r.getMessage() for r in caplog.records if "no one-row product kernel" in r.getMessage()]
-    assert len(warnings) == 1 and "as larger batches do" in warnings[0]
+    warnings = [r.getMessage() for r in caplog.records if "no few-row product kernel" in r.getMessage()]
+    assert len(warnings) == 1 and "small decode batches multiply as larger ones do" in warnings[0]
     assert all(m.kernel.func is cpu_gemm._packed_linear for m in model.modules() if getattr(m, "kernel", None))
     assert list(tmp_path.rglob("*.so")) == []

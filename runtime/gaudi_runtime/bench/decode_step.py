@@ -53,7 +53,7 @@ def step_inputs(batch: int, context: int, vocab: int):
 def linear_kernels(model):
     """A function that sets every linear layer's kernels as a VARIANTS entry names them."""
     layers = [m for m in model.modules() if hasattr(m, "kernel")]
-    prepack_linears(model, release=False, one_row=False)
+    prepack_linears(model, release=False, few_rows=False)
     kernels = {"no-gemv": [m.kernel for m in layers]}
     prepack_linears(model, release=False)
     kernels["gemv"] = [m.kernel for m in layers]

@@ -27,4 +27,4 @@ class CpuBackend(Backend):
             return None
 
     def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
-        prepack_linears(model, one_row=cfg is None or cfg.cpu_gemv)
+        prepack_linears(model, few_rows=cfg is None or cfg.cpu_gemv)

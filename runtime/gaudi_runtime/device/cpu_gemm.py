@@ -1,4 +1,4 @@
-"""Linear layers on a CPU: weights reordered once for oneDNN, one-row products through a C kernel.
+"""Linear layers on a CPU: weights reordered once for oneDNN, few-row products through a C kernel.
 
 ``F.linear`` in bf16 hands the plain ``[out, in]`` weight to oneDNN, which
 reorders it into its blocked layout on every call: at decode batch sizes that
@@ -8,9 +8,10 @@ results are the same bits as ``F.linear``'s. In float32 ``F.linear`` goes to
 MKL's sgemm instead, which oneDNN over reordered weights outruns at every row
 count measured (same sums in another order: float32 rounding apart).
 
-A product of a single row (batch-1 decode) is bound by reading the weights, and
-oneDNN reads them far below the memory's speed; ``cpu_gemv`` streams the plain
-weight instead, which a layer then keeps beside the reordered copy
+A product of a few rows (decode at small batches) is bound by reading the
+weights, and oneDNN reads them far below the memory's speed; ``cpu_gemv``
+streams the plain weight instead (one row in either dtype, up to eight bf16 rows
+on a CPU with avx512_bf16), which a layer then keeps beside the reordered copy
 (CPU_GEMV=false gives that memory back).
 """
 
@@ -71,11 +72,11 @@ def _plain(m: nn.Module, dtype: torch.dtype) -> bool:
     return w is not None and w.dtype == dtype and w.device.type == "cpu" and w.dim() == 2 and w.numel() > 0
 
 
-def _one_row_or(many, gemv: cpu_gemv.GemvKernel, weight: torch.Tensor):
-    """A layer kernel: one row through `gemv` over the plain `weight`, more rows (or an activation of
-    another dtype, which `many` then refuses as F.linear would) through `many`."""
+def _few_rows_or(many, gemv: cpu_gemv.GemvKernel, weight: torch.Tensor):
+    """A layer kernel: the rows `gemv` takes through it over the plain `weight`, more rows (or an
+    activation of another dtype, which `many` then refuses as F.linear would) through `many`."""
     def kernel(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.numel() == x.shape[-1] and x.dtype == weight.dtype:
+        if x.dtype == weight.dtype and gemv.takes_rows(x.numel() // x.shape[-1], x.dtype):
             return gemv(x, weight, bias)
         return many(x, bias)
     return kernel
@@ -85,35 +86,36 @@ def _linears(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead)) and _plain(m, dtype)]
 
 
-def prepack_linears(model: nn.Module, release: bool = True, one_row: bool = True) -> int:
+def prepack_linears(model: nn.Module, release: bool = True, few_rows: bool = True) -> int:
     """Give every bf16 and float32 linear layer and LM head a reordered weight; returns how many got one.
 
-    With `one_row` (and the C kernel built here), a product of one row runs through ``cpu_gemv`` over the
-    plain weight, which the layer then keeps. Otherwise, with ``release``, a layer's own weight is dropped
+    With `few_rows` (and the C kernel built here), a product of the few rows ``cpu_gemv`` takes runs
+    through it over the plain weight, which the layer then keeps. Otherwise, with ``release``, a layer's own weight is dropped
     (a 0-row tensor, so that a stray ``F.linear`` on it fails loudly) unless another module shares it: a
     tied LM head keeps the embedding's table.
     """
-    gemv = cpu_gemv.kernel() if one_row else None
+    gemv = cpu_gemv.kernel() if few_rows else None
     layers = [m for dtype in PACKED_DTYPES if supported(dtype) for m in _linears(model, dtype)]
     owners = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
-    one_row_layers = 0
+    few_row_layers = 0
     for m in layers:
         w = m.weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT)
         m.register_buffer("packed_weight", packed, persistent=False)  # counted where the model's memory is
         m.kernel = functools.partial(_packed_linear, packed)
         if gemv is not None and cpu_gemv.takes(w, m._parameters.get("bias")):
-            m.kernel = _one_row_or(m.kernel, gemv, w)
-            one_row_layers += 1
+            m.kernel = _few_rows_or(m.kernel, gemv, w)
+            few_row_layers += 1
         elif release and owners[w.data_ptr()] == 1:
             m.weight = nn.Parameter(w.new_empty(0, w.shape[1]), requires_grad=False)
     others = [m for dtype in PACKED_DTYPES if not supported(dtype) for m in _linears(model, dtype)
               if gemv is not None and cpu_gemv.takes(m.weight, m._parameters.get("bias"))]
     for m in others:
         w = m.weight.detach()
-        m.kernel = _one_row_or(functools.partial(_plain_linear, w), gemv, w)
+        m.kernel = _few_rows_or(functools.partial(_plain_linear, w), gemv, w)
     if layers:
         log.info("cpu: %d linear layers use weights reordered for oneDNN", len(layers))
     if gemv is not None:
-        log.info("cpu: one-row products of %d linear layers run through the C kernel", one_row_layers + len(others))
+        log.info("cpu: few-row products of %d linear layers run through the C kernel (bf16 rows: up to %d)",
+                 few_row_layers + len(others), gemv.max_rows_bf16)
     return len(layers)

@@ -133,3 +133,78 @@ int gemv(void *y, const void *x, const void *w, const void *bias, int64_t in, in
     free(xs);
     return 0;
 }
+
+/* ---- a few rows, bfloat16, on a CPU with avx512_bf16 ---------------------------------------------
+   Decode at batch 2-8 multiplies a few rows by every weight: still bound by reading the weights, where
+   oneDNN runs at a third of the memory's speed (docs/performance.md). The loop above, run over several
+   rows, is bound by its arithmetic instead (a multiply-add per value and row, plus widening); the CPU's
+   bfloat16 dot product (two values per lane and instruction, products exact, sums in float32) keeps up
+   with the memory to about eight rows. It needs the instruction, hence the one intrinsic header. */
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+enum { MAX_ROWS = 8 };
+
+/* Output o of every row m: y[m, o] = x[m] . w[o] (+ bias[o]); two accumulators per row, 32 values per
+   instruction, a zero-padded last step; the lanes summed by _mm512_reduce_add_ps's fixed tree. */
+ALWAYS_INLINE void rows_out(uint16_t *y, const uint16_t *x, const uint16_t *w, const uint16_t *bias, int64_t in,
+                            int64_t out, int64_t o, const int rows) {
+    const uint16_t *row = w + (size_t)o * (size_t)in;
+    __m512 a[MAX_ROWS], b[MAX_ROWS];
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++) a[m] = b[m] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 64 <= in; i += 64) {
+        const __m512bh wa = (__m512bh)_mm512_loadu_si512(row + i), wb = (__m512bh)_mm512_loadu_si512(row + i + 32);
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_loadu_si512(x + m * in + i), wa);
+            b[m] = _mm512_dpbf16_ps(b[m], (__m512bh)_mm512_loadu_si512(x + m * in + i + 32), wb);
+        }
+    }
+    for (; i < in; i += 32) {
+        const __mmask32 lanes = in - i >= 32 ? 0xffffffffu : (1u << (in - i)) - 1u;
+        const __m512bh wa = (__m512bh)_mm512_maskz_loadu_epi16(lanes, row + i);
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++)
+            a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_maskz_loadu_epi16(lanes, x + m * in + i), wa);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++) {
+        float v = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));
+        if (bias) v += load_one(bias, o, 1);
+        y[(size_t)m * out + o] = to_bf16(v);
+    }
+}
+
+#define ROWS_CASE(R)                                                            \
+    case R: {                                                                   \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")      \
+        for (int64_t o = 0; o < out; o++) rows_out(y, x, w, bias, in, out, o, R); \
+        return 0;                                                               \
+    }
+
+/* x [rows, in], w [out, in], bias [out] or NULL, y [rows, out]: all bfloat16, contiguous. Returns 0,
+   or -3 for a row count the kernel does not take. */
+int gemm_rows_bf16(uint16_t *y, const uint16_t *x, const uint16_t *w, const uint16_t *bias, int64_t in, int64_t out,
+                   int rows, int threads) {
+    const int64_t most = (in * out) / MIN_VALUES_PER_THREAD;
+    if (threads > most) threads = most > 1 ? (int)most : 1;
+    switch (rows) {
+        ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+    }
+    return -3;
+}
+#else
+enum { MAX_ROWS = 1 };
+
+int gemm_rows_bf16(void *y, const void *x, const void *w, const void *bias, int64_t in, int64_t out, int rows,
+                   int threads) {
+    (void)y, (void)x, (void)w, (void)bias, (void)in, (void)out, (void)rows, (void)threads;
+    return -3;
+}
+#endif
+
+/* How many rows gemm_rows_bf16 takes here: 1 (none: only gemv) without avx512_bf16. */
+int max_rows_bf16(void) { return MAX_ROWS; }

@@ -1,10 +1,11 @@
-"""One activation row times a weight matrix on a CPU, through a small C kernel (``cpu_gemv.c``).
+"""A few activation rows times a weight matrix on a CPU, through a small C kernel (``cpu_gemv.c``).
 
-Batch-1 decode multiplies a single row by every weight matrix: a product bound by reading the weights.
-oneDNN's matrix product over its reordered bfloat16 weights, and torch's float32 ``F.linear``, run it at a
-fraction of the memory's speed; the kernel streams each plain weight row once (docs/performance.md). It is
-compiled at first use (``cpu_kernels``); no compiler or a failed build: one warning, and one row is
-multiplied as more rows are (oneDNN).
+Decode at small batches multiplies a few rows by every weight matrix: a product bound by reading the
+weights. oneDNN's matrix product over its reordered bfloat16 weights, and torch's float32 ``F.linear``, run
+it at a fraction of the memory's speed; the kernel streams each plain weight row once (docs/performance.md):
+one row in either dtype, and up to ``max_rows_bf16`` bfloat16 rows where the CPU has avx512_bf16. It is
+compiled at first use (``cpu_kernels``); no compiler or a failed build: one warning, and every product
+runs on oneDNN.
 """
 
 from __future__ import annotations
@@ -34,22 +35,37 @@ class GemvKernel:
 
     def __init__(self, path: Path):
         self.path = path
-        fn = ctypes.CDLL(str(path)).gemv  # CDLL, not PyDLL: the call runs without the GIL
+        lib = ctypes.CDLL(str(path))  # CDLL, not PyDLL: the calls run without the GIL
+        fn = lib.gemv
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int] * 2
         fn.restype = ctypes.c_int
         self._fn = fn
+        rows = lib.gemm_rows_bf16
+        rows.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int] * 2
+        rows.restype = ctypes.c_int
+        self._rows = rows
+        self.max_rows_bf16 = int(lib.max_rows_bf16())  # 1 where the CPU lacks avx512_bf16
+
+    def takes_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether the kernel multiplies this many activation rows of `dtype` (the weight's)."""
+        return rows == 1 or (dtype == torch.bfloat16 and 2 <= rows <= self.max_rows_bf16)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for an `x` of one row (any leading shape of 1s), `weight` contiguous
-        ``[out, in]`` and everything in one dtype of DTYPES on the CPU (the caller checks, once per layer)."""
+        """``x @ weight.T + bias`` for an `x` of rows the kernel takes (``takes_rows``; any leading shape),
+        `weight` contiguous ``[out, in]`` and everything in one dtype of DTYPES on the CPU (the caller checks
+        the layer once, the rows every call)."""
         out_features, in_features = weight.shape
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
-        status = self._fn(y.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                          in_features, out_features, DTYPES[x.dtype], torch.get_num_threads())
-        if status != 0:
-            raise MemoryError("gemv: no memory for the widened activation row")
+        rows = x.numel() // in_features
+        args = (y.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                in_features, out_features)
+        if rows == 1:
+            if self._fn(*args, DTYPES[x.dtype], torch.get_num_threads()) != 0:
+                raise MemoryError("gemv: no memory for the widened activation row")
+        elif self._rows(*args, rows, torch.get_num_threads()) != 0:
+            raise ValueError(f"gemv: {rows} rows of {x.dtype} are not ones this kernel takes here")
         return y
 
 
@@ -68,4 +84,4 @@ def load(environ=None) -> GemvKernel:
 @functools.lru_cache(maxsize=1)
 def kernel() -> GemvKernel | None:
     """The kernel for this process, or None (warned once) when it cannot be had here."""
-    return cpu_kernels.load_or_warn(load, "one-row product", "batch-1 decode multiplies as larger batches do", log)
+    return cpu_kernels.load_or_warn(load, "few-row product", "small decode batches multiply as larger ones do", log)
