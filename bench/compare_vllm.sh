@@ -24,9 +24,9 @@
 # - overhead: a model whose forward pass costs almost nothing (`gaudi-serve tiny-model --size overhead`:
 #   2 layers, hidden size 128, head size 32, the reference model's tokenizer), so tokens per second
 #   measure what the engine spends around it. `gaudi-serve loadtest --profile constant`, streaming
-#   /v1/completions, 128 in / 128 out, EOS ignored, OV_REQUESTS (default 192) requests at each of
-#   OV_CONCURRENCY (default "48 64"), a seed per concurrency so no prompt is cached from an earlier
-#   step. OV_THREADS=N runs ours again with N torch threads (OMP_NUM_THREADS=N, label ours-threadsN).
+#   /v1/completions, 128 in / 128 out, EOS ignored, OV_REQUESTS (default 576; runs of a few seconds
+#   swung by 25%) requests at each of OV_CONCURRENCY (default "48 64"), a seed per concurrency so no
+#   prompt is cached from an earlier step, after an unreported step of short requests at the widest. OV_THREADS=N runs ours again with N torch threads (OMP_NUM_THREADS=N, label ours-threadsN).
 # - base: the `base` model of ../shared/bench/make_bench_model.py (~150M parameters), offline as above
 #   and online at concurrency 16.
 set -euo pipefail
@@ -60,7 +60,7 @@ long_concurrency=${LONG_CONCURRENCY:-4}
 base_model=${BASE_MODEL:-$cache/model-base}
 overhead_model=${OVERHEAD_MODEL:-$cache/model-overhead}
 ov_concurrency=${OV_CONCURRENCY:-48 64}
-ov_requests=${OV_REQUESTS:-192}
+ov_requests=${OV_REQUESTS:-576}
 ov_threads=${OV_THREADS:-}
 
 [ -x "$ours/gaudi-serve" ] || { echo "run 'make venv' first" >&2; exit 2; }
@@ -121,9 +121,12 @@ start_vllm() {  # $1: log file; $2: model directory
 }
 
 overhead() {  # $1: engine label; the overhead workload against $url, reports in $log/overhead-$1-cN.json
-  local c
-  # One short step first, not reported: the first requests of a fresh server pay one-time costs.
-  "$ours/gaudi-serve" loadtest --url "$url" --api openai --profile constant --users 16 --requests 16 \
+  local c widest
+  widest=$(printf '%s\n' $ov_concurrency | sort -n | tail -1)
+  # One short step first, not reported: the first requests of a fresh server pay one-time costs, and
+  # each batch size up to the widest may be new to it (vLLM stalled for seconds on them otherwise).
+  "$ours/gaudi-serve" loadtest --url "$url" --api openai --profile constant --users "$widest" \
+    --requests "$((2 * widest))" \
     --prompt-tokens 128 --output-tokens 16 --ignore-eos --seed 1 --tokenizer "$overhead_model" \
     --model "$overhead_model" --no-progress >/dev/null
   for c in $ov_concurrency; do
