@@ -1,4 +1,5 @@
-/* One activation row times a weight matrix on a CPU: y = x W^T (+ bias), with W [out, in] as loaded.
+/* One activation row times a weight matrix on a CPU: y = x W^T (+ bias), with W [out, in] as loaded;
+   and, at the end of the file, two to eight bfloat16 rows on a CPU with avx512_bf16.
 
    Decode at batch 1 multiplies one row by every weight matrix of the model, a product bound by how
    fast the weights stream from memory. oneDNN (over its reordered weights) and torch's float32 path
@@ -141,7 +142,7 @@ int gemv(void *y, const void *x, const void *w, const void *bias, int64_t in, in
    bfloat16 dot product (two values per lane and instruction, products exact, sums in float32) keeps up
    with the memory to about eight rows. It needs the instruction, hence the one intrinsic header. */
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
 enum { MAX_ROWS = 8 };

@@ -67,6 +67,8 @@ class PagedDecodeKernel:
                           scale, DTYPES[dtype], torch.get_num_threads())
         if status == -2:
             raise MemoryError("paged decode attention: no memory for its scratch rows")
+        if status == -3:
+            raise ValueError(f"paged decode attention: head size {d} is not one the kernel takes")
         if status != 0:
             raise IndexError("paged decode attention: a block table names a block outside the KV cache, "
                              "or a context length exceeds its block table")
