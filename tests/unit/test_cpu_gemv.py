@@ -64,6 +64,11 @@ def test_takes_several_bf16_rows_exactly_where_the_cpu_has_avx512_bf16(kernel):
     assert kernel.takes_rows(1, torch.bfloat16) and kernel.takes_rows(1, torch.float32)
     assert kernel.takes_rows(8, torch.bfloat16) == kernel.takes_rows(2, torch.bfloat16) == few_rows_supported()
     assert not kernel.takes_rows(9, torch.bfloat16) and not kernel.takes_rows(2, torch.float32)
+    _, w, _ = operands(8, 64, torch.float32)
+    with pytest.raises(ValueError, match="2 rows of torch.float32"):  # refused, not misread as bf16
+        kernel(torch.randn(2, 64), w, None)
+    with pytest.raises(ValueError, match="9 rows"):
+        kernel(torch.randn(9, 64).bfloat16(), w.bfloat16(), None)
 
 
 @pytest.mark.skipif(not few_rows_supported(), reason="several rows need avx512_bf16; this CPU has one row only")

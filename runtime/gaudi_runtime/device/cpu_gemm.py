@@ -90,9 +90,9 @@ def prepack_linears(model: nn.Module, release: bool = True, few_rows: bool = Tru
     """Give every bf16 and float32 linear layer and LM head a reordered weight; returns how many got one.
 
     With `few_rows` (and the C kernel built here), a product of the few rows ``cpu_gemv`` takes runs
-    through it over the plain weight, which the layer then keeps. Otherwise, with ``release``, a layer's own weight is dropped
-    (a 0-row tensor, so that a stray ``F.linear`` on it fails loudly) unless another module shares it: a
-    tied LM head keeps the embedding's table.
+    through it over the plain weight, which the layer then keeps. Otherwise, with ``release``, a layer's
+    own weight is dropped (a 0-row tensor, so that a stray ``F.linear`` on it fails loudly) unless another
+    module shares it: a tied LM head keeps the embedding's table.
     """
     gemv = cpu_gemv.kernel() if few_rows else None
     layers = [m for dtype in PACKED_DTYPES if supported(dtype) for m in _linears(model, dtype)]

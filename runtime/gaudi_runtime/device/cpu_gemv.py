@@ -56,15 +56,16 @@ class GemvKernel:
         `weight` contiguous ``[out, in]`` and everything in one dtype of DTYPES on the CPU (the caller checks
         the layer once, the rows every call)."""
         out_features, in_features = weight.shape
+        rows = x.numel() // in_features
+        if not self.takes_rows(rows, x.dtype):
+            raise ValueError(f"gemv: {rows} rows of {x.dtype} are not ones this kernel takes here")
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
-        rows = x.numel() // in_features
         args = (y.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
                 in_features, out_features)
-        if rows == 1:
-            if self._fn(*args, DTYPES[x.dtype], torch.get_num_threads()) != 0:
-                raise MemoryError("gemv: no memory for the widened activation row")
-        elif self._rows(*args, rows, torch.get_num_threads()) != 0:
+        if rows == 1 and self._fn(*args, DTYPES[x.dtype], torch.get_num_threads()) != 0:
+            raise MemoryError("gemv: no memory for the widened activation row")
+        if rows > 1 and self._rows(*args, rows, torch.get_num_threads()) != 0:
             raise ValueError(f"gemv: {rows} rows of {x.dtype} are not ones this kernel takes here")
         return y
 

@@ -199,8 +199,8 @@ typedef struct {
     int64_t base, stride, n;
     /* where the same rows of a span AHEAD spans later start (or -1): prefetched row by row, so
        that the blocks, which lie anywhere in the cache where no hardware prefetcher looks, are
-       on their way while this span is computed. Into the outer caches (locality 1): fetches
-       into L1 wait on its few miss buffers and run at a third of the memory's speed here
+       on their way while this span is computed. Into the outer caches (locality 1): on the AMD
+       CPU measured, random blocks prefetched into L1 read at 13 GB/s, into the outer caches at 23
        (docs/performance.md). */
     int64_t ahead;
 } Span;
