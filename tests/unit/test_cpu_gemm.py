@@ -23,8 +23,8 @@ def model_dir(request, tmp_path_factory):
 
 
 def prompt_logits(model, rows: int = 2, length: int = 12) -> torch.Tensor:
-    """Logits of `rows` prompts of `length` tokens; with one row of one token (`rows=0`), every product is
-    one row, with `rows` prompts of one token (a decode batch), `rows` rows."""
+    """Logits of `rows` prompts of `length` tokens. With `rows=0` (one prompt of one token) every product
+    is one row; with `length=1` every product has `rows` rows, as in a decode batch."""
     length = length if rows else 1
     rows = rows or 1
     kv = allocate_kv_cache(model.num_layers, rows + 2, 16, model.num_kv_heads, model.head_dim, model.dtype,

@@ -139,8 +139,8 @@ int gemv(void *y, const void *x, const void *w, const void *bias, int64_t in, in
    Decode at batch 2-8 multiplies a few rows by every weight: still bound by reading the weights, where
    oneDNN runs at a third of the memory's speed (docs/performance.md). The loop above, run over several
    rows, is bound by its arithmetic instead (a multiply-add per value and row, plus widening); the CPU's
-   bfloat16 dot product (two values per lane and instruction, products exact, sums in float32) keeps up
-   with the memory to about eight rows. It needs the instruction, hence the one intrinsic header. */
+   bfloat16 dot product (two values per lane and instruction, products exact, sums in float32, denormal
+   inputs read as zero) keeps up with the memory to about eight rows. It needs the instruction, hence the one intrinsic header. */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -157,7 +157,8 @@ ALWAYS_INLINE void rows_out(uint16_t *y, const uint16_t *x, const uint16_t *w, c
     for (int m = 0; m < rows; m++) a[m] = b[m] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 64 <= in; i += 64) {
-        const __m512bh wa = (__m512bh)_mm512_loadu_si512(row + i), wb = (__m512bh)_mm512_loadu_si512(row + i + 32);
+        const __m512bh wa = (__m512bh)_mm512_loadu_si512(row + i);
+        const __m512bh wb = (__m512bh)_mm512_loadu_si512(row + i + 32);
 #pragma GCC unroll 8
         for (int m = 0; m < rows; m++) {
             a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_loadu_si512(x + m * in + i), wa);
