@@ -26,7 +26,8 @@
 #   measure what the engine spends around it. `gaudi-serve loadtest --profile constant`, streaming
 #   /v1/completions, 128 in / 128 out, EOS ignored, OV_REQUESTS (default 576; runs of a few seconds
 #   swung by 25%) requests at each of OV_CONCURRENCY (default "48 64"), a seed per concurrency so no
-#   prompt is cached from an earlier step, after an unreported step of short requests at the widest. OV_THREADS=N runs ours again with N torch threads (OMP_NUM_THREADS=N, label ours-threadsN).
+#   prompt is cached from an earlier step, after an unreported step of short requests at the widest.
+#   OV_THREADS=N runs ours again with N torch threads (OMP_NUM_THREADS=N, label ours-threadsN).
 # - base: the `base` model of ../shared/bench/make_bench_model.py (~150M parameters), offline as above
 #   and online at concurrency 16.
 set -euo pipefail
@@ -124,7 +125,7 @@ overhead() {  # $1: engine label; the overhead workload against $url, reports in
   local c widest
   widest=$(printf '%s\n' $ov_concurrency | sort -n | tail -1)
   # One short step first, not reported: the first requests of a fresh server pay one-time costs, and
-  # each batch size up to the widest may be new to it (vLLM stalled for seconds on them otherwise).
+  # each batch size up to the widest may be new to it.
   "$ours/gaudi-serve" loadtest --url "$url" --api openai --profile constant --users "$widest" \
     --requests "$((2 * widest))" \
     --prompt-tokens 128 --output-tokens 16 --ignore-eos --seed 1 --tokenizer "$overhead_model" \
