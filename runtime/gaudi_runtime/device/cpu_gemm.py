@@ -76,8 +76,9 @@ def _few_rows_or(many, gemv: cpu_gemv.GemvKernel, weight: torch.Tensor):
     """A layer kernel: the rows `gemv` takes through it over the plain `weight`, more rows (or an
     activation of another dtype, which `many` then refuses as F.linear would) through `many`."""
     def kernel(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dtype == weight.dtype and gemv.takes_rows(x.numel() // x.shape[-1], x.dtype):
-            return gemv(x, weight, bias)
+        rows = x.numel() // x.shape[-1]
+        if x.dtype == weight.dtype and gemv.takes_rows(rows, x.dtype):
+            return gemv.multiply(x, rows, weight, bias)
         return many(x, bias)
     return kernel
 

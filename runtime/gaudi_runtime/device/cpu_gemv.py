@@ -55,10 +55,15 @@ class GemvKernel:
         """``x @ weight.T + bias`` for an `x` of rows the kernel takes (``takes_rows``; any leading shape),
         `weight` contiguous ``[out, in]`` and everything in one dtype of DTYPES on the CPU (the caller checks
         the layer once, the rows every call)."""
-        out_features, in_features = weight.shape
-        rows = x.numel() // in_features
+        rows = x.numel() // weight.shape[1]
         if not self.takes_rows(rows, x.dtype):
             raise ValueError(f"gemv: {rows} rows of {x.dtype} are not ones this kernel takes here")
+        return self.multiply(x, rows, weight, bias)
+
+    def multiply(self, x: torch.Tensor, rows: int, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``__call__`` for a caller that has checked ``takes_rows(rows, x.dtype)`` itself (a layer, every
+        call: the check is not made twice)."""
+        out_features, in_features = weight.shape
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
         args = (y.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
@@ -66,7 +71,7 @@ class GemvKernel:
         if rows == 1 and self._fn(*args, DTYPES[x.dtype], torch.get_num_threads()) != 0:
             raise MemoryError("gemv: no memory for the widened activation row")
         if rows > 1 and self._rows(*args, rows, torch.get_num_threads()) != 0:
-            raise ValueError(f"gemv: {rows} rows of {x.dtype} are not ones this kernel takes here")
+            raise ValueError(f"gemv: {rows} rows are not ones this kernel takes here")
         return y
 
 
