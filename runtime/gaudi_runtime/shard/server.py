@@ -13,6 +13,7 @@ import torch
 from gaudi_runtime import recipe_cache
 from gaudi_runtime.config import Config
 from gaudi_runtime.device import select_device
+from gaudi_runtime.device.cpu_threads import adaptive_threads
 from gaudi_runtime.distributed import join_process_group, leave_process_group
 from gaudi_runtime.download import DOWNLOAD_SECONDS_ENV
 from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
@@ -29,17 +30,21 @@ def cpu_threads(world_size: int, environ=None) -> int | None:
     The shards of one pod run on the same CPUs; each taking every core oversubscribes them (collectives
     then wait on descheduled peers). The router gets no core of its own: on a quiet machine the forward
     passes gain more from every core than the router's streams lose (docs/performance.md, "Threads").
-    OMP_NUM_THREADS, when set, is the operator's choice and wins: one fewer than the cores suits a
-    machine where many streams or other processes compete for them.
+    While other processes (the router's streams among them) need a share of the cores, the shard runs
+    one thread fewer (`device/cpu_threads.py`). OMP_NUM_THREADS, when set, is the operator's choice and
+    wins, and then stays.
     """
     environ = os.environ if environ is None else environ
     if environ.get("OMP_NUM_THREADS"):
         return None
+    return max(1, len(allowed_cpus()) // max(1, world_size))
+
+
+def allowed_cpus() -> set[int]:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return os.sched_getaffinity(0)
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, world_size))
+        return set(range(os.cpu_count() or 1))
 
 
 def plan_recipe_cache(cfg: Config, model_dir: str, rank: int) -> RecipeCache | None:
@@ -76,16 +81,18 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
     if backend.name != "hpu":
         recipes = None
     threads = cpu_threads(world_size) if backend.name == "cpu" else None
+    adaptive = None
     if threads is not None:
         torch.set_num_threads(threads)
         log.info("shard %d/%d: %d torch threads", rank, world_size, threads)
+        adaptive = adaptive_threads(threads, world_size, allowed_cpus(), torch.set_num_threads)
     group = join_process_group(backend.distributed_backend, rank, world_size)
     runner = ModelRunner(cfg, model_dir, backend, rank, world_size, group, recipe_cache=recipes,
                          download_seconds=download_seconds())
     urls = [f"unix://{cfg.shard_socket(r)}" for r in range(world_size)]
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
-    pb_grpc.add_TextGenerationServiceServicer_to_server(ShardServicer(runner, rank, world_size, urls), server)
+    pb_grpc.add_TextGenerationServiceServicer_to_server(ShardServicer(runner, rank, world_size, urls, adaptive), server)
     path = cfg.shard_socket(rank)
     if os.path.exists(path):
         os.unlink(path)

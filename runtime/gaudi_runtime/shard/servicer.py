@@ -49,8 +49,9 @@ def to_generations(step: StepResult, rank: int) -> pb.Generations:
 
 
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
-    def __init__(self, runner: ModelRunner, rank: int, world_size: int, uds_urls: list[str]):
+    def __init__(self, runner: ModelRunner, rank: int, world_size: int, uds_urls: list[str], threads=None):
         self.runner = runner
+        self.threads = threads  # AdaptiveThreads of a CPU shard, adjusted before each pass; else None
         self.rank = rank
         self.world_size = world_size
         self.uds_urls = uds_urls
@@ -97,6 +98,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             for r in request.batch.requests
         ]
         async with self.order.turn(request.sequence):
+            self._adjust_threads()
             try:
                 step = self.runner.prefill(request.batch.id, reqs)
             except ValueError as e:
@@ -110,6 +112,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
 
     async def Decode(self, request, context):
         async with self.order.turn(request.sequence):
+            self._adjust_threads()
             try:
                 batch_id, step = self.runner.decode([(b.id, list(b.request_ids)) for b in request.batches])
                 steps = [step]
@@ -125,6 +128,10 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             forward_ns=sum(s.forward_ns for s in steps),
             unwarmed_shapes=self.runner.unwarmed_shapes,
         )
+
+    def _adjust_threads(self) -> None:
+        if self.threads is not None:
+            self.threads.adjust()
 
     async def CompileGrammar(self, request, context):
         grammars = self.runner.grammars
