@@ -139,3 +139,20 @@ def test_a_row_of_another_dtype_is_refused_not_misread(model_dir):
     head = model.lm_head
     with pytest.raises(RuntimeError):
         head.kernel(torch.randn(1, head.weight.shape[1]), None)
+
+
+@pytest.mark.parametrize("rows,length", [(1, 30), (3, 1), (24, 1)])
+def test_the_logits_do_not_depend_on_the_thread_count(model_dir, rows, length):
+    # A CPU shard changes its thread count with the machine's load (device/cpu_threads.py): the answer
+    # must not change with it.
+    if torch.get_num_threads() < 2:
+        pytest.skip("one core: there is no other thread count")
+    model = load_model(str(model_dir), torch.bfloat16, torch.device("cpu"))
+    cpu_gemm.prepack_linears(model)
+    most = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = prompt_logits(model, rows=rows, length=length)
+    finally:
+        torch.set_num_threads(most)
+    assert torch.equal(prompt_logits(model, rows=rows, length=length), one)
