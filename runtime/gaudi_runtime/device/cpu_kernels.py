@@ -3,8 +3,8 @@
 A kernel's C source ships with the package and is compiled with the system C compiler (``$CC``, else
 ``cc``) for this CPU (``-march=native``), into a per-user cache (``$XDG_CACHE_HOME/gaudi-serve/kernels``;
 a directory of the user's own under the temporary directory where that is read-only) keyed by everything
-that changes the binary (source, flags, compiler command and version, CPU flags, the OpenMP runtime
-torch loaded), so a restart loads it in milliseconds. It is written under a temporary name and renamed,
+that changes the binary (source and the headers beside it, flags, compiler command and version, CPU
+flags, the OpenMP runtime torch loaded), so a restart loads it in milliseconds. It is written under a temporary name and renamed,
 so that shards and tests compiling at once never load a half-written file. Callers load it with
 ``ctypes`` (``CDLL``: calls release the GIL) and fall back to torch when it cannot be had.
 """
@@ -109,8 +109,9 @@ def build(source: Path, name: str, environ=None) -> Path:
     runtime = openmp_runtime()
     link = [runtime, f"-Wl,-rpath,{os.path.dirname(runtime)}"] if runtime else ["-lgomp"]
     # The compiler's own command is part of the key: $CC may carry flags (e.g. -mno-avx512f).
-    key = hashlib.sha256("\0".join([source.read_text(), shlex.join(cc), shlex.join(FLAGS), shlex.join(link),
-                                     version, _cpu_flags()]).encode())
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what `#include "..."` finds
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, shlex.join(cc), shlex.join(FLAGS),
+                                     shlex.join(link), version, _cpu_flags()]).encode())
     directory = _writable_dir(environ)
     target = directory / f"{name}-{key.hexdigest()[:24]}.so"
     if target.exists():

@@ -23,20 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#include "cpu_vectors.h"
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
-/* Vectors of LANES floats: one AVX-512 register, else 8 lanes (one AVX2 register; two SSE or NEON
-   ones). Wider vectors than the CPU has are lowered lane by lane in places, which costs more than
-   it saves. REGS: how many the accumulators of one tile may take. */
-#if defined(__AVX512F__)
-#define LANES 16
-#define REGS 16
-#else
-#define LANES 8
-#define REGS 8
-#endif
 /* Positions scored together: one vector of scores. */
 enum { SPAN = LANES };
 /* How many spans ahead the rows are prefetched: a span's arithmetic outlasts a fetch from memory. */
@@ -45,11 +35,6 @@ enum { AHEAD = 2 };
    per tile <= MAX_GT (tile_heads). Arrays of a fixed size are kept in registers once the loops over
    them unroll; variable-length ones stay on the stack, and every step then waits on a store. */
 enum { MAX_HEAD_SIZE = 256, MAX_C = MAX_HEAD_SIZE / 8, MAX_GT = 8 };
-
-typedef float f32xL __attribute__((vector_size(LANES * 4)));
-typedef int32_t i32xL __attribute__((vector_size(LANES * 4)));
-typedef uint32_t u32xL __attribute__((vector_size(LANES * 4)));
-typedef uint16_t u16xL __attribute__((vector_size(LANES * 2)));
 
 #if defined(__clang__) || __GNUC__ >= 12
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -147,26 +132,6 @@ ALWAYS_INLINE f32xL combine(f32xL a, f32xL b, const int level) {
     return SHUFFLE(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
 }
 #endif
-
-ALWAYS_INLINE f32xL select_lanes(i32xL mask, f32xL a, f32xL b) {
-    return (f32xL)((mask & (i32xL)a) | (~mask & (i32xL)b));
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum): 2^n * e^r with |r| <= ln2 / 2 and a degree-6
-   Taylor polynomial for e^r (relative error about 1e-7); lane arithmetic only, no libm call. */
-ALWAYS_INLINE f32xL exp_nonpositive(f32xL x) {
-    x = select_lanes(x < -87.0f, (f32xL){} - 87.0f, x);
-    const i32xL n = __builtin_convertvector(x * 1.44269504f - 0.5f, i32xL);  /* truncation: round(x / ln2) */
-    const f32xL nf = __builtin_convertvector(n, f32xL);
-    const f32xL r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    f32xL y = r * (1.0f / 720.0f) + 1.0f / 120.0f;
-    y = y * r + 1.0f / 24.0f;
-    y = y * r + 1.0f / 6.0f;
-    y = y * r + 0.5f;
-    y = y * r + 1.0f;
-    y = y * r + 1.0f;
-    return y * (f32xL)((n + 127) << 23);
-}
 
 /* Turns a row of scores into unnormalized probabilities in place and returns their sum. The row is
    `padded` long (a multiple of LANES), its entries past the real ones very negative: their exp is

@@ -99,7 +99,7 @@ class AdaptiveThreads:
             return self.current
         threads = next_threads(self.policy, self.current, others)
         if threads != self.current:
-            log.info("%d torch threads: other processes used %.2f of these %d cores", threads, others,
+            log.info("torch threads: %d (other processes used %.2f of these %d cores)", threads, others,
                      len(self.use.cpus))
             self.current = threads
             self.set_threads(threads)

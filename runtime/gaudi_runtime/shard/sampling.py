@@ -3,7 +3,8 @@
 Everything in ``BatchSampler.__call__`` is tensor code over the whole batch: no Python loop over rows
 and no host-device synchronisation (the caller does ``.tolist()`` on the outputs). Which processors
 run is decided on the host, once, when the sampler is built (or filtered/concatenated), so a batch
-that only asks for greedy decoding pays for an argmax and a log-softmax and nothing else.
+that only asks for greedy decoding pays for an argmax and a log-softmax and nothing else (on a CPU,
+without top-n tokens, one C call that gives both: ``device/cpu_sampling.py``).
 
 Semantics (TGI's ``HeterogeneousNextTokenChooser``):
 
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gaudi_runtime.device import cpu_sampling
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.shard.grammar import GrammarRows, allowed_tokens
 
@@ -53,6 +55,16 @@ _U64 = (1 << 64) - 1
 
 
 ARGMAX_CHUNK = 64
+
+
+def cpu_greedy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids, log-probabilities) of greedy rows from the CPU's C kernel, which reads the scores twice where
+    a log_softmax and an argmax read them several times; None on another device, without the kernel, or
+    for rows it leaves to torch (a NaN, no finite maximum)."""
+    if scores.device.type != "cpu":
+        return None
+    kernel = cpu_sampling.kernel()
+    return None if kernel is None else kernel(scores)
 
 
 def row_argmax(scores: torch.Tensor) -> torch.Tensor:
@@ -399,28 +411,32 @@ class BatchSampler:
             scores = scores.masked_fill(~allowed_tokens(bitmask[:b], self.vocab_size), float("-inf"))
         scores = self._penalise(scores)
 
-        if not self.any_sample:
-            logprobs_all = torch.log_softmax(scores, dim=-1)
-            next_ids = row_argmax(scores)
+        chosen = cpu_greedy(scores) if not self.any_sample and self.max_top_n == 0 else None
+        if chosen is not None:
+            next_ids, logprobs = chosen
         else:
-            if self.temperature is not None:
-                scores = scores / self.temperature
-            logprobs_all = torch.log_softmax(scores, dim=-1)
-            warped = self._warp(scores, logprobs_all)
-            noise = gumbel_noise(self.seeds, self.steps, self._offsets)
-            sampled = row_argmax(warped + noise)
-            if self.all_sample:
-                next_ids = sampled
-            else:
-                next_ids = torch.where(self.sample_mask, sampled, row_argmax(scores))
-
-        logprobs = logprobs_all.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+            next_ids, logprobs_all = self._choose(scores)
+            logprobs = logprobs_all.gather(1, next_ids.unsqueeze(1)).squeeze(1)
         top_ids = top_logprobs = None
         if self.max_top_n > 0:
             top_logprobs, top_ids = torch.topk(logprobs_all, min(self.max_top_n, self.vocab_size), dim=-1)
 
         self._record(next_ids)
         return SampleOutput(next_ids=next_ids, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
+
+    def _choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(next ids, every token's log-probability) of the penalised scores, with torch."""
+        if not self.any_sample:
+            return row_argmax(scores), torch.log_softmax(scores, dim=-1)
+        if self.temperature is not None:
+            scores = scores / self.temperature
+        logprobs_all = torch.log_softmax(scores, dim=-1)
+        warped = self._warp(scores, logprobs_all)
+        noise = gumbel_noise(self.seeds, self.steps, self._offsets)
+        sampled = row_argmax(warped + noise)
+        if self.all_sample:
+            return sampled, logprobs_all
+        return torch.where(self.sample_mask, sampled, row_argmax(scores)), logprobs_all
 
     def _penalise(self, scores: torch.Tensor) -> torch.Tensor:
         """Repetition, TGI's frequency, OpenAI's frequency and presence penalties (greedy and sampled rows)."""
