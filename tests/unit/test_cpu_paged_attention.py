@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,6 +232,20 @@ def test_flags_in_cc_give_a_library_of_their_own(no_kernel_yet, monkeypatch, tmp
     monkeypatch.setenv("CC", "cc -DGAUDI_SERVE_TEST_FLAG=1")
     flagged = cpu_paged_attention.build()
     assert flagged != plain and flagged.exists() and plain.exists()
+
+
+def test_a_changed_header_gives_a_library_of_its_own(monkeypatch, tmp_path):
+    """The kernels include cpu_vectors.h: a library built before the header changed is not served."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    src.mkdir()
+    source = src / "cpu_sampling.c"
+    for name in (source.name, "cpu_vectors.h"):
+        shutil.copy(Path(cpu_paged_attention.__file__).with_name(name), src / name)
+    before = cpu_kernels.build(source, "sampling")
+    (src / "cpu_vectors.h").write_text((src / "cpu_vectors.h").read_text() + "\n/* changed */\n")
+    after = cpu_kernels.build(source, "sampling")
+    assert after != before and after.exists()
 
 
 def test_a_read_only_cache_falls_back_to_a_private_temporary_directory(no_kernel_yet, monkeypatch, tmp_path):

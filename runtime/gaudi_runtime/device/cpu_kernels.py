@@ -4,9 +4,10 @@ A kernel's C source ships with the package and is compiled with the system C com
 ``cc``) for this CPU (``-march=native``), into a per-user cache (``$XDG_CACHE_HOME/gaudi-serve/kernels``;
 a directory of the user's own under the temporary directory where that is read-only) keyed by everything
 that changes the binary (source and the headers beside it, flags, compiler command and version, CPU
-flags, the OpenMP runtime torch loaded), so a restart loads it in milliseconds. It is written under a temporary name and renamed,
-so that shards and tests compiling at once never load a half-written file. Callers load it with
-``ctypes`` (``CDLL``: calls release the GIL) and fall back to torch when it cannot be had.
+flags, the OpenMP runtime torch loaded), so a restart loads it in milliseconds. It is written under a
+temporary name and renamed, so that shards and tests compiling at once never load a half-written file.
+Callers load it with ``ctypes`` (``CDLL``: calls release the GIL) and fall back to torch when it cannot
+be had.
 """
 
 from __future__ import annotations

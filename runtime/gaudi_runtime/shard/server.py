@@ -92,7 +92,8 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
     urls = [f"unix://{cfg.shard_socket(r)}" for r in range(world_size)]
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
-    pb_grpc.add_TextGenerationServiceServicer_to_server(ShardServicer(runner, rank, world_size, urls, adaptive), server)
+    servicer = ShardServicer(runner, rank, world_size, urls, threads=adaptive)
+    pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
     path = cfg.shard_socket(rank)
     if os.path.exists(path):
         os.unlink(path)
