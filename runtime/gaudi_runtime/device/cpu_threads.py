@@ -21,7 +21,6 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ThreadPolicy:
     most: int  # the threads of a shard whose cores are free: its share of them
-    shards: int = 1  # shards on these cores, each using about what this one uses
     drop_at: float = 0.35  # cores the other processes use, averaged over a window: one thread fewer
     restore_at: float = 0.15  # ...and back to every core at or below this
     window_s: float = 1.0
@@ -57,7 +56,8 @@ def own_ticks(self_stat_text: str) -> int:
 
 
 class CoreUse:
-    """Cores the rest of the machine used on this process's CPUs since the last reading."""
+    """Cores the rest of the machine used on this process's CPUs since the last reading. `shards`: the
+    shards on these CPUs, each taken to use about what this one uses."""
 
     def __init__(self, cpus: set[int], shards: int):
         self.cpus, self.shards = cpus, shards
@@ -90,9 +90,10 @@ class AdaptiveThreads:
         self._due = clock() + policy.window_s
 
     def adjust(self) -> int:
-        if self.clock() < self._due:
+        now = self.clock()
+        if now < self._due:
             return self.current
-        self._due = self.clock() + self.policy.window_s
+        self._due = now + self.policy.window_s
         elapsed, others = self.use.others()
         if elapsed > 2 * self.policy.window_s:
             # The shard was idle for part of it: what ran then (a client starting, say) is over.
@@ -116,4 +117,4 @@ def adaptive_threads(most: int, shards: int, cpus: set[int], set_threads) -> Ada
     except (OSError, ValueError, IndexError) as e:
         log.info("torch threads stay at %d: cannot read the CPUs' use (%s)", most, e)
         return None
-    return AdaptiveThreads(ThreadPolicy(most=most, shards=shards), use, set_threads)
+    return AdaptiveThreads(ThreadPolicy(most=most), use, set_threads)

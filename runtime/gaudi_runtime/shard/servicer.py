@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from gaudi_runtime.device.cpu_threads import AdaptiveThreads
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
@@ -49,9 +50,10 @@ def to_generations(step: StepResult, rank: int) -> pb.Generations:
 
 
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
-    def __init__(self, runner: ModelRunner, rank: int, world_size: int, uds_urls: list[str], threads=None):
+    def __init__(self, runner: ModelRunner, rank: int, world_size: int, uds_urls: list[str],
+                 threads: AdaptiveThreads | None = None):
         self.runner = runner
-        self.threads = threads  # AdaptiveThreads of a CPU shard, adjusted before each pass; else None
+        self.threads = threads  # a CPU shard's, adjusted before each pass
         self.rank = rank
         self.world_size = world_size
         self.uds_urls = uds_urls
