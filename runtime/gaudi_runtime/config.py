@@ -133,6 +133,9 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
      "weights, compiled as CPU_PAGED_ATTENTION's is; each linear layer "
      "keeps its plain weight for it beside oneDNN's reordered copy, twice the linear weights' memory. false, "
      "or no compiler: oneDNN for every product."),
+    ("CPU_LAYER_OPS", _bool, True, "CPU: each RMSNorm (with its residual add), rotary embedding and KV cache write "
+     "of a float32 or bfloat16 model runs as one C call, compiled as CPU_PAGED_ATTENTION's is, instead of "
+     "several torch operators. false, or no compiler: torch's operators."),
     ("RECIPE_CACHE_SIZE_MB", int, 16384, "Gaudi: most megabytes of recipes each shard keeps under "
      "--recipe-cache-dir (Habana drops the oldest beyond it)."),
     ("QUANT_CONFIG", str, None, "INC FP8 JSON (QUANTIZE mode, allowlist/blocklist, dump_stats_path); implies "
@@ -222,6 +225,7 @@ class Config:
     flash_attention_recompute: bool = False
     cpu_paged_attention: bool = True
     cpu_gemv: bool = True
+    cpu_layer_ops: bool = True
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -7,7 +7,7 @@ numbers are the model's forward pass and nothing else (docs/performance.md). Var
 attention: ``paged`` reads the cache in place with the C kernel, ``sdpa`` and ``grouped`` run over
 the gathered blocks; linear layers as the CPU backend sets them up, one-row products through the C
 kernel, or ``no-gemv`` without it, or ``torch-linear`` F.linear for every product; ``plain``: the gather
-and F.linear) are
+and F.linear; norms, rotary and cache writes through one C call each, ``torch-layer-ops`` in torch) are
 interleaved, repetition by repetition, so that a noisy machine hurts them alike; the minimum
 and the median of the repetitions are printed. ``--profile`` adds torch.profiler's top
 operators for each batch size with the kernels the CPU backend selects.
@@ -24,21 +24,28 @@ import torch.nn.functional as F
 
 from gaudi_runtime.buckets import ceil_div
 from gaudi_runtime.device.cpu_gemm import prepack_linears
+from gaudi_runtime.device.cpu_layer_ops import use_layer_ops
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers import attention
-from gaudi_runtime.layers.attention import AttentionMetadata, grouped_decode_attention
+from gaudi_runtime.layers.attention import Attention, AttentionMetadata, grouped_decode_attention
+from gaudi_runtime.layers.embedding import ParallelLMHead
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
+from gaudi_runtime.layers.linear import LinearBase
+from gaudi_runtime.layers.norm import RMSNorm
+from gaudi_runtime.layers.rotary import RotaryEmbedding
 from gaudi_runtime.models.registry import load_model
 
 BLOCK = 16
 # name: (decode attention over the gathered blocks, read the cache in place, linear layers' kernels:
-# "gemv" as the CPU backend sets them up, "no-gemv" without the one-row kernel, "torch" F.linear)
-VARIANTS = {"paged": (grouped_decode_attention, True, "gemv"),
-            "no-gemv": (grouped_decode_attention, True, "no-gemv"),
-            "torch-linear": (grouped_decode_attention, True, "torch"),
-            "sdpa": (F.scaled_dot_product_attention, False, "gemv"),
-            "grouped": (grouped_decode_attention, False, "gemv"),
-            "plain": (grouped_decode_attention, False, "torch")}
+# "gemv" as the CPU backend sets them up, "no-gemv" without the one-row kernel, "torch" F.linear; norms,
+# rotary and cache writes through the layer operations kernel)
+VARIANTS = {"paged": (grouped_decode_attention, True, "gemv", True),
+            "torch-layer-ops": (grouped_decode_attention, True, "gemv", False),
+            "no-gemv": (grouped_decode_attention, True, "no-gemv", True),
+            "torch-linear": (grouped_decode_attention, True, "torch", True),
+            "sdpa": (F.scaled_dot_product_attention, False, "gemv", True),
+            "grouped": (grouped_decode_attention, False, "gemv", True),
+            "plain": (grouped_decode_attention, False, "torch", False)}
 
 
 def step_inputs(batch: int, context: int, vocab: int):
@@ -52,7 +59,7 @@ def step_inputs(batch: int, context: int, vocab: int):
 
 def linear_kernels(model):
     """A function that sets every linear layer's kernels as a VARIANTS entry names them."""
-    layers = [m for m in model.modules() if hasattr(m, "kernel")]
+    layers = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
     prepack_linears(model, release=False, few_rows=False)
     kernels = {"no-gemv": [m.kernel for m in layers]}
     prepack_linears(model, release=False)
@@ -63,6 +70,20 @@ def linear_kernels(model):
         for m, kernel in zip(layers, kernels[name]):
             m.kernel = kernel
     return use_linears
+
+
+def layer_ops(model):
+    """A function that gives the model's norms, rotary and attention modules the layer operations kernel's
+    calls (True) or leaves them to torch (False)."""
+    use_layer_ops(model)
+    hooks = [(m, name, m.__dict__[name]) for m in model.modules()
+             if isinstance(m, (RMSNorm, RotaryEmbedding, Attention))
+             for name in ("kernel", "cache_writer") if name in m.__dict__]
+
+    def use_layer_ops_kernel(on: bool) -> None:
+        for m, name, call in hooks:
+            setattr(m, name, call if on else None)
+    return use_layer_ops_kernel
 
 
 def main() -> None:
@@ -82,6 +103,7 @@ def main() -> None:
         tune_host_allocator()
     model = load_model(args.model_id, getattr(torch, args.dtype), torch.device("cpu"))
     use_linears = linear_kernels(model)
+    use_ops = layer_ops(model)
     blocks = 1 + max(args.batch) * ceil_div(args.context, BLOCK)
     kv = allocate_kv_cache(model.num_layers, blocks, BLOCK, model.num_kv_heads, model.head_dim,
                            getattr(torch, args.dtype), torch.device("cpu"))
@@ -102,9 +124,10 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in args.variants}
             for _ in range(args.repeats):
                 for name in args.variants:
-                    kernel, in_place, linears = VARIANTS[name]
+                    kernel, in_place, linears, ops = VARIANTS[name]
                     attention.IMPL.decode, attention.IMPL.paged_decode = kernel, paged if in_place else None
                     use_linears(linears)
+                    use_ops(ops)
                     step(*inputs)
                     start = time.perf_counter()
                     for _ in range(args.steps):
@@ -116,6 +139,7 @@ def main() -> None:
                 impl = attention.select_attention(True, False, "cpu")
                 attention.IMPL.decode, attention.IMPL.paged_decode = impl.decode, impl.paged_decode
                 use_linears("gemv")
+                use_ops(True)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     for _ in range(args.steps):
                         step(*inputs)

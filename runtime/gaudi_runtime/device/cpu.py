@@ -8,6 +8,7 @@ import torch
 
 from gaudi_runtime.device.base import Backend
 from gaudi_runtime.device.cpu_gemm import prepack_linears
+from gaudi_runtime.device.cpu_layer_ops import use_layer_ops
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 
 
@@ -28,3 +29,5 @@ class CpuBackend(Backend):
 
     def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
         prepack_linears(model, few_rows=cfg is None or cfg.cpu_gemv)
+        if cfg is None or cfg.cpu_layer_ops:
+            use_layer_ops(model)

@@ -48,17 +48,6 @@ enum { MAX_HEAD_SIZE = 256, MAX_C = MAX_HEAD_SIZE / 8, MAX_GT = 8 };
    row (q, k, v, out) uses the same order, so dot products and sums are unaffected, and storing
    interleaves them back. */
 
-ALWAYS_INLINE f32xL load_plain(const void *base, int64_t offset, const int bf16) {
-    if (bf16) {
-        u16xL h;
-        memcpy(&h, (const uint16_t *)base + offset, sizeof h);
-        return (f32xL)(__builtin_convertvector(h, u32xL) << 16);
-    }
-    f32xL f;
-    memcpy(&f, (const float *)base + offset, sizeof f);
-    return f;
-}
-
 ALWAYS_INLINE void load_row(const void *base, int64_t offset, const int64_t c, const int bf16, f32xL *row) {
     int64_t i = 0;
     if (bf16) {
@@ -71,14 +60,6 @@ ALWAYS_INLINE void load_row(const void *base, int64_t offset, const int64_t c, c
         }
     }
     for (; i < c; i++) row[i] = load_plain(base, offset + i * LANES, bf16);
-}
-
-/* float32 -> bfloat16 bits in the low half of each lane, rounded to nearest even as torch rounds. */
-ALWAYS_INLINE u32xL to_bf16(f32xL v) {
-    const u32xL bits = (u32xL)v;
-    const u32xL rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-    const u32xL nan = (u32xL)((bits & 0x7fffffffu) > 0x7f800000u);
-    return (nan & 0x7fc0u) | (~nan & rounded);
 }
 
 ALWAYS_INLINE void store_row(void *base, int64_t offset, const int64_t c, const int bf16, const f32xL *row,

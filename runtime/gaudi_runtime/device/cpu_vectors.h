@@ -5,6 +5,7 @@
 #define GAUDI_SERVE_CPU_VECTORS_H
 
 #include <stdint.h>
+#include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -42,6 +43,26 @@ ALWAYS_INLINE f32xL exp_nonpositive(f32xL x) {
     y = y * r + 1.0f;
     y = y * r + 1.0f;
     return y * (f32xL)((n + 127) << 23);
+}
+
+/* LANES values of a float32 or bfloat16 row from base + offset (in elements), as floats. */
+ALWAYS_INLINE f32xL load_plain(const void *base, int64_t offset, const int bf16) {
+    if (bf16) {
+        u16xL h;
+        memcpy(&h, (const uint16_t *)base + offset, sizeof h);
+        return (f32xL)(__builtin_convertvector(h, u32xL) << 16);
+    }
+    f32xL f;
+    memcpy(&f, (const float *)base + offset, sizeof f);
+    return f;
+}
+
+/* float32 -> bfloat16 bits in the low half of each lane, rounded to nearest even as torch rounds. */
+ALWAYS_INLINE u32xL to_bf16(f32xL v) {
+    const u32xL bits = (u32xL)v;
+    const u32xL rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const u32xL nan = (u32xL)((bits & 0x7fffffffu) > 0x7f800000u);
+    return (nan & 0x7fc0u) | (~nan & rounded);
 }
 
 #endif

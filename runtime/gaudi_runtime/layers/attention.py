@@ -305,6 +305,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 class Attention(nn.Module):
     k_scale = 1.0  # per-tensor scales of a float8 KV cache (set by gaudi_runtime.quant)
     v_scale = 1.0
+    # ``(k_cache, v_cache, k, v, slots)`` -> whether it wrote them (False: caches or tensors it does not take,
+    # nothing written); set by the backend after loading (``device/cpu_layer_ops.py``). None: `write_kv`.
+    cache_writer = None
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
         super().__init__()
@@ -329,7 +332,8 @@ class Attention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:
         """q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]`` -> ``[B, S, Hq * D]``."""
         b, s = q.shape[:2]
-        if kv_cache is not None:
+        if kv_cache is not None and not (self.cache_writer is not None
+                                         and self.cache_writer(kv_cache[0], kv_cache[1], k, v, meta.slots)):
             write_kv(kv_cache[0], kv_cache[1], k, v, meta.slots, self.k_scale, self.v_scale)
         if meta.is_prefill:
             if kv_cache is not None and kv_cache[0].dtype in FP8_KV_DTYPES:

@@ -42,10 +42,21 @@ class _Norm(nn.Module):
 
 
 class RMSNorm(_Norm):
+    # ``(x, residual, weight, eps)`` -> what ``forward`` returns, or None for tensors it does not take; set
+    # by the backend after loading (the CPU's fused call, ``device/cpu_layer_ops.py``). None: torch's code.
+    kernel = None
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = _replicated(hidden_size)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.kernel is not None:
+            out = self.kernel(x, residual, self.weight, self.eps)
+            if out is not None:
+                return out
+        return super().forward(x, residual)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -90,6 +90,10 @@ class RotaryEmbedding(nn.Module):
     Positions outside the cache are not checked (no host sync); the caller keeps them in range.
     """
 
+    # ``(positions, q, k, cos, sin)`` -> rotated ``(q, k)``, or None for tensors it does not take; set by the
+    # backend after loading (the CPU's fused call, ``device/cpu_layer_ops.py``). None: torch's code.
+    kernel = None
+
     def __init__(self, head_dim: int, max_position: int, theta: float = 10000.0,
                  scaling: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None):
@@ -109,6 +113,10 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.kernel is not None:
+            rotated = self.kernel(positions, q, k, self.cos, self.sin)
+            if rotated is not None:
+                return rotated
         # Looked up per layer, not cached across layers: a device graph captured on a cache hit would
         # bake in the rows of the positions it was captured with.
         cos = self.cos[positions].unsqueeze(-2)  # [..., 1, D/2]
