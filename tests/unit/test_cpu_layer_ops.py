@@ -171,3 +171,34 @@ def test_switched_off_the_modules_keep_torchs_code(model_dir):
     CpuBackend().prepare_model(model, Config(cpu_layer_ops=False))
     assert all(m.kernel is None for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding)))
     assert all(m.cache_writer is None for m in model.modules() if isinstance(m, Attention))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_shards_runner_takes_the_calls_on_its_own_tensors(tmp_path, dtype, monkeypatch):
+    """The runner's prefill and decode hand the calls tensors they take (int64 positions and slots, rows
+    evenly spaced): no step silently falls back to torch."""
+    from gaudi_runtime.config import resolve
+    from gaudi_runtime.proto import generate_pb2 as pb
+    from gaudi_runtime.shard.runner import ModelRunner, PrefillInput
+    from gaudi_runtime.shard.servicer import to_params
+
+    answered, refused = [], []
+    for name in ("rms_norm", "rotary", "write_kv"):
+        real = getattr(cpu_layer_ops.LayerOpsKernel, name)
+
+        def counted(self, *args, _real=real, _name=name):
+            out = _real(self, *args)
+            (refused if out is None or out is False else answered).append(_name)
+            return out
+        monkeypatch.setattr(cpu_layer_ops.LayerOpsKernel, name, counted)
+    model_dir = make_tiny_model(tmp_path / "llama", "llama")
+    cfg = resolve(None, {"MODEL_ID": str(model_dir), "DTYPE": dtype, "DEVICE": "cpu", "BLOCK_SIZE": "4",
+                         "MAX_TOTAL_TOKENS": "64", "MAX_BATCH_SIZE": "4", "NUM_SHARD": "1"})
+    runner = ModelRunner(cfg, str(model_dir), CpuBackend())
+    params = to_params(pb.NextTokenChooserParameters())
+    runner.prefill(1, [PrefillInput(1, list(range(3, 12)), params, 0, [1, 2, 3, 4], False),
+                       PrefillInput(2, list(range(5, 10)), params, 0, [5, 6, 7], False)])
+    for _ in range(3):
+        runner.decode([(1, [1, 2])])
+    assert not refused
+    assert {"rms_norm", "rotary", "write_kv"} <= set(answered)

@@ -102,16 +102,17 @@ def _run(cmd: list[str]) -> str:
     return done.stdout
 
 
-def build(source: Path, name: str, environ=None) -> Path:
+def build(source: Path, name: str, environ=None, extra_flags: tuple[str, ...] = ()) -> Path:
     """The library compiled from `source` for this compiler and CPU, named `name`-<key>.so: from the cache,
-    else compiled into it."""
+    else compiled into it. `extra_flags`: this kernel's own, after FLAGS."""
     cc = compiler(environ)
+    flags = (*FLAGS, *extra_flags)
     version = (_run([*cc, "--version"]).splitlines() or [""])[0]
     runtime = openmp_runtime()
     link = [runtime, f"-Wl,-rpath,{os.path.dirname(runtime)}"] if runtime else ["-lgomp"]
     # The compiler's own command is part of the key: $CC may carry flags (e.g. -mno-avx512f).
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what `#include "..."` finds
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, shlex.join(cc), shlex.join(FLAGS),
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, shlex.join(cc), shlex.join(flags),
                                      shlex.join(link), version, _cpu_flags()]).encode())
     directory = _writable_dir(environ)
     target = directory / f"{name}-{key.hexdigest()[:24]}.so"
@@ -124,7 +125,7 @@ def build(source: Path, name: str, environ=None) -> Path:
         raise KernelUnavailable(f"cannot write the kernel cache {directory}: {e}") from None
     try:
         # Compiled, then linked without -fopenmp, which would add the compiler's own libgomp.
-        _run([*cc, *FLAGS, "-c", "-o", f"{tmp}.o", str(source)])
+        _run([*cc, *flags, "-c", "-o", f"{tmp}.o", str(source)])
         _run([*cc, "-shared", "-o", tmp, f"{tmp}.o", *link])
         os.replace(tmp, target)  # atomic: a concurrent loader sees no file or a whole one
     finally:
@@ -134,10 +135,10 @@ def build(source: Path, name: str, environ=None) -> Path:
     return target
 
 
-def load(source: Path, name: str, wrap: Callable[[Path], K], environ=None) -> K:
+def load(source: Path, name: str, wrap: Callable[[Path], K], environ=None, extra_flags: tuple[str, ...] = ()) -> K:
     """Build (or find) the library and wrap it (``wrap(path)`` opens it with ctypes); raises
     KernelUnavailable saying why not."""
-    path = build(source, name, environ)
+    path = build(source, name, environ, extra_flags)
     try:
         return wrap(path)
     except (OSError, AttributeError) as e:

@@ -11,13 +11,8 @@
    row's last vector may be partial (LANES floats do not divide every size): it is read and written
    lane by lane. */
 
-/* No fused multiply-adds: torch rounds each product before the sum, and so must this file. Before the
-   includes, so that the header's inline functions are compiled the same way. */
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#else
-#pragma GCC optimize("fp-contract=off")
-#endif
+/* Compiled with -ffp-contract=off (cpu_layer_ops.py): torch rounds each product before the sum, so no
+   multiply-add may be fused here, which GCC otherwise does for -std=gnu11. */
 
 #include <math.h>
 #include <stdint.h>
@@ -32,11 +27,16 @@ enum { PARALLEL_MIN = 1 << 16 };
 /* The first n (<= LANES) values from base + offset; the lanes past them are 0. */
 ALWAYS_INLINE f32xL load_n(const void *base, int64_t offset, int64_t n, const int bf16) {
     if (n == LANES) return load_plain(base, offset, bf16);
-    u32xL bits = {};
-    for (int64_t i = 0; i < n; i++)
-        bits[i] = bf16 ? (uint32_t)((const uint16_t *)base)[offset + i] << 16
-                       : ((const uint32_t *)base)[offset + i];
-    return (f32xL)bits;
+    f32xL v = {};
+    for (int64_t i = 0; i < n; i++) {
+        if (bf16) {
+            const uint32_t bits = (uint32_t)((const uint16_t *)base)[offset + i] << 16;
+            memcpy((float *)&v + i, &bits, sizeof bits);
+        } else {
+            v[i] = ((const float *)base)[offset + i];
+        }
+    }
+    return v;
 }
 
 /* The first n (<= LANES) lanes of v to base + offset, rounded to the dtype. */

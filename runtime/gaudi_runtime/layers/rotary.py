@@ -87,7 +87,8 @@ class RotaryEmbedding(nn.Module):
     """Holds cos/sin for positions ``[0, max_position)``; ``forward(positions, q, k)`` rotates q and k.
 
     q: ``[..., num_heads, head_dim]``, k: ``[..., num_kv_heads, head_dim]``, positions: ``[...]``.
-    Positions outside the cache are not checked (no host sync); the caller keeps them in range.
+    Positions outside the cache are not checked (no host sync); the caller keeps them in range. (The
+    CPU's call, which reads them on the host anyway, raises IndexError for them.)
     """
 
     # ``(positions, q, k, cos, sin)`` -> rotated ``(q, k)``, or None for tensors it does not take; set by the
