@@ -29,8 +29,12 @@ def test_ids_are_argmaxs_and_logprobs_log_softmaxs(kernel, rows, vocab):
     x = scores(rows, vocab)
     ids, logprobs = kernel(x)
     assert torch.equal(ids, torch.argmax(x, dim=-1))
-    expected = torch.log_softmax(x, dim=-1).gather(1, ids[:, None])[:, 0]
-    torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-6)
+    # Against the exact value (float64): no further off than torch's own float32 log_softmax (which is
+    # 4.6e-6 off at 32,003 tokens here), nor than 1e-6 where that is closer.
+    exact = torch.log_softmax(x.double(), dim=-1).gather(1, ids[:, None])[:, 0]
+    torchs = torch.log_softmax(x, dim=-1).gather(1, ids[:, None])[:, 0]
+    bound = max((torchs.double() - exact).abs().max().item(), 1e-6)
+    assert (logprobs.double() - exact).abs().max().item() <= bound
 
 
 def test_rows_of_a_wider_tensor_are_read_in_place(kernel):

@@ -3,8 +3,9 @@
 A greedy row needs its maximum and that token's log-probability. torch computes a log_softmax over the
 whole vocabulary for it, then an argmax; the kernel reads each row twice (its maximum, then the sum of
 exp(x - max)) and writes one id and one sum per row. The ids are torch.argmax's; the log-probabilities
-differ from log_softmax's by the rounding of a sum taken in another order (about 1e-7). Built at first
-use (``cpu_kernels``); without a compiler, one warning, and torch's path.
+are at least as close to the exact value as float32 log_softmax's (the sum is taken in four partial
+sums per lane; docs/performance.md). Built at first use (``cpu_kernels``); without a compiler, one
+warning, and torch's path.
 """
 
 from __future__ import annotations
