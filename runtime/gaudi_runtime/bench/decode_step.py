@@ -23,16 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from gaudi_runtime.buckets import ceil_div
+from gaudi_runtime.device import cpu_layer_ops
 from gaudi_runtime.device.cpu_gemm import prepack_linears
-from gaudi_runtime.device.cpu_layer_ops import use_layer_ops
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers import attention
-from gaudi_runtime.layers.attention import Attention, AttentionMetadata, grouped_decode_attention
+from gaudi_runtime.layers.attention import AttentionMetadata, grouped_decode_attention
 from gaudi_runtime.layers.embedding import ParallelLMHead
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 from gaudi_runtime.layers.linear import LinearBase
-from gaudi_runtime.layers.norm import RMSNorm
-from gaudi_runtime.layers.rotary import RotaryEmbedding
 from gaudi_runtime.models.registry import load_model
 
 BLOCK = 16
@@ -75,15 +73,8 @@ def linear_kernels(model):
 def layer_ops(model):
     """A function that gives the model's norms, rotary and attention modules the layer operations kernel's
     calls (True) or leaves them to torch (False)."""
-    use_layer_ops(model)
-    hooks = [(m, name, m.__dict__[name]) for m in model.modules()
-             if isinstance(m, (RMSNorm, RotaryEmbedding, Attention))
-             for name in ("kernel", "cache_writer") if name in m.__dict__]
-
-    def use_layer_ops_kernel(on: bool) -> None:
-        for m, name, call in hooks:
-            setattr(m, name, call if on else None)
-    return use_layer_ops_kernel
+    ops = cpu_layer_ops.kernel()
+    return lambda on: cpu_layer_ops.set_layer_ops(model, ops if on else None)
 
 
 def main() -> None:

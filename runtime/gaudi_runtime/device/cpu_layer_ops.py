@@ -39,8 +39,15 @@ def _rows(t: torch.Tensor, inner: int) -> torch.Tensor | None:
 
 
 def _cpu(*tensors: torch.Tensor) -> bool:
+    """Whether the tensors are CPU tensors of one dtype the kernel takes (a loop: this runs several times a
+    decode step)."""
     dtype = tensors[0].dtype
-    return dtype in DTYPES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+    if dtype not in DTYPES:
+        return False
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != dtype:
+            return False
+    return True
 
 
 class LayerOpsKernel:
@@ -132,24 +139,30 @@ def kernel() -> LayerOpsKernel | None:
     return cpu_kernels.load_or_warn(load, "layer operations", "norms, rotary and cache writes run in torch", log)
 
 
-def use_layer_ops(model: torch.nn.Module) -> int:
-    """Give the model's RMSNorm, RotaryEmbedding and Attention modules the kernel's calls; returns how many
-    modules got one (0 without the kernel). Subclasses with formulas of their own (Gemma's norm) keep
-    theirs."""
-    ops = kernel()
-    if ops is None:
-        return 0
+def set_layer_ops(model: torch.nn.Module, ops: LayerOpsKernel | None) -> int:
+    """Give the model's RMSNorm, RotaryEmbedding and Attention modules `ops`' calls (None: take them away,
+    back to torch's code); returns how many modules it set. Subclasses with formulas of their own (Gemma's
+    norm) keep theirs."""
     from gaudi_runtime.layers.attention import Attention
     from gaudi_runtime.layers.norm import RMSNorm
     from gaudi_runtime.layers.rotary import RotaryEmbedding
 
-    calls = {RMSNorm: ("kernel", ops.rms_norm), RotaryEmbedding: ("kernel", ops.rotary),
-             Attention: ("cache_writer", ops.write_kv)}
+    calls = {RMSNorm: ("kernel", "rms_norm"), RotaryEmbedding: ("kernel", "rotary"),
+             Attention: ("cache_writer", "write_kv")}
     given = 0
     for m in model.modules():
         if type(m) in calls:
-            name, call = calls[type(m)]
-            setattr(m, name, call)
+            attribute, call = calls[type(m)]
+            setattr(m, attribute, None if ops is None else getattr(ops, call))
             given += 1
+    return given
+
+
+def use_layer_ops(model: torch.nn.Module) -> int:
+    """`set_layer_ops` with this process's kernel; 0 (torch's code stays) without one."""
+    ops = kernel()
+    if ops is None:
+        return 0
+    given = set_layer_ops(model, ops)
     log.info("cpu: %d norm, rotary and attention modules use the layer operations kernel", given)
     return given

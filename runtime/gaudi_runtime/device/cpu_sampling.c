@@ -59,6 +59,7 @@ static RowMax row_max(const float *x, int64_t vocab) {
    128,256-token row was 3e-6 off log_softmax's log-probability), and the additions of one vector do not
    wait on the previous one's. */
 enum { ACCUMULATORS = 4 };
+_Static_assert(ACCUMULATORS == 4, "exp_sum adds its four partial sums pairwise by hand");
 
 static float exp_sum(const float *x, int64_t vocab, float top) {
     const int64_t whole = vocab - vocab % LANES;

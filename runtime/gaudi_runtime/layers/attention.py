@@ -332,9 +332,8 @@ class Attention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:
         """q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]`` -> ``[B, S, Hq * D]``."""
         b, s = q.shape[:2]
-        if kv_cache is not None and not (self.cache_writer is not None
-                                         and self.cache_writer(kv_cache[0], kv_cache[1], k, v, meta.slots)):
-            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slots, self.k_scale, self.v_scale)
+        if kv_cache is not None:
+            self._write_cache(kv_cache, k, v, meta.slots)
         if meta.is_prefill:
             if kv_cache is not None and kv_cache[0].dtype in FP8_KV_DTYPES:
                 k = fp8_round_trip(k, kv_cache[0].dtype, self.k_scale)
@@ -348,6 +347,11 @@ class Attention(nn.Module):
                 raise ValueError("decode needs a KV cache")
             out = self._decode(q, kv_cache[0], kv_cache[1], meta)
         return out.reshape(b, s, self.num_heads * self.head_dim)
+
+    def _write_cache(self, kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+        if self.cache_writer is None or not self.cache_writer(kv_cache[0], kv_cache[1], k, v, slots):
+            write_kv(kv_cache[0], kv_cache[1], k, v, slots, self.k_scale, self.v_scale)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  attn_mask: torch.Tensor | None = None) -> torch.Tensor:
