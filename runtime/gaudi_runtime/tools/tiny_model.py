@@ -271,15 +271,10 @@ def make_config(family: str, vocab_size: int, size: str = "tiny", **overrides):
     return cfg
 
 
-def make_tiny_model(out: str | Path, family: str = "llama", size: str = "tiny", dtype: str = "float32",
-                    seed: int = 0, vocab_size: int = 512, tokenizer_from: str | Path | None = None) -> Path:
-    """Write config, safetensors weights and tokenizer to `out`; return it.
-
-    `tokenizer_from`: a model directory whose tokenizer (and vocabulary size) the model takes instead
-    of the small one trained here, e.g. one with few byte-fragment tokens, whose random output still
-    streams as text.
-    """
-    import torch
+def save_tokenizer(out: str | Path, family: str = "llama", size: str = "tiny", seed: int = 0,
+                   vocab_size: int = 512, tokenizer_from: str | Path | None = None):
+    """Write the tokenizer of a tiny `family` model to `out`, with the config.json from which
+    AutoTokenizer takes the model type; return (tokenizer, config). No weights: make_tiny_model."""
     import transformers
 
     out = Path(out)
@@ -292,13 +287,30 @@ def make_tiny_model(out: str | Path, family: str = "llama", size: str = "tiny", 
         tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     tok.save_pretrained(out)
     cfg = make_config(family, len(tok), size)
+    cfg.save_pretrained(out)
+    if family in IMAGE_FAMILIES:
+        save_image_processor(out, cfg, tok)
+    return tok, cfg
+
+
+def make_tiny_model(out: str | Path, family: str = "llama", size: str = "tiny", dtype: str = "float32",
+                    seed: int = 0, vocab_size: int = 512, tokenizer_from: str | Path | None = None) -> Path:
+    """Write config, safetensors weights and tokenizer to `out`; return it.
+
+    `tokenizer_from`: a model directory whose tokenizer (and vocabulary size) the model takes instead
+    of the small one trained here, e.g. one with few byte-fragment tokens, whose random output still
+    streams as text.
+    """
+    import torch
+    import transformers
+
+    out = Path(out)
+    _, cfg = save_tokenizer(out, family, size, seed, vocab_size, tokenizer_from)
     torch.manual_seed(seed)
     auto = transformers.AutoModelForImageTextToText if family in IMAGE_FAMILIES else transformers.AutoModelForCausalLM
     model = auto.from_config(cfg)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
-    if family in IMAGE_FAMILIES:
-        save_image_processor(out, cfg, tok)
     return out
 
 
