@@ -22,7 +22,7 @@ from gaudi_runtime.router.images import ImagePrompter
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.server import build_app
 from gaudi_runtime.router.state import STATE
-from gaudi_runtime.router.tokenizer import RouterTokenizer
+from gaudi_runtime.router.tokenizer import RouterTokenizer, keep_torch_out
 from gaudi_runtime.router.tool_calls import detect_format
 from gaudi_runtime.router.tracing import make_tracer
 
@@ -31,8 +31,14 @@ log = logging.getLogger(__name__)
 FAIL_EXIT_DELAY_S = float(os.environ.get("GAUDI_SERVE_FAIL_EXIT_DELAY_S", "2"))
 
 
+def load_tokenizer(cfg: Config, model_dir: str) -> RouterTokenizer:
+    """The router's tokenizer, loaded in a process that keeps torch out (the router runs no model)."""
+    keep_torch_out()
+    return RouterTokenizer.load(model_dir, cfg)
+
+
 async def serve(cfg: Config, model_dir: str) -> int:
-    tokenizer = RouterTokenizer.load(model_dir, cfg)
+    tokenizer = load_tokenizer(cfg, model_dir)
     client = ShardClient([cfg.shard_socket(r) for r in range(cfg.num_shard)])
     metrics = Metrics(cfg.model_name)
     engine = BatchingEngine(cfg, client, tokenizer, metrics)

@@ -1,4 +1,4 @@
-"""The router's tokenizer: a fast Hugging Face tokenizer loaded from the model directory.
+"""The router's tokenizer: the fast Hugging Face tokenizer `AutoTokenizer` loads from the model directory.
 
 With SKIP_TOKENIZER_IN_TGI the router does not tokenize: `inputs` are comma-separated
 token ids and decoded text is the comma-separated ids (TGI-Gaudi's benchmarking mode).
@@ -7,6 +7,8 @@ token ids and decoded text is the comma-separated ids (TGI-Gaudi's benchmarking 
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,23 +52,36 @@ def chat_template_from(path: str) -> str:
     return template
 
 
-def _fast_tokenizer_class(path: Path):
-    """The tokenizer class named by tokenizer_config.json, as AutoTokenizer would pick it.
+def keep_torch_out() -> None:
+    """Make torch absent from this process as transformers sees it: for the router, which runs no model.
 
-    AutoTokenizer reads the model's config through transformers' configuration module, which
-    imports torch; the router never needs torch, and importing it costs seconds at every start.
+    AutoTokenizer reads the model's config.json through transformers' configuration module, which
+    imports torch wherever it is installed: seconds at every start, for nothing a tokenizer uses.
+    A None entry in sys.modules makes `import torch` fail and `find_spec` find nothing, so
+    transformers, asked before its first import, takes torch for not installed (its tokenizers
+    work as they do with it). Once transformers or torch is loaded, transformers has its answer:
+    this leaves such a process as it is.
     """
-    import transformers
+    if "transformers" in sys.modules or "torch" in sys.modules:
+        return
+    sys.modules["torch"] = None
+    # transformers says at import that without torch "models won't be available": true, and the point.
+    logging.getLogger("transformers").addFilter(lambda r: not str(r.msg).startswith("PyTorch was not found"))
 
-    try:
-        name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class") or ""
-    except (OSError, ValueError, AttributeError):
-        name = ""
-    for candidate in (name if name.endswith("Fast") else f"{name}Fast", name):
-        cls = getattr(transformers, candidate, None) if candidate.endswith(("Tokenizer", "TokenizerFast")) else None
-        if cls is not None:
-            return cls
-    return transformers.PreTrainedTokenizerFast
+
+def _auto_tokenizer(path: str, revision: str | None):
+    """The tokenizer `transformers.AutoTokenizer` loads for the model in `path`: the one transformers
+    and vLLM tokenize its prompts with.
+
+    The class is AutoTokenizer's choice by its own rules, not a copy of them: the class named in
+    tokenizer_config.json or config.json, the model type's (which replaces a generic class, and
+    one transformers knows the hub names wrongly: Qwen2's tokenizer splits digits one by one where
+    the generic one merges them), auto_map. Without trust_remote_code, as the shards' grammar
+    vocabulary and vLLM by default load it.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, revision=revision)
 
 
 # Text that `clean_up_tokenization` changes (a space before punctuation and contractions): if
@@ -125,7 +140,7 @@ class RouterTokenizer:
         p = Path(path)
         hf = None
         try:
-            hf = _fast_tokenizer_class(p).from_pretrained(path, revision=config.revision)
+            hf = _auto_tokenizer(path, config.revision)
         except Exception:
             if not config.skip_tokenizer_in_tgi:
                 raise
