@@ -105,3 +105,12 @@ def test_arguments_given_as_a_json_string_are_decoded():
 def test_llama_text_that_is_no_call_is_content():
     assert parse("llama3_json", '{"answer": 42}', final=True).content == '{"answer": 42}'
     assert parse("llama3_json", '{"answer": 4', final=False).content == ""  # might still be a call
+
+
+def test_the_readme_quotes_the_instruction_the_model_sees():
+    from pathlib import Path
+
+    from gaudi_runtime.router.tool_calls import default_tool_prompt
+
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    assert default_tool_prompt("llama3_json") in readme
