@@ -93,7 +93,8 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--grammar-compile-timeout-s", None, float, 10.0, "Longest the router waits for the shards to compile a "
      "request's grammar (a JSON schema, a regex, a tool set); past it the request gets a 422."),
     ("--tool-call-parser", None, str, None, "Tool-call format of the model's output: llama3_json, mistral or "
-     "hermes (default: recognised from the chat template)."),
+     "hermes (default: recognised from the chat template; llama3_json for a template that does not render "
+     "tools, which then get them in a prompt)."),
     ("--shutdown-grace-seconds", None, float, 20.0, "On SIGTERM, how long running requests may still finish (new "
      "ones get 503, /health 503); those left then end with an error. Keep it below the pod's "
      "terminationGracePeriodSeconds less preStop."),

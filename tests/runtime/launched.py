@@ -34,6 +34,7 @@ class Launched:
     proc: subprocess.Popen
     url: str
     log_path: Path
+    model_dir: Path
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -74,7 +75,7 @@ def launch(model_dir: Path | str, tmp: Path, *args: str, env: dict | None = None
     full_env = dict(os.environ, LOG_LEVEL="info", **(env or {}))
     out = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-    return Launched(proc, f"http://127.0.0.1:{port}", log_path)
+    return Launched(proc, f"http://127.0.0.1:{port}", log_path, Path(model_dir))
 
 
 # Small shapes so that prompts span several KV blocks, batches are padded and several buckets are used.

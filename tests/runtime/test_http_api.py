@@ -588,14 +588,29 @@ async def test_chat_errors(fake_server):
         ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
          "`response_format.json_schema` is required"),
         ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "`tool_choice`: 'required' needs"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
-         "`tools`: this model's chat template does not render tools"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 6},
          "`top_logprobs` must be <= 5"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "`temperature`"),
     ]:
         status, b, _ = await call(url, "/v1/chat/completions", body)
         assert_error(status, b, 422, "validation", message)
+
+
+async def test_tools_for_a_template_that_does_not_render_them_are_in_the_prompt(make_server):
+    """The tiny model's template has no `tools`: they reach the model appended to the last message
+    (TGI's tool prompt), and `required` still forces a call with the grammar."""
+    server = make_server(MAX_INPUT_TOKENS="1000", MAX_TOTAL_TOKENS="1100")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool], "max_tokens": 2}
+    for extra, kind in [({}, None), ({"tool_choice": "required"}, "structural_tag"),
+                        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "structural_tag")]:
+        status, b, _ = await call(server.url, "/v1/chat/completions", {**body, **extra})
+        assert status == 200, b
+        sent = server.engine.finished[-1]
+        assert "x\n---\n" + json.dumps([tool]) + "\nTo call one of the functions above" in sent.inputs
+        assert (sent.grammar.kind if sent.grammar else None) == kind
+    status, b, _ = await call(server.url, "/v1/chat/completions", {**body, "tool_prompt": "Call f."})
+    assert status == 200 and server.engine.finished[-1].inputs.endswith(json.dumps([tool]) + "\nCall f.\nassistant:")
 
 
 async def test_concurrent_requests(fake_server):

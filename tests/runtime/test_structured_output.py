@@ -3,7 +3,8 @@
 Random-weight tiny models with sampling on: whatever they generate, a constrained output follows its
 JSON schema or regex, or ends with finish_reason length; with bounded schemas every one of 50 samples
 follows it. Tool calls come back in OpenAI's shape (whole and streamed) from models whose chat
-templates speak Llama 3.1's, Mistral's and Qwen2.5's (Hermes) formats.
+templates speak Llama 3.1's, Mistral's and Qwen2.5's (Hermes) formats, and from one whose template
+does not render tools (they are given in a prompt, calls in Llama 3.1's JSON).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from typing import Literal
 
 import aiohttp
+import jiter  # reads unfinished JSON (it comes with `openai`)
 import jsonschema
 import pytest
 from openai import OpenAI
@@ -29,7 +31,8 @@ ARGS = ["--dtype", "float32", "--max-input-tokens", "1792", "--max-total-tokens"
 ENV = {"PAD_SEQUENCE_TO_MULTIPLE_OF": "128", "BATCH_BUCKET_SIZE": "8", "PREFILL_BATCH_BUCKET_SIZE": "4",
        "EXPONENTIAL_BUCKETING": "true"}
 
-FAMILY_FORMAT = {"qwen2": "hermes", "mistral": "mistral", "llama31": "llama3_json"}
+# "llama": the plain template, which does not render tools
+FAMILY_FORMAT = {"qwen2": "hermes", "mistral": "mistral", "llama31": "llama3_json", "llama": "llama3_json"}
 
 BOUNDED = {
     "enums": {"type": "object", "additionalProperties": False, "required": ["color", "size", "ok"], "properties": {
@@ -125,15 +128,41 @@ def test_openai_parse_returns_the_pydantic_model(qwen):
     assert all(isinstance(c.message.parsed, Answer) for c in r.choices)
 
 
+def follows_or_is_cut_short(choice, schema: dict) -> bool:
+    """The output follows `schema` (it stopped), or `max_tokens` cut it short (finish_reason length)
+    and it starts a document that can still follow it: no text after a whole document, and the
+    members it has so far (jiter reads the unfinished JSON) have the schema's types."""
+    text = choice.message.content or ""
+    if choice.finish_reason == "stop":
+        return follows(text, schema)
+    try:
+        _, end = json.JSONDecoder().raw_decode(text)
+        if text[end:].strip():
+            return False
+    except ValueError:
+        pass
+    try:
+        so_far = jiter.from_json(text.encode(), partial_mode="trailing-strings")
+    except ValueError:
+        return False
+    members_to_come = {k: v for k, v in schema.items() if k != "required"}
+    return choice.finish_reason == "length" and jsonschema.Draft202012Validator(members_to_come).is_valid(so_far)
+
+
 def test_unbounded_outputs_follow_the_schema_or_end_with_length(qwen):
     schema = {"type": "object", "properties": {"text": {"type": "string"}, "n": {"type": "number"}},
               "required": ["text", "n"]}
     client = openai(qwen)
-    for fmt in ({"type": "json_schema", "json_schema": {"name": "free", "schema": schema}}, {"type": "json_object"}):
-        r = client.chat.completions.create(model="tgi", messages=ASK, n=16, max_tokens=40, response_format=fmt)
-        for c in r.choices:
-            assert c.finish_reason == "length" or follows(c.message.content, schema if "json_schema" in fmt
-                                                          else {"type": "object"}), c.message.content
+    for fmt, followed in (({"type": "json_schema", "json_schema": {"name": "free", "schema": schema}}, schema),
+                          ({"type": "json_object"}, {"type": "object"})):
+        r = client.chat.completions.create(model="tgi", messages=ASK, n=16, max_tokens=40, seed=3, response_format=fmt)
+        bad = [(c.finish_reason, c.message.content) for c in r.choices if not follows_or_is_cut_short(c, followed)]
+        assert not bad, f"{len(bad)} of 16 broke {fmt['type']}: {bad[:3]}"
+    # The same request without the constraint (the same seeds): the outputs are no JSON objects, so
+    # the grammar is what kept the ones above in.
+    r = client.chat.completions.create(model="tgi", messages=ASK, n=16, max_tokens=40, seed=3)
+    free = [c for c in r.choices if follows_or_is_cut_short(c, {"type": "object"})]
+    assert len(free) <= 2, [c.message.content for c in free]
 
 
 def test_vllm_guided_fields(qwen):
@@ -282,14 +311,40 @@ def test_tool_choice_required_and_named_make_valid_calls(servers, family):
             assert c.finish_reason == "length"
 
 
+def _prompt_with_tools(model_dir, family: str) -> list[int]:
+    """The tokens of ASK with TOOLS as the model should see them: rendered by its chat template, or,
+    when the template does not render tools, appended to the last message with the default
+    instruction; read with transformers, not the router."""
+    from transformers import AutoTokenizer
+
+    from gaudi_runtime.router.tool_calls import default_tool_prompt
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if family == "llama":
+        shown = "\n---\n" + json.dumps(TOOLS) + "\n" + default_tool_prompt(FAMILY_FORMAT[family])
+        prompt = tok.apply_chat_template([{**ASK[0], "content": ASK[0]["content"] + shown}], tokenize=False,
+                                         add_generation_prompt=True)
+    else:
+        prompt = tok.apply_chat_template(ASK, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    return tok.encode(prompt, add_special_tokens=False)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILY_FORMAT))
 def test_tool_choice_auto_and_none(servers, family):
-    client = openai(servers(family))
-    r = client.chat.completions.create(model="tgi", messages=ASK, tools=TOOLS, n=2, max_tokens=20)
-    for c in r.choices:  # the model chooses: text (a random model, nearly always) or a call
-        assert c.message.content or _valid_calls(c.message)
-    r = client.chat.completions.create(model="tgi", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=20)
-    assert r.choices[0].message.tool_calls is None and isinstance(r.choices[0].message.content, str)
+    """`auto`: the model sees the tools and nothing constrains it, so greedily it writes what the
+    same prompt gives as a plain completion. `none`: it sees no tools, so it writes what the
+    conversation without tools gives. A grammar on either, or tools shown for `none`, changes that."""
+    srv = servers(family)
+    client = openai(srv)
+    greedy = {"model": "tgi", "temperature": 0, "max_tokens": 20}
+    auto = client.chat.completions.create(messages=ASK, tools=TOOLS, **greedy).choices[0]
+    plain = client.completions.create(prompt=_prompt_with_tools(srv.model_dir, family), **greedy).choices[0]
+    assert (auto.message.content, auto.message.tool_calls, auto.finish_reason) == (plain.text, None,
+                                                                                  plain.finish_reason)
+    none = client.chat.completions.create(messages=ASK, tools=TOOLS, tool_choice="none", **greedy).choices[0]
+    bare = client.chat.completions.create(messages=ASK, **greedy).choices[0]
+    assert none.message.tool_calls is None and none.message.content == bare.message.content
+    assert none.finish_reason == bare.finish_reason
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_FORMAT))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gaudi_runtime.router.tool_calls import ToolCallStream, detect_format, parse
+from gaudi_runtime.router.tool_calls import ToolCallStream, detect_format, parse, renders_tools
 from gaudi_runtime.tools.tiny_model import CHAT_TEMPLATE, CHAT_TEMPLATES
 
 ARGS = {"city": "Paris", "days": [1, 2], "note": "a \"quoted\" }{ brace"}
@@ -29,6 +29,14 @@ def test_the_format_is_read_from_the_chat_template():
     assert detect_format(CHAT_TEMPLATES["llama31"]) == "llama3_json"
     assert detect_format(CHAT_TEMPLATE) is None
     assert detect_format(CHAT_TEMPLATE, "hermes") == "hermes"  # --tool-call-parser wins
+
+
+def test_a_template_renders_tools_when_it_uses_the_variable():
+    assert all(renders_tools(t) for t in CHAT_TEMPLATES.values())
+    assert not renders_tools(CHAT_TEMPLATE) and not renders_tools(None)
+    assert renders_tools("{% if tools is not defined %}{% set tools = none %}{% endif %}{{ tools }}")
+    assert not renders_tools("{# no tools here #}{% set tools = [] %}{{ messages }}")  # named, never read
+    assert renders_tools("{% generation %}{{ tools }}{% endgeneration %}")  # tags jinja alone cannot parse
 
 
 @pytest.mark.parametrize("fmt", sorted(OUTPUTS))
@@ -97,3 +105,12 @@ def test_arguments_given_as_a_json_string_are_decoded():
 def test_llama_text_that_is_no_call_is_content():
     assert parse("llama3_json", '{"answer": 42}', final=True).content == '{"answer": 42}'
     assert parse("llama3_json", '{"answer": 4', final=False).content == ""  # might still be a call
+
+
+def test_the_readme_quotes_the_instruction_the_model_sees():
+    from pathlib import Path
+
+    from gaudi_runtime.router.tool_calls import default_tool_prompt
+
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    assert default_tool_prompt("llama3_json") in readme

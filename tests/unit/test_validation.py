@@ -378,7 +378,6 @@ def _chat_tools(body: dict, template: str | None = HERMES_TEMPLATE, config=None)
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, HERMES_TEMPLATE,
      "`tool_choice`: no function named 'nope' in `tools`"),
     ({"tool_choice": "required"}, HERMES_TEMPLATE, "`tool_choice`: 'required' needs `tools`"),
-    ({"tools": [TOOL]}, "{{ messages }}", "`tools`: this model's chat template does not render tools"),
     ({"tools": [TOOL]}, "{{ messages }}{{ tools }}", "`tools`: the model's tool-call format is not one this server"),
 ])
 def test_tool_errors_name_the_field(body, template, message):
@@ -403,6 +402,59 @@ def test_tool_choice_decides_rendering_and_grammar():
     assert _chat_tools({"tools": [TOOL]}, "{{ tools }}", cfg(TOOL_CALL_PARSER="mistral")).fmt == "mistral"
     with pytest.raises(ValidationError, match="grammar is not supported"):
         _chat_tools({"tools": [TOOL], "tool_choice": "required"}, config=cfg(DISABLE_GRAMMAR_SUPPORT="true"))
+
+
+def _prompt(body: dict, template: str) -> str:
+    """The prompt the model gets for a chat request, rendered by a real tokenizer with `template`."""
+    from gaudi_runtime.router.openai_validation import chat_prompt, chat_tools
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
+    from gaudi_runtime.router.tokenizer import RouterTokenizer
+    from gaudi_runtime.tools.tiny_model import train_tokenizer
+
+    req = parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "weather?"}], **body})
+    tokenizer = RouterTokenizer(train_tokenizer(chat_template=template))
+    return chat_prompt(req, tokenizer, chat_tools(req, cfg(), template), images_allowed=False)
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", NAMED])
+def test_a_template_without_tools_gets_them_appended_to_the_last_message(choice):
+    from gaudi_runtime.router.tool_calls import default_tool_prompt
+    from gaudi_runtime.tools.tiny_model import CHAT_TEMPLATE
+
+    prompt = _prompt({"tools": [TOOL], "tool_choice": choice}, CHAT_TEMPLATE)
+    shown = "weather?\n---\n" + json.dumps([TOOL]) + "\n" + default_tool_prompt("llama3_json")
+    assert prompt == f"<s>user: {shown}\nassistant:"
+    assert '{"name": <function name>, "parameters": <arguments object>}' in prompt  # the format the parser reads
+    # the client's own instruction (TGI's `tool_prompt`) replaces the default one; an empty one does not
+    mine = _prompt({"tools": [TOOL], "tool_choice": choice, "tool_prompt": "Call get_weather."}, CHAT_TEMPLATE)
+    assert mine == "<s>user: weather?\n---\n" + json.dumps([TOOL]) + "\nCall get_weather.\nassistant:"
+    assert _prompt({"tools": [TOOL], "tool_choice": choice, "tool_prompt": ""}, CHAT_TEMPLATE) == prompt
+    # `none`: no tools, no prompt
+    assert _prompt({"tools": [TOOL], "tool_choice": "none"}, CHAT_TEMPLATE) == "<s>user: weather?\nassistant:"
+
+
+def test_a_template_without_tools_is_answered_in_llama3_json_unless_configured():
+    from gaudi_runtime.tools.tiny_model import CHAT_TEMPLATE
+
+    required = _chat_tools({"tools": [TOOL], "tool_choice": "required"}, CHAT_TEMPLATE)
+    assert (required.fmt, required.tools) == ("llama3_json", None) and "get_weather" in required.prompt
+    tag = json.loads(required.grammar.value)["format"]
+    assert tag["tags"][0]["begin"] == '{"name": "get_weather", "parameters": '
+    hermes = _chat_tools({"tools": [TOOL]}, CHAT_TEMPLATE, cfg(TOOL_CALL_PARSER="hermes"))
+    assert hermes.fmt == "hermes" and "<tool_call>" in hermes.prompt
+
+
+def test_a_template_that_renders_tools_gets_only_a_tool_prompt_the_client_sent():
+    from gaudi_runtime.tools.tiny_model import CHAT_TEMPLATES
+
+    template = CHAT_TEMPLATES["qwen2"]
+    plain = _prompt({"tools": [TOOL]}, template)
+    assert plain.count('"get_weather"') == 1 and "---" not in plain  # the template's own rendering, once
+    told = _prompt({"tools": [TOOL], "tool_prompt": "Use the tools."}, template)
+    assert told == plain.replace("weather?", "weather?\n---\nUse the tools.")
 
 
 def test_history_tool_calls_reach_the_template_with_object_arguments():

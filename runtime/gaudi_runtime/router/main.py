@@ -23,7 +23,7 @@ from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.server import build_app
 from gaudi_runtime.router.state import STATE
 from gaudi_runtime.router.tokenizer import RouterTokenizer, keep_torch_out
-from gaudi_runtime.router.tool_calls import detect_format
+from gaudi_runtime.router.tool_calls import PROMPTED_FORMAT, detect_format, renders_tools
 from gaudi_runtime.router.tracing import make_tracer
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,12 @@ async def serve(cfg: Config, model_dir: str) -> int:
 def log_tool_format(cfg: Config, tokenizer: RouterTokenizer) -> None:
     template = tokenizer.chat_template
     fmt = detect_format(template, cfg.tool_call_parser)
-    if fmt is not None:
+    if not renders_tools(template):
+        log.info("tool calls: the chat template does not render tools; they are given in a prompt appended "
+                 "to the last message, calls in %s format", fmt or PROMPTED_FORMAT)
+    elif fmt is not None:
         log.info("tool calls: %s format", fmt)
-    elif template and "tools" in template:
+    else:
         log.warning("tool calls: the chat template renders tools in a format this server does not parse; "
                     "requests with tools get a 422 unless --tool-call-parser names the format")
 

@@ -26,7 +26,7 @@ from gaudi_runtime.router.request_models import (
 )
 from gaudi_runtime.router.schema_limits import check_json_schemas
 from gaudi_runtime.router.tokenizer import RouterTokenizer, TokenizerError
-from gaudi_runtime.router.tool_calls import call_grammar, check_format, detect_format
+from gaudi_runtime.router.tool_calls import call_grammar, renders_tools, tool_prompt, tools_format
 from gaudi_runtime.router.types import GrammarSpec, ValidRequest
 from gaudi_runtime.router.validation import (
     json_schema_spec,
@@ -186,12 +186,15 @@ def chat_parameters(req: ChatCompletionRequest, config: Config) -> GenerateParam
 
 @dataclass
 class ChatTools:
-    """What a chat request's tools make of it: the tools for the template, the grammar that forces a
-    call (tool_choice required or named), and the format to parse calls from (None: no tools)."""
+    """What a chat request's tools make of it: the tools for the template (None: it does not render
+    them), the text appended to the last message (the tools and how to call them, when the template
+    does not render them: `tool_calls.tool_prompt`), the grammar that forces a call (tool_choice
+    required or named), and the format to parse calls from (None: no tools)."""
 
     tools: list[dict] | None = None
     grammar: GrammarSpec | None = None
     fmt: str | None = None
+    prompt: str | None = None
 
 
 def chat_tools(req: ChatCompletionRequest, config: Config, chat_template: str | None) -> ChatTools:
@@ -206,23 +209,27 @@ def chat_tools(req: ChatCompletionRequest, config: Config, chat_template: str | 
         raise ValidationError(f"`tool_choice`: no function named {named!r} in `tools`")
     if choice == "none":
         return ChatTools()
-    fmt = check_format(detect_format(chat_template, config.tool_call_parser), chat_template)
+    fmt = tools_format(chat_template, config.tool_call_parser)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    rendered = renders_tools(chat_template)
+    shown = ChatTools(tools if rendered else None, None, fmt, tool_prompt(tools, fmt, req.tool_prompt, rendered))
     if choice == "auto":
-        return ChatTools(tools, None, fmt)
+        return shown
     if config.disable_grammar_support:
         raise ValidationError("`tool_choice`: grammar is not supported (--disable-grammar-support); use auto")
     chosen = [(t.function.name, t.function.parameters) for t in req.tools if named in (None, t.function.name)]
-    grammar = call_grammar(fmt, chosen, several=named is None and req.parallel_tool_calls)
-    return ChatTools(tools, grammar, fmt)
+    return replace(shown, grammar=call_grammar(fmt, chosen, several=named is None and req.parallel_tool_calls))
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: RouterTokenizer, tools: ChatTools, *,
                 images_allowed: bool) -> str:
-    """The conversation (and the tools, when the model may call them) rendered by the model's chat template."""
+    """The conversation (and the tools, when the model may call them) rendered by the model's chat
+    template; the tool prompt, if any, ends the last message (as TGI appends its `tool_prompt`)."""
+    messages = chat_messages(req.messages, images_allowed=images_allowed)
+    if tools.prompt:
+        messages[-1]["content"] += tools.prompt
     try:
-        return tokenizer.apply_chat_template(chat_messages(req.messages, images_allowed=images_allowed),
-                                             tools=tools.tools)
+        return tokenizer.apply_chat_template(messages, tools=tools.tools)
     except TokenizerError as e:
         raise ValidationError(str(e)) from None
 

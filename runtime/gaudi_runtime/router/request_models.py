@@ -314,6 +314,10 @@ class ChatCompletionRequest(OpenAIRequest):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = Field(None, description="Default: auto with tools, none without")
     parallel_tool_calls: Bool = Field(True, description="Whether the model may call several tools in one answer")
+    tool_prompt: Str | None = Field(
+        None, description="TGI's: the instruction appended, after the tools as JSON, to the last message when the "
+        "chat template does not render tools (default: how to call in the server's format); with a template "
+        "that renders them, appended alone when given")
 
 
 # --- parsing, with errors in TGI's wording ---------------------------------------------------------

@@ -2,7 +2,9 @@
 it call (tool_choice `required` or a named function), and the parser that turns its output into
 OpenAI's `tool_calls`, whole or as stream deltas.
 
-Formats (the model's chat template renders the tools and teaches it the format):
+Formats (the model's chat template renders the tools and teaches it the format; a template that
+does not render them gets them in a prompt appended to the last message, as TGI's `tool_prompt`,
+which tells the model to call in `llama3_json` unless --tool-call-parser names another format):
 
 - `llama3_json` (Llama 3.1/3.2/3.3): the answer is a JSON object `{"name": ..., "parameters": {...}}`,
   optionally after `<|python_tag|>`; several are separated by `;`.
@@ -17,9 +19,13 @@ back until the next token tells whether it is one.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from dataclasses import dataclass, field
+
+import jinja2
+import jinja2.meta
 
 from gaudi_runtime.config import TOOL_CALL_PARSERS
 from gaudi_runtime.router.errors import ValidationError
@@ -40,7 +46,7 @@ MARKERS = {"llama3_json": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",), "he
 
 def detect_format(chat_template: str | None, configured: str | None = None) -> str | None:
     """The tool-call format: `configured` (--tool-call-parser) when given, else the one whose markers
-    the chat template holds; None when it holds none (tools then get a 422)."""
+    the chat template holds; None when it holds none."""
     if configured:
         return configured
     for name, markers in _TEMPLATE_MARKERS:
@@ -49,15 +55,60 @@ def detect_format(chat_template: str | None, configured: str | None = None) -> s
     return None
 
 
-def check_format(fmt: str | None, chat_template: str | None) -> str:
-    """The format for a request with tools, or a 422 saying why tools cannot be served."""
-    if not chat_template or "tools" not in chat_template:
-        raise ValidationError("`tools`: this model's chat template does not render tools")
-    if fmt is None:
+@functools.lru_cache(maxsize=8)
+def renders_tools(chat_template: str | None) -> bool:
+    """Whether the template uses the `tools` variable (TGI's test), read from its syntax tree; a
+    template jinja cannot parse on its own (one with an extension's tags) by whether it names `tools`."""
+    if not chat_template:
+        return False
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
+    except jinja2.TemplateSyntaxError:
+        return "tools" in chat_template
+    return "tools" in jinja2.meta.find_undeclared_variables(tree)
+
+
+# The format a model is asked to call in when its template does not render tools (and so teaches
+# none): a bare JSON object, the easiest for a model that was never taught one.
+PROMPTED_FORMAT = "llama3_json"
+
+
+def tools_format(chat_template: str | None, configured: str | None = None) -> str:
+    """The format of a request with tools, or a 422 when the template renders tools in a format this
+    server does not parse (the model would call in it, whatever the prompt says)."""
+    fmt = detect_format(chat_template, configured)
+    if fmt is not None:
+        return fmt
+    if renders_tools(chat_template):
         raise ValidationError(
             "`tools`: the model's tool-call format is not one this server parses (its chat template shows "
             f"none of {', '.join(TOOL_CALL_PARSERS)}); start the server with --tool-call-parser")
-    return fmt
+    return PROMPTED_FORMAT
+
+
+_CALL_SHAPES = {
+    "llama3_json": '{"name": <function name>, "parameters": <arguments object>}',
+    "hermes": '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name": <function name>, "arguments": <arguments object>}]',
+}
+TOOL_PROMPT_SEPARATOR = "\n---\n"
+
+
+def default_tool_prompt(fmt: str) -> str:
+    """The instruction given with the tools when the request has no `tool_prompt`: how to call in `fmt`."""
+    return (f"To call one of the functions above, answer with only this, on one line: {_CALL_SHAPES[fmt]}; "
+            "the arguments object follows the function's parameters schema.")
+
+
+def tool_prompt(tools: list[dict], fmt: str, instruction: str | None, template_renders_tools: bool) -> str | None:
+    """The text appended to the last message (TGI's `tool_prompt` semantics): when the template does
+    not render the tools, the tools as JSON and the instruction (the client's `tool_prompt`, else
+    `default_tool_prompt`); when it does, only an instruction the client sent (the template already
+    teaches its format). None: nothing is appended."""
+    if template_renders_tools:
+        return TOOL_PROMPT_SEPARATOR + instruction if instruction else None
+    listed = json.dumps(tools, ensure_ascii=False)
+    return f"{TOOL_PROMPT_SEPARATOR}{listed}\n{instruction or default_tool_prompt(fmt)}"
 
 
 # --- the grammar that makes the model call ----------------------------------------------------------
