@@ -282,12 +282,17 @@ async def test_tool_calls_follow_the_document(tool_server):
 
 async def test_streamed_tool_calls_follow_the_document(tool_server):
     """Content and call deltas, the empty delta that ends a choice with finish_reason tool_calls, and
-    the usage chunk; the pieces add up to the calls."""
+    the usage chunk; the pieces add up to the calls, and their log-probabilities to the whole
+    answer's, one per token."""
     api = await CheckedClient.of(tool_server.url)
-    chunks = await api("/v1/chat/completions", _ask("Let me look.\n" + WEATHER + "\n" + TIME, n=2, stream=True,
-                                                    logprobs=True, **USAGE))
+    body = _ask("Let me look.\n" + WEATHER + "\n" + TIME, n=2, logprobs=True)
+    whole = await api("/v1/chat/completions", body)
+    chunks = await api("/v1/chat/completions", {**body, "stream": True, **USAGE})
     _assert_openai_stream(chunks, 2, usage=True)
-    for pieces in _choices(chunks).values():
+    assert chunks[-2]["usage"] == whole["usage"]
+    for i, pieces in _choices(chunks).items():
+        assert [lp["token"] for p in pieces if p["logprobs"] for lp in p["logprobs"]["content"]] == \
+            [lp["token"] for lp in whole["choices"][i]["logprobs"]["content"]]
         assert pieces[-1]["delta"] == {} and pieces[-1]["finish_reason"] == "tool_calls"
         content = "".join(p["delta"].get("content", "") for p in pieces)
         calls: dict[int, dict] = {}
