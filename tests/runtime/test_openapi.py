@@ -306,6 +306,43 @@ async def test_streamed_tool_calls_follow_the_document(tool_server):
             ("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]
 
 
+@pytest.fixture(scope="module")
+def real_tool_server(tmp_path_factory):
+    """The real runtime on a tiny Qwen2 model (Hermes tool calls), room for its tool prompt."""
+    from tests.runtime.launched import launch
+
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("real-tools") / "qwen2", "qwen2")
+    srv = launch(model_dir, tmp_path_factory.mktemp("real-tools-run"), "--dtype", "float32",
+                 "--max-input-tokens", "1024", "--max-total-tokens", "1280", "--max-batch-prefill-tokens", "2048",
+                 "--max-batch-size", "8", env={"PAD_SEQUENCE_TO_MULTIPLE_OF": "128", "BATCH_BUCKET_SIZE": "8",
+                                               "PREFILL_BATCH_BUCKET_SIZE": "4", "EXPONENTIAL_BUCKETING": "true",
+                                               "WARMUP_ENABLED": "false"})
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+async def test_forced_tool_calls_of_the_real_runtime_follow_the_document(real_tool_server):
+    """`tool_choice: required` makes the grammar force a call out of random weights: whole and
+    streamed, with several choices and log-probabilities, the answers follow the document."""
+    api = await CheckedClient.of(real_tool_server.url)
+    body = {"messages": [{"role": "user", "content": "weather in Paris?"}], "tools": TOOLS[:1],
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 120, "n": 2, "logprobs": True,
+            "top_logprobs": 1, "temperature": 1.0, "seed": 7}
+    answer = await api("/v1/chat/completions", body)
+    for choice in answer["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    chunks = await api("/v1/chat/completions", {**body, "stream": True, **USAGE})
+    _assert_openai_stream(chunks, 2, usage=True)
+    for pieces in _choices(chunks).values():
+        assert pieces[-1]["finish_reason"] == "tool_calls", pieces[-1]
+        assert any(d.get("function", {}).get("name") == "get_weather"
+                   for p in pieces for d in p["delta"].get("tool_calls", []))
+
+
 # --- the check fails when a builder strays from its model ---------------------------------------
 
 async def _fails(api: CheckedClient, path: str, body: dict, what: str) -> None:
