@@ -12,6 +12,8 @@ ignore_eos_token. Markers in the prompt text steer it, so tests need no shared s
     HANG:N              after N tokens, wait until closed (a request that never ends)
     BURST:N             hand tokens to the stream N at a time (default BURST), as a decode call of
                         several steps does; SLOW hands them one at a time
+    REPLY<<text>>END    generate the tokens of `text` (then EOS) instead of the prompt's: an output
+                        of the test's choosing, such as a tool call in the model's format
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ class FakeEngine:
     def _events(self, request: ValidRequest):
         """The request's events, one per token, the last with its end."""
         tok = self.tokenizer
-        source = [t for t in request.input_ids if t not in tok.special_ids] or list(request.input_ids)
+        reply = re.search(r"REPLY<<(.*?)>>END", request.inputs, re.DOTALL)
+        source = tok.encode(reply.group(1), add_special_tokens=False) if reply else \
+            [t for t in request.input_ids if t not in tok.special_ids] or list(request.input_ids)
         eos = tok.eos_token_id
         endless = "ENDLESS" in request.inputs or request.stopping.ignore_eos_token
         detok = IncrementalDetokenizer(tok, prompt_ids=request.input_ids)

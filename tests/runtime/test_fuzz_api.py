@@ -1,9 +1,12 @@
 """The real server (launcher, shard, router on the tiny model) fuzzed from its own OpenAPI document.
 
 schemathesis generates bodies for every documented route from /api-doc/openapi.json, valid ones and
-ones that break the schema, and checks each answer: no 500, the status and the body documented for
-it (streams event by event), no request left hanging (each has a timeout). Afterwards the server
-still serves a normal request. Bounded: a fixed number of examples per route, derandomized, so a
+ones that break the schema, and checks each answer: no 500, the status, media type and body
+documented for it (streams event by event: each event's `data` against the events' models), no
+request left hanging (each has a timeout). Besides the generated bodies, each route gets the bodies
+of EXPLICIT every run: the answers random bodies rarely reach (several choices, log-probabilities,
+best_of, streams with their usage chunk), checked the same way. Afterwards the server still serves
+a normal request. Bounded: a fixed number of examples per route, derandomized, so a
 CI run takes the same cases and about the same time;
 `GAUDI_SERVE_FUZZ_EXAMPLES=500` makes a longer hunt, with new random cases each run.
 """
@@ -17,7 +20,7 @@ import urllib.request
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -37,6 +40,24 @@ HUNT = "GAUDI_SERVE_FUZZ_EXAMPLES" in os.environ
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]
 RUN = {"cases": 0, "by_status": {}, "started": None}
+
+CHAT = {"messages": [{"role": "user", "content": "hello world"}], "n": 2, "logprobs": True, "top_logprobs": 2,
+        "max_tokens": 6}
+COMPLETION = {"prompt": ["hello world", "the card"], "n": 2, "logprobs": 2, "echo": True, "max_tokens": 6}
+USAGE = {"stream": True, "stream_options": {"include_usage": True}}
+TGI_STREAM = {"inputs": "hello world", "parameters": {"max_new_tokens": 6, "top_n_tokens": 2, "do_sample": True,
+                                                       "seed": 1}}
+EXPLICIT = {  # path -> bodies sent every run besides the generated ones
+    "/generate": [{"inputs": "hello world", "parameters": {"max_new_tokens": 6, "details": True,
+                                                           "decoder_input_details": True, "top_n_tokens": 2}},
+                  {"inputs": "hello world", "parameters": {"max_new_tokens": 6, "best_of": 2, "do_sample": True,
+                                                           "details": True, "top_n_tokens": 1}}],
+    "/generate_stream": [TGI_STREAM],
+    "/": [{**TGI_STREAM, "stream": True}, {"inputs": "hello", "parameters": {"details": True, "max_new_tokens": 4}}],
+    "/v1/completions": [COMPLETION, {**COMPLETION, **USAGE}, {"prompt": "hello", "best_of": 2, "max_tokens": 4}],
+    "/v1/chat/completions": [CHAT, {**CHAT, **USAGE}],
+    "/invocations": [{**CHAT, **USAGE}, {**COMPLETION, **USAGE}, {**TGI_STREAM, "stream": True}],
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +102,9 @@ def test_every_documented_route_answers_within_its_contract(api_schema, method, 
         RUN["by_status"][key] = RUN["by_status"].get(key, 0) + 1
         case.validate_response(response, checks=CHECKS)
 
+    if mode == GenerationMode.POSITIVE:
+        for body in EXPLICIT.get(path, ()):
+            call_and_check = example(case=operation.Case(body=body, media_type="application/json"))(call_and_check)
     call_and_check()
 
 

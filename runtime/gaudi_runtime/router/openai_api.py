@@ -222,6 +222,7 @@ def _chat_choice(i: int, g: Generation, req: ChatCompletionRequest, fmt: str | N
 
 def _chat_chunk_choice(req: ChatCompletionRequest, fmt: str | None):
     streams: dict[int, ToolCallStream] = {}
+    unsent: dict[int, list[dict]] = {}  # per choice, the log-probabilities of tokens no chunk carried yet
 
     def choice(i: int, ev: StreamEvent) -> list[str]:
         lp = chat_logprobs([ev.token], [list(ev.top_tokens)]) if req.logprobs else None
@@ -229,17 +230,33 @@ def _chat_chunk_choice(req: ChatCompletionRequest, fmt: str | None):
             content = json_text.string("" if ev.token.special else ev.token.text)
             return [f'{{"index": {i}, "delta": {{"role": "assistant", "content": {content}}}, '
                     f'"logprobs": {json_text.dumps(lp)}, "finish_reason": {_finish_text(ev)}}}']
-        finish = None if ev.end is None else FINISH[ev.end.finish_reason]
-        stream = streams.setdefault(i, ToolCallStream(fmt))
-        text = ev.token.text if not ev.token.special or ev.token.text in MARKERS[fmt] else ""
-        out = [{"index": i, "delta": {"role": "assistant", **d}, "logprobs": lp, "finish_reason": None}
-               for d in stream.add(text, final=ev.end is not None)]
-        if finish is not None:
-            finish = "tool_calls" if finish == "stop" and stream.called else finish
-            out.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": finish})
-        return [json_text.dumps(c) for c in out]
+        return [json_text.dumps(c) for c in _tool_chunks(i, ev, streams.setdefault(i, ToolCallStream(fmt)),
+                                                         unsent.setdefault(i, []), lp)]
 
     return choice
+
+
+def _tool_chunks(i: int, ev: StreamEvent, stream: ToolCallStream, unsent: list[dict], lp: dict | None) -> list[dict]:
+    """The chunks one token gives a choice whose output is parsed for tool calls: none while the
+    parser holds the text back, one per delta it then gives, and the one ending the choice. Each
+    token's log-probability goes out once, with the first chunk at or after it, so that the chunks'
+    add up to the whole answer's."""
+    if lp is not None:
+        unsent += lp["content"]
+
+    def logprobs() -> dict | None:
+        taken = {"content": unsent[:]} if unsent else None
+        unsent.clear()
+        return taken
+
+    text = ev.token.text if not ev.token.special or ev.token.text in MARKERS[stream.fmt] else ""
+    out = [{"index": i, "delta": {"role": "assistant", **d}, "logprobs": logprobs(), "finish_reason": None}
+           for d in stream.add(text, final=ev.end is not None)]
+    if ev.end is not None:
+        finish = FINISH[ev.end.finish_reason]
+        finish = "tool_calls" if finish == "stop" and stream.called else finish
+        out.append({"index": i, "delta": {}, "logprobs": logprobs(), "finish_reason": finish})
+    return out
 
 
 async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> web.StreamResponse:

@@ -1,25 +1,56 @@
 """The response bodies of both APIs as pydantic models: what the OpenAPI document says each route
-answers (`openapi`), and what the fuzz test holds the real server's answers to.
+answers (`openapi`), and the contract the tests hold every answer of the real server to.
 
-The handlers build these shapes as dictionaries (`tgi_api`, `openai_api`); the models describe
-them, following TGI's and OpenAI's names. A field the server always sends is required; one it sends
-only when asked (`details`, `top_tokens`, ...) is optional. Extra fields are allowed, as in the
-APIs they copy.
+The handlers build these shapes as dictionaries and, for the per-token stream events, as JSON text
+from templates (`tgi_api`, `openai_api`, `json_text`): a pydantic object per token would cost the
+streams' throughput. So the models are the checked contract rather than the builders: the tests
+validate every kind of answer against the document generated from them (tests/runtime/test_openapi.py,
+and the fuzz test, tests/runtime/test_fuzz_api.py, which does so for whatever bodies it sends).
+
+They follow TGI's and OpenAI's names and say exactly what the server sends: a field it always sends
+is required (null where it may be null); one it sends only when asked (`details`, `top_tokens`,
+`tool_calls`, ...) is optional and never null; no other field is sent (`extra="forbid"`: the document
+says `additionalProperties: false`). Only the probes and /info, whose engine fields vary with the
+engine and grow with it, list their fields but allow others.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
 OpenAIFinishReason = Literal["length", "stop"]
+ChatFinishReason = Literal["length", "stop", "tool_calls"]
+ErrorType = Literal["validation", "generation", "overloaded", "unhealthy", "authentication",
+                    "incomplete_generation", "internal"]
+
+
+class Closed(BaseModel):
+    """A body with exactly these fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Open(BaseModel):
+    """A body with these fields and possibly others."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def _no_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
+def absent(description: str | None = None) -> Any:
+    """A field the server leaves out, rather than sending null, when it does not apply."""
+    return Field(None, description=description, json_schema_extra=_no_default)
 
 
 # --- errors and probes ---------------------------------------------------------------------------
 
-class WarmupProgress(BaseModel):
+class WarmupProgress(Open):
     done: int
     total: int
     phase: str
@@ -27,35 +58,37 @@ class WarmupProgress(BaseModel):
                                                       "(null without one)")
 
 
-class StartupSeconds(BaseModel):
+class StartupSeconds(Open):
     download: float | None = Field(None, description="Getting the model (null for a local directory)")
     load: float | None = Field(None, description="Loading and sharding the weights")
     warmup: float | None = Field(None, description="Warming up (null until done)")
 
 
-class ErrorResponse(BaseModel):
+class ErrorResponse(Closed):
     """TGI's error body, for every status from 401 to 503 (and an error event ending a stream)."""
 
     error: str
-    error_type: str = Field(description="validation (422, 413), generation (424), overloaded (429), "
-                                        "unhealthy (503), authentication (401)")
-    warmup: WarmupProgress | None = Field(None, description="While the server warms up (503)")
+    error_type: ErrorType = Field(description="validation (422, 413), generation (424), overloaded (429), "
+                                              "unhealthy (503), authentication (401); in an event ending a "
+                                              "stream, incomplete_generation for a failure of the server's own")
+    warmup: WarmupProgress = absent("While the server warms up (503)")
 
 
-class HealthResponse(BaseModel):
-    status: str = Field(description="ok, loading, warming_up or failed")
+class HealthResponse(Open):
+    status: str = Field(description="ok, loading, warming_up, failed or draining")
     warmup: WarmupProgress | None = None
-    error: str | None = Field(None, description="Why the server failed")
+    error: str | None = Field(None, description="Why the server failed, or that it is shutting down")
+    error_type: str | None = Field(None, description="unhealthy, while draining")
     startup_seconds: StartupSeconds | None = Field(None, description="Once ready: where the start went")
     warmup_from_cache: bool | None = Field(None, description="Once ready: whether warmup came from the recipe "
                                                              "cache (null without one)")
 
 
-class PingResponse(BaseModel):
+class PingResponse(Closed):
     status: Literal["ok"]
 
 
-class Info(BaseModel):
+class Info(Open):
     """TGI's /info, with this server's engine fields (KV cache, warmup, start-up)."""
 
     model_id: str
@@ -67,10 +100,16 @@ class Info(BaseModel):
     max_best_of: int
     max_stop_sequences: int
     max_input_tokens: int
+    max_input_length: int | None = Field(None, description="max_input_tokens, under TGI's older name")
     max_total_tokens: int
     max_top_n_tokens: int
     max_client_batch_size: int
     validation_workers: int
+    waiting_served_ratio: float | None = None
+    max_batch_total_tokens: int | None = Field(None, description="What the KV cache holds, once the shards "
+                                               "have measured it")
+    max_waiting_tokens: int | None = None
+    max_batch_size: int | None = None
     router: str
     version: str
     sha: str | None = None
@@ -80,70 +119,79 @@ class Info(BaseModel):
                                         "prefix_cache_hits say how much")
     attention: str | None = Field(None, description="The attention kernels the shards run (on a CPU: whether "
                                   "decode reads the paged KV cache in place)")
+    state: str | None = Field(None, description="The engine's state: loading, warming_up, ready or failed")
+    num_shard: int | None = None
+    block_size: int | None = None
+    kv_blocks: int | None = None
+    kv_blocks_free: int | None = None
+    kv_blocks_cached: int | None = None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
+    unwarmed_shapes: int | None = Field(None, description="Shapes run after warmup that it had not warmed")
 
 
 # --- TGI -------------------------------------------------------------------------------------------
 
-class Token(BaseModel):
+class Token(Closed):
     id: int
     text: str
     logprob: float | None = Field(description="null where it is not finite")
     special: bool
 
 
-class PrefillToken(BaseModel):
+class PrefillToken(Closed):
     id: int
     text: str
-    logprob: float | None
+    logprob: float | None = Field(description="null for the first token, and where it is not finite")
 
 
-class BestOfSequence(BaseModel):
+class BestOfSequence(Closed):
     generated_text: str
     finish_reason: FinishReason
     generated_tokens: int
-    seed: int | None = None
-    prefill: list[PrefillToken]
+    seed: int | None = Field(description="null for greedy decoding")
+    prefill: list[PrefillToken] = Field(description="With decoder_input_details; empty without")
     tokens: list[Token]
-    top_tokens: list[list[Token]] | None = None
+    top_tokens: list[list[Token]] = absent("With top_n_tokens")
 
 
-class Details(BaseModel):
+class Details(Closed):
     finish_reason: FinishReason
     generated_tokens: int
-    seed: int | None = None
-    prefill: list[PrefillToken]
+    seed: int | None = Field(description="null for greedy decoding")
+    prefill: list[PrefillToken] = Field(description="With decoder_input_details; empty without")
     tokens: list[Token]
-    top_tokens: list[list[Token]] | None = Field(None, description="With top_n_tokens")
-    best_of_sequences: list[BestOfSequence] | None = Field(None, description="With best_of > 1")
+    top_tokens: list[list[Token]] = absent("With top_n_tokens")
+    best_of_sequences: list[BestOfSequence] = absent("With best_of > 1: the sequences not chosen")
 
 
-class GenerateResponse(BaseModel):
+class GenerateResponse(Closed):
     generated_text: str
-    details: Details | None = Field(None, description="With details: true")
+    details: Details = absent("With details: true")
 
 
 class CompatGenerateResponse(RootModel[list[GenerateResponse]]):
     """`/` without streaming: TGI answers a list of one."""
 
 
-class StreamDetails(BaseModel):
+class StreamDetails(Closed):
     finish_reason: FinishReason
     generated_tokens: int
-    seed: int | None = None
+    seed: int | None
     input_length: int
 
 
-class StreamResponse(BaseModel):
+class StreamResponse(Closed):
     """One server-sent event of /generate_stream; the last carries `generated_text` and `details`."""
 
     index: int
     token: Token
-    top_tokens: list[Token]
+    top_tokens: list[Token] = Field(description="With top_n_tokens; empty without")
     generated_text: str | None
     details: StreamDetails | None
 
 
-class SimpleToken(BaseModel):
+class SimpleToken(Closed):
     id: int
     text: str
     start: int
@@ -156,102 +204,143 @@ class TokenizeResponse(RootModel[list[SimpleToken]]):
 
 # --- OpenAI ----------------------------------------------------------------------------------------
 
-class Usage(BaseModel):
+class Usage(Closed):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
-class OpenAIEnvelope(BaseModel):
+class OpenAIEnvelope(Closed):
     id: str
     object: str
     created: int
     model: str
     system_fingerprint: str
-    usage: Usage | None = None
 
 
-class CompletionLogprobs(BaseModel):
+class CompletionLogprobs(Closed):
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float | None]]
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(Closed):
     index: int
     text: str
-    logprobs: CompletionLogprobs | None
+    logprobs: CompletionLogprobs | None = Field(description="With logprobs")
     finish_reason: OpenAIFinishReason
 
 
 class Completion(OpenAIEnvelope):
     object: Literal["text_completion"]
-    choices: list[CompletionChoice]
+    choices: list[CompletionChoice] = Field(description="n per prompt, prompt after prompt")
+    usage: Usage
 
 
-class CompletionChunkChoice(BaseModel):
+class CompletionChunkChoice(Closed):
     index: int
     text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: OpenAIFinishReason | None
+    logprobs: CompletionLogprobs | None = Field(description="With logprobs")
+    finish_reason: OpenAIFinishReason | None = Field(description="In the choice's last chunk")
 
 
 class CompletionChunk(OpenAIEnvelope):
+    """One event of a completions stream: a token of one choice, or (with `stream_options.include_usage`)
+    the usage of the whole request, with no choice, after the last token."""
+
     object: Literal["text_completion"]
     choices: list[CompletionChunkChoice]
+    usage: Usage | None = Field(description="In the usage chunk only")
 
 
-class TopLogprob(BaseModel):
+class TopLogprob(Closed):
     token: str
-    logprob: float | None
+    logprob: float | None = Field(description="null where it is not finite")
     bytes: list[int]
 
 
 class ChatLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
+    top_logprobs: list[TopLogprob] = Field(description="top_logprobs of them; empty without")
 
 
-class ChatLogprobs(BaseModel):
+class ChatLogprobs(Closed):
     content: list[ChatLogprob]
 
 
-class ChatMessage(BaseModel):
+class CalledFunction(Closed):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text")
+
+
+class MessageToolCall(Closed):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class AssistantMessage(Closed):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the answer is tool calls and nothing else")
+    tool_calls: list[MessageToolCall] = absent("The calls the model made, when it made some")
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(Closed):
     index: int
-    message: ChatMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: OpenAIFinishReason
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = Field(description="With logprobs")
+    finish_reason: ChatFinishReason = Field(description="tool_calls when the model ended after calling tools")
 
 
 class ChatCompletion(OpenAIEnvelope):
     object: Literal["chat.completion"]
     choices: list[ChatChoice]
+    usage: Usage
 
 
-class ChatChunkChoice(BaseModel):
+class FunctionCallDelta(Closed):
+    name: str = absent("In the call's first delta")
+    arguments: str = Field(description="The next piece of the arguments' JSON text")
+
+
+class ToolCallDelta(Closed):
+    index: int = Field(description="Which call of the message this piece belongs to")
+    id: str = absent("In the call's first delta")
+    type: Literal["function"] = absent("In the call's first delta")
+    function: FunctionCallDelta
+
+
+class ChatDelta(Closed):
+    """What one chunk adds to a choice's message; empty in the chunk that only ends a choice with tools."""
+
+    role: Literal["assistant"] = absent()
+    content: str = absent()
+    tool_calls: list[ToolCallDelta] = absent()
+
+
+class ChatChunkChoice(Closed):
     index: int
-    delta: ChatMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: OpenAIFinishReason | None
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = Field(description="With logprobs")
+    finish_reason: ChatFinishReason | None = Field(description="In the choice's last chunk")
 
 
 class ChatCompletionChunk(OpenAIEnvelope):
+    """One event of a chat stream: a piece of one choice, or (with `stream_options.include_usage`) the
+    usage of the whole request, with no choice, after the last piece."""
+
     object: Literal["chat.completion.chunk"]
     choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(description="In the usage chunk only")
 
 
-class ModelCard(BaseModel):
+class ModelCard(Closed):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
 
 
-class ModelList(BaseModel):
+class ModelList(Closed):
     object: Literal["list"]
     data: list[ModelCard]
