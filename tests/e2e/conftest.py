@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,16 +59,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _BUILD: dict[str, Any] = {}
 
 
+def _build_in_background() -> None:
+    try:
+        _BUILD["binaries"] = build_binaries()
+    except Exception as exc:  # reported by the `cluster` fixture, as a failure
+        _BUILD["error"] = str(exc)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build the control plane (once per machine) after collection, when e2e tests were selected:
-    outside any test, so a cold build (tens of minutes) does not count against a test's timeout."""
+    """Start building the control plane (once per machine) when e2e tests were selected, in the
+    background: the e2e tests run last, so a cold build (tens of minutes, at nice 19) overlaps the
+    other suites instead of delaying the first test."""
     if EXTERNAL or session.config.option.collectonly or _BUILD:
         return
     if any("tests/e2e/" in item.nodeid for item in session.items):
-        try:
-            _BUILD["binaries"] = build_binaries()
-        except Exception as exc:  # reported by the `cluster` fixture, as a failure
-            _BUILD["error"] = str(exc)
+        _BUILD["thread"] = threading.Thread(target=_build_in_background, name="e2e-binaries", daemon=True)
+        _BUILD["thread"].start()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Wait for the control plane's build before the first e2e test, outside every test's timeout
+    (this wrapper runs outside pytest-timeout's)."""
+    thread = _BUILD.get("thread")
+    if thread is not None and "tests/e2e/" in item.nodeid:
+        thread.join()
+    yield
 
 
 @dataclass

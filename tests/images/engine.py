@@ -95,6 +95,16 @@ class Podman:
             self("rm", "--force", cid, check=False)
         self("image", "prune", "--force", check=False, timeout=600)
 
+    def remove_leftovers(self) -> None:
+        """Before a build: remove what an interrupted session left in this storage, which no later
+        prune would: containers (a build stopped mid-step keeps its working container, with the
+        layer it was writing: gigabytes in the dependencies' step) and the untagged images they held.
+        The storage is the tests' own, so nothing in it belongs to anyone else."""
+        ids = self("ps", "--all", "--external", "--quiet", check=False)
+        for cid in ids.stdout.split():
+            self("rm", "--force", cid, check=False)
+        self("image", "prune", "--force", "--external", check=False, timeout=600)
+
 
 @dataclass
 class Container:
@@ -229,6 +239,7 @@ class Build:
             self._step("podman", [str(ROOT / "hack" / "container-engine.sh"), "--install-podman"], dict(os.environ),
                        timings)
             podman = Podman()
+            podman.remove_leftovers()
             env = {**podman.env, "ENGINE": "podman", "PYTHON": sys.executable}
             base = self._step("base image", [str(ROOT / "hack" / "base-image.sh")], env, timings)
             self._step("images", [str(ROOT / "hack" / "build-images.sh")], {
