@@ -124,7 +124,7 @@ class HpuAttention(AttentionBackend):
         self._prefill, self._decode = fused_sdpa(recompute), fused_sdpa(False)
         self.flat_decode = partial(flat_paged_decode, adjust=block_softmax_adjustment())
 
-    def prefill(self, q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    def prefill(self, q, k, v, attn_mask=None, is_causal=False, scale=None):  # no enable_gqa: K/V repeated
         return self._prefill(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
     def decode(self, q, k, v, attn_mask, scale=None):
