@@ -2,8 +2,7 @@
 and Dockerfile.runtime (tests/images/engine.py), used by tests/images and by the operator-image
 scenario of tests/e2e. Any test that takes the `images` fixture starts the build, in the
 background, as soon as collection ends; if the build fails, those tests fail (never skip). And
-`restore_attention` and `fake_hpu`, for the unit and runtime tests that select the process's attention
-kernels or drive the HPU backend."""
+`fake_hpu`, for the unit and runtime tests that drive the HPU backend."""
 
 from __future__ import annotations
 
@@ -78,18 +77,6 @@ def images() -> Iterator[Images]:
         pytest.fail(f"the images could not be built: {exc}")
     yield built
     built.podman.cleanup()
-
-
-@pytest.fixture
-def restore_attention() -> Iterator[None]:
-    """The process's attention kernels (`attention.IMPL`, set by `select_attention` and by every runner)
-    as they were before the test."""
-    from gaudi_runtime.layers import attention
-
-    saved = dict(vars(attention.IMPL))
-    yield
-    for name, value in saved.items():
-        setattr(attention.IMPL, name, value)
 
 
 @pytest.fixture

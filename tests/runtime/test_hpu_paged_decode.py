@@ -25,11 +25,6 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
 
 
-@pytest.fixture(autouse=True)
-def _attention_restored(restore_attention):
-    """Each runner selects the process's attention kernels: put back what the tests before had."""
-
-
 def config(model_dir, **kw):
     return resolve(None, {"MODEL_ID": str(model_dir), **SMALL, **{k: str(v) for k, v in kw.items()}})
 

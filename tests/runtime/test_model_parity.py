@@ -21,7 +21,9 @@ import socket
 import pytest
 import torch
 
-from gaudi_runtime.layers import AttentionMetadata, allocate_kv_cache, attention, kv_bytes_per_block
+from gaudi_runtime.layers import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
+from gaudi_runtime.layers.attention import use_attention
+from gaudi_runtime.layers.attention_backend import AttentionBackend
 from gaudi_runtime.layers.rotary import compute_inv_freq, rope_params_from_config
 from gaudi_runtime.models import SUPPORTED_ARCHITECTURES, UnsupportedModelError, load_model
 
@@ -151,15 +153,16 @@ def family(request):
 
 @pytest.fixture(params=["gather", "in-place"])
 def decode_attention(request):
-    """Decode over the gathered blocks (every device) or reading the cache in place (the CPU kernel)."""
+    """The attention backend to decode with: over the gathered blocks (torch SDPA, every device) or reading
+    the cache in place (the CPU's, with its C kernel)."""
+    from gaudi_runtime.device.cpu_attention import CpuAttention
     from gaudi_runtime.device.cpu_paged_attention import kernel
 
-    saved = attention.IMPL.paged_decode
-    attention.IMPL.paged_decode = kernel() if request.param == "in-place" else None
-    if request.param == "in-place" and attention.IMPL.paged_decode is None:
+    if request.param == "gather":
+        return AttentionBackend()
+    if kernel() is None:
         pytest.fail("the CPU paged attention kernel did not build: is there a C compiler (cc or $CC)?")
-    yield
-    attention.IMPL.paged_decode = saved
+    return CpuAttention(kernel())
 
 
 def _check_prefill(model, ref, prompts) -> None:
@@ -191,6 +194,7 @@ def test_prefill_logits_match_transformers(tiny_model_dirs, family):
 def test_greedy_generation_through_paged_cache_matches_transformers(tiny_model_dirs, family, decode_attention):
     d = tiny_model_dirs[family]
     model = load_model(d, torch.float32, torch.device("cpu"))
+    use_attention(model, decode_attention)
     _check_greedy(model, _reference(d), _prompts(model.vocab_size, seed=1))
 
 
@@ -280,6 +284,7 @@ def test_continuous_batching_pattern_matches_transformers(tiny_model_dirs, famil
     """Sequences join and leave the decode batch, in changing row orders, with padded rows."""
     d = tiny_model_dirs[family]
     model = load_model(d, torch.float32, torch.device("cpu"))
+    use_attention(model, decode_attention)
     ref = _reference(d)
     prompts = _prompts(model.vocab_size, lens=[5, 11, 2, 7], seed=3)
     runner = PagedRunner(model, prompts, MAX_NEW, pad_rows=2, seed=9)
@@ -303,6 +308,7 @@ def test_decode_logits_match_full_recompute(tiny_model_dirs, decode_attention):
     """Every decode step's logits equal transformers' logits for the whole sequence so far."""
     d = tiny_model_dirs["llama31"]
     model = load_model(d, torch.float32, torch.device("cpu"))
+    use_attention(model, decode_attention)
     ref = _reference(d)
     prompts = _prompts(model.vocab_size, seed=2)
     tokens, steps = PagedRunner(model, prompts, 6, seed=3).generate(6)

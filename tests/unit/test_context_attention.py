@@ -8,16 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gaudi_runtime.device import cpu_gemm
-from gaudi_runtime.layers import attention
-from gaudi_runtime.layers.attention import (
-    Attention,
-    AttentionMetadata,
+from gaudi_runtime.device import cpu, cpu_attention
+from gaudi_runtime.device.base import Backend
+from gaudi_runtime.device.cpu import CpuBackend
+from gaudi_runtime.device.cpu_attention import (
+    CpuAttention,
     chunked_causal_attention,
-    context_prefill_mask,
     grouped_context_attention,
-    select_attention,
 )
+from gaudi_runtime.layers.attention import Attention, AttentionMetadata, context_prefill_mask
 
 BLOCK = 4
 
@@ -64,7 +63,7 @@ def test_float32_is_left_to_sdpa():
 
 def test_scores_beyond_the_cap_are_left_to_sdpa(monkeypatch):
     q, k, v, mask = context_prefill_case(2, 2, 2, s=8, blocks=4, d=8, dtype=torch.bfloat16)
-    monkeypatch.setattr(attention, "GROUPED_CONTEXT_MAX_SCORES", q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] - 1)
+    monkeypatch.setattr(cpu_attention, "GROUPED_CONTEXT_MAX_SCORES", q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] - 1)
     assert grouped_context_attention(q, k, v, mask, 0.3) is None
 
 
@@ -81,7 +80,8 @@ def test_a_layer_reading_cached_blocks_answers_as_sdpa_does(monkeypatch, cap):
     slots = torch.stack([8 * BLOCK + torch.arange(s), 2 * BLOCK + torch.arange(s)])
 
     def run(context_prefill):
-        monkeypatch.setattr(attention.IMPL, "context_prefill", context_prefill)
+        layer.backend = CpuAttention()
+        layer.backend.context_prefill = context_prefill
         kv = tuple(c.clone() for c in caches)
         meta = AttentionMetadata(is_prefill=True, slots=slots, block_tables=tables, context_lens=context_lens)
         return layer(q, k, v, kv, meta)
@@ -94,19 +94,17 @@ def test_a_layer_reading_cached_blocks_answers_as_sdpa_does(monkeypatch, cap):
         return out
 
     if cap is not None:
-        monkeypatch.setattr(attention, "GROUPED_CONTEXT_MAX_SCORES", cap)
+        monkeypatch.setattr(cpu_attention, "GROUPED_CONTEXT_MAX_SCORES", cap)
     torch.testing.assert_close(run(counted).float(), run(None).float(), atol=2e-2, rtol=2e-2)
     assert calls == [cap is None]  # the matmuls answered, or handed the shape back to SDPA
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_the_matmul_prefills_are_selected_for_cpu_with_native_bf16_only(monkeypatch, native):
-    monkeypatch.setattr(cpu_gemm, "native_bf16", lambda: native)
-    try:
-        expected = (grouped_context_attention, chunked_causal_attention) if native else (None, None)
-        for device, flash in (("cpu", True), ("cuda", True), ("cpu", False)):
-            impl = select_attention(flash, False, device)
-            chosen = (impl.context_prefill, impl.causal_prefill)
-            assert chosen == (expected if (device, flash) == ("cpu", True) else (None, None))
-    finally:
-        select_attention(True, False, "cuda")
+    monkeypatch.setattr(cpu, "native_bf16", lambda: native)
+    expected = (grouped_context_attention, chunked_causal_attention) if native else (None, None)
+    eager = Backend(torch.device("cpu"))  # what CUDA runs: the base's attention
+    for backend, flash in ((CpuBackend(), True), (eager, True), (CpuBackend(), False)):
+        impl = backend.attention(flash, False)
+        chosen = (impl.context_prefill, impl.causal_prefill)
+        assert chosen == (expected if (type(backend), flash) == (CpuBackend, True) else (None, None))

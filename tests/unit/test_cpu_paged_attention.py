@@ -15,14 +15,9 @@ import pytest
 import torch
 
 from gaudi_runtime.device import cpu_kernels, cpu_paged_attention
-from gaudi_runtime.layers import attention
-from gaudi_runtime.layers.attention import (
-    Attention,
-    AttentionMetadata,
-    attention_in_use,
-    grouped_decode_attention,
-    select_attention,
-)
+from gaudi_runtime.device.cpu import CpuBackend
+from gaudi_runtime.device.cpu_attention import CpuAttention
+from gaudi_runtime.layers.attention import Attention, AttentionMetadata, attention_in_use
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 
 LENGTHS = [1, 16, 17, 2000, 128, 129, 0, 5]  # a block, a block + 1, long, a padded row (0)
@@ -71,14 +66,9 @@ def reference(q, k_cache, v_cache, tables, lengths, scale):
 
 def gathered(q, k_cache, v_cache, tables, lengths, scale):
     """The gather path of `Attention._decode` (grouped bmm over the copied blocks)."""
-    layer = Attention(q.shape[2], k_cache.shape[2], k_cache.shape[3], scale)
+    layer = Attention(q.shape[2], k_cache.shape[2], k_cache.shape[3], scale, backend=CpuAttention())
     meta = AttentionMetadata(is_prefill=False, slots=tables[:, :1], block_tables=tables, context_lens=lengths)
-    saved = attention.IMPL.decode
-    attention.IMPL.decode = grouped_decode_attention
-    try:
-        return layer._gathered_decode(q, k_cache, v_cache, meta).view(q.shape[0], q.shape[2], -1)
-    finally:
-        attention.IMPL.decode = saved
+    return layer._gathered_decode(q, k_cache, v_cache, meta).view(q.shape[0], q.shape[2], -1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -112,12 +102,12 @@ def test_same_answer_on_any_thread_count(kernel, threads, lengths):
         torch.set_num_threads(before)
 
 
-def test_decode_layer_reads_the_cache_in_place(kernel, restore_attention, monkeypatch):
+def test_decode_layer_reads_the_cache_in_place(kernel, monkeypatch):
     """With the kernel selected, a decode step writes the new K/V, attends without copying the blocks
     (no index_select) and builds no mask; its answer is the gather path's."""
-    select_attention(True, False, "cpu")
-    assert attention.IMPL.paged_decode is kernel and "paged" in attention.IMPL.name
-    layer = Attention(8, 4, 64)
+    impl = CpuBackend().attention(True, False)
+    assert impl.paged_decode is kernel and "paged" in impl.name
+    layer = Attention(8, 4, 64, backend=impl)
     caches = allocate_kv_cache(1, 9, 16, 4, 64, torch.bfloat16, "cpu")[0]
     for c in caches:
         c.normal_()
@@ -134,8 +124,8 @@ def test_decode_layer_reads_the_cache_in_place(kernel, restore_attention, monkey
     torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
 
 
-def test_float8_cache_and_odd_or_large_head_sizes_keep_the_gather_path(kernel, restore_attention):
-    impl = select_attention(True, False, "cpu")
+def test_float8_cache_and_odd_or_large_head_sizes_keep_the_gather_path(kernel):
+    impl = CpuBackend().attention(True, False)
     assert attention_in_use(impl, torch.bfloat16) == "sdpa (decode: paged C kernel)"
     assert "gathered" in attention_in_use(impl, torch.float8_e4m3fn)  # what /info says
     calls = []
@@ -144,22 +134,22 @@ def test_float8_cache_and_odd_or_large_head_sizes_keep_the_gather_path(kernel, r
         calls.append(args)
         return kernel(*args)
 
-    attention.IMPL.paged_decode = spy
+    impl = CpuAttention(spy)
     meta = dict(is_prefill=False, slots=torch.tensor([[20]]), block_tables=torch.tensor([[1, 2]]),
                 context_lens=torch.tensor([21]))
     fp8 = allocate_kv_cache(1, 3, 16, 2, 64, torch.float8_e4m3fn, "cpu")[0]
     q, k, v = torch.randn(1, 1, 4, 64), torch.randn(1, 1, 2, 64), torch.randn(1, 1, 2, 64)
-    assert torch.isfinite(Attention(4, 2, 64)(q, k, v, fp8, AttentionMetadata(**meta))).all()
+    assert torch.isfinite(Attention(4, 2, 64, backend=impl)(q, k, v, fp8, AttentionMetadata(**meta))).all()
     assert calls == []  # never offered to the kernel
     odd = allocate_kv_cache(1, 3, 16, 2, 24, torch.float32, "cpu")[0]
     q, k, v = torch.randn(1, 1, 4, 24), torch.randn(1, 1, 2, 24), torch.randn(1, 1, 2, 24)
-    out = Attention(4, 2, 24)(q, k, v, odd, AttentionMetadata(**meta))
+    out = Attention(4, 2, 24, backend=impl)(q, k, v, odd, AttentionMetadata(**meta))
     assert len(calls) == 1 and kernel(*calls[0]) is None  # offered, declined, gathered
     expected = reference(q, odd[0], odd[1], meta["block_tables"], meta["context_lens"], 24 ** -0.5)
     torch.testing.assert_close(out.view(1, 4, 24), expected)
     big = allocate_kv_cache(1, 3, 16, 1, 512, torch.float32, "cpu")[0]  # past the kernel's MAX_HEAD_SIZE
     q, k, v = torch.randn(1, 1, 2, 512), torch.randn(1, 1, 1, 512), torch.randn(1, 1, 1, 512)
-    out = Attention(2, 1, 512)(q, k, v, big, AttentionMetadata(**meta))
+    out = Attention(2, 1, 512, backend=impl)(q, k, v, big, AttentionMetadata(**meta))
     assert len(calls) == 2 and kernel(*calls[1]) is None
     expected = reference(q, big[0], big[1], meta["block_tables"], meta["context_lens"], 512 ** -0.5)
     torch.testing.assert_close(out.view(1, 2, 512), expected)
@@ -184,18 +174,17 @@ def no_kernel_yet():
 
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"], ids=["no-compiler", "compile-fails"])
-def test_without_a_compiler_decode_gathers_after_one_warning(no_kernel_yet, restore_attention, monkeypatch,
-                                                             tmp_path, caplog, cc):
+def test_without_a_compiler_decode_gathers_after_one_warning(no_kernel_yet, monkeypatch, tmp_path, caplog, cc):
     monkeypatch.setenv("CC", cc)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger=cpu_paged_attention.__name__):
         for _ in range(3):  # the choice is made once per process
-            impl = select_attention(True, False, "cpu")
+            impl = CpuBackend().attention(True, False)
     warnings = [r for r in caplog.records if "no paged decode attention kernel" in r.getMessage()]
     assert len(warnings) == 1 and "gathers" in warnings[0].getMessage()
     assert impl.paged_decode is None and impl.name == "sdpa (decode: grouped bmm)"
     q, k_cache, v_cache, tables, lengths = paged_batch(8, 4, 64, 16, torch.bfloat16, [30, 0])
-    layer = Attention(8, 4, 64)
+    layer = Attention(8, 4, 64, backend=impl)
     meta = AttentionMetadata(is_prefill=False, slots=tables[:, :1], block_tables=tables, context_lens=lengths)
     out = layer._decode(q, k_cache, v_cache, meta)
     assert meta.decode_mask is not None  # the gather path ran
@@ -204,9 +193,9 @@ def test_without_a_compiler_decode_gathers_after_one_warning(no_kernel_yet, rest
     assert list(tmp_path.rglob("*.so")) == []
 
 
-def test_switched_off_no_kernel_is_built(no_kernel_yet, restore_attention, monkeypatch):
+def test_switched_off_no_kernel_is_built(no_kernel_yet, monkeypatch):
     monkeypatch.setattr(cpu_paged_attention, "load", lambda *a: pytest.fail("compiled although switched off"))
-    impl = select_attention(True, False, "cpu", cpu_paged=False)
+    impl = CpuBackend().attention(True, False, cpu_paged=False)
     assert impl.paged_decode is None and impl.name == "sdpa (decode: grouped bmm)"
 
 

@@ -7,14 +7,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gaudi_runtime.layers import attention
-from gaudi_runtime.layers.attention import (
+from gaudi_runtime.device import cpu_attention
+from gaudi_runtime.device.cpu import CpuBackend
+from gaudi_runtime.device.cpu_attention import (
     GROUPED_MAX_KV_HEADS,
     GROUPED_MIN_BATCH,
     GROUPED_MIN_POSITIONS,
     grouped_decode_attention,
-    select_attention,
 )
+from gaudi_runtime.layers.attention_backend import AttentionBackend
 
 
 def gathered(b: int, hkv: int, g: int, length: int, d: int, dtype=torch.float32):
@@ -54,12 +55,9 @@ def test_non_contiguous_cache_falls_back_to_sdpa():
 
 
 def test_selected_for_cpu_decode_only():
-    impl = select_attention(True, False, "cpu")
-    try:
-        assert impl.prefill is F.scaled_dot_product_attention and impl.decode is grouped_decode_attention
-        assert "sdpa" in impl.name
-    finally:
-        select_attention(True, False, "cuda")
+    impl = CpuBackend().attention(True, False)
+    assert impl.decode is grouped_decode_attention and "sdpa" in impl.name
+    assert type(impl).prefill is AttentionBackend.prefill  # torch SDPA
 
 
 @pytest.mark.parametrize("b,length", [(GROUPED_MIN_BATCH, 32), (4, GROUPED_MIN_POSITIONS // 4)],
@@ -72,5 +70,5 @@ def test_batched_matmuls_serve_large_batches_or_long_contexts_with_few_kv_heads(
     def no_sdpa(*args, **kwargs):
         raise AssertionError("SDPA called")
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", no_sdpa)
+    monkeypatch.setattr(cpu_attention.F, "scaled_dot_product_attention", no_sdpa)
     torch.testing.assert_close(grouped_decode_attention(q, k, v, attn_mask=mask), expected)

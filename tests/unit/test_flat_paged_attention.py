@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gaudi_runtime.layers.attention import Attention, AttentionMetadata, select_attention
+from gaudi_runtime.layers.attention import Attention, AttentionMetadata
 from gaudi_runtime.layers.flat_paged_attention import flat_layout, flat_paged_decode
 
 INF = float("-inf")
@@ -82,10 +82,17 @@ def test_flat_decode_equals_each_rows_softmax(fake_hpu, heads, dtype, tol, fused
     assert all(c["batch_size"] == 6 and c["block_max"] == (32, heads[0], 1, 1) for c in calls)
 
 
-def layer_decode(meta_kind, kv_dtype):
+def hpu_attention(use_flash: bool = True):
+    """The attention backend the HPU backend chooses (the fake bridge loaded)."""
+    from gaudi_runtime.device.hpu import HpuBackend
+
+    return HpuBackend(torch_device=torch.device("cpu")).attention(use_flash, False)
+
+
+def layer_decode(meta_kind, kv_dtype, backend):
     """One decode step of an attention layer over a paged cache holding three rows of 2 to 9 tokens."""
     torch.manual_seed(0)
-    layer = Attention(num_heads=8, num_kv_heads=2, head_dim=16)
+    layer = Attention(num_heads=8, num_kv_heads=2, head_dim=16, backend=backend)
     layer.k_scale, layer.v_scale = (0.5, 0.25) if kv_dtype != torch.float32 else (1.0, 1.0)
     cache = tuple(torch.zeros(16, 4, 2, 16, dtype=kv_dtype) for _ in range(2))
     tables, lens = np.array([[3, 7, 1], [9, 0, 0], [4, 5, 12]]), np.array([6, 2, 9])  # with the new token
@@ -107,29 +114,30 @@ def layer_decode(meta_kind, kv_dtype):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn], ids=["float32", "fp8-cache"])
-def test_hpu_attention_layer_decodes_over_the_flat_layout_as_over_gathered_blocks(fake_hpu, restore_attention,
-                                                                                  kv_dtype):
-    impl = select_attention(True, False, "hpu")
+def test_hpu_attention_layer_decodes_over_the_flat_layout_as_over_gathered_blocks(fake_hpu, kv_dtype):
+    impl = hpu_attention()
     assert impl.flat_decode is not None and "flat paged" in impl.name
-    flat = layer_decode("flat", kv_dtype)
+    flat = layer_decode("flat", kv_dtype, impl)
     assert len(fake_hpu["block_softmax_adjustment"]) == 1
-    gathered = layer_decode("gathered", kv_dtype)  # FusedSDPA over the gathered blocks
+    gathered = layer_decode("gathered", kv_dtype, impl)  # FusedSDPA over the gathered blocks
     torch.testing.assert_close(flat, gathered, atol=1e-5, rtol=1e-5)
 
 
-def test_a_bridge_without_the_fused_op_rescales_with_plain_ops(fake_hpu, restore_attention, monkeypatch, caplog):
+def test_a_bridge_without_the_fused_op_rescales_with_plain_ops(fake_hpu, monkeypatch, caplog):
     from gaudi_runtime.device import hpu
 
     with monkeypatch.context() as patch, caplog.at_level(logging.INFO, logger="gaudi_runtime.device.hpu"):
         patch.setattr(torch.ops, "hpu", object())  # a bridge that registers no such op
         assert hpu.block_softmax_adjustment() is None
-        select_attention(True, False, "hpu")
+        impl = hpu_attention()
     assert sum("block_softmax_adjustment" in r.getMessage() for r in caplog.records) == 2  # once per lookup
-    torch.testing.assert_close(layer_decode("flat", torch.float32), layer_decode("gathered", torch.float32))
+    torch.testing.assert_close(layer_decode("flat", torch.float32, impl),
+                               layer_decode("gathered", torch.float32, impl))
     assert fake_hpu["block_softmax_adjustment"] == []
 
 
-def test_the_math_fallback_keeps_the_gather_on_hpu(fake_hpu, restore_attention):
-    assert select_attention(False, False, "hpu").flat_decode is None
+def test_the_math_fallback_keeps_the_gather_on_hpu(fake_hpu):
+    impl = hpu_attention(use_flash=False)
+    assert impl.flat_decode is None
     with pytest.raises(ValueError, match="flat block layout"):
-        layer_decode("flat", torch.float32)
+        layer_decode("flat", torch.float32, impl)

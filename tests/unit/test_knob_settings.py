@@ -12,7 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from gaudi_runtime.config import ConfigError, add_arguments, resolve
-from gaudi_runtime.layers.attention import math_attention, select_attention
+from gaudi_runtime.device.attention import MathAttention, math_attention
+from gaudi_runtime.device.base import Backend
+from gaudi_runtime.device.cpu import CpuBackend
+from gaudi_runtime.layers.attention_backend import AttentionBackend
 from gaudi_runtime.layers.rotary import rope_params_from_config
 from gaudi_runtime.models.registry import override_rope
 from gaudi_runtime.router.tokenizer import chat_template_from
@@ -104,11 +107,31 @@ def test_math_attention_equals_sdpa_causal_and_masked():
                                F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
-def test_select_attention_off_hpu(restore_attention):
-    assert select_attention(False, False, "cpu").prefill is math_attention
-    impl = select_attention(True, True, "cuda")  # recompute is only meaningful for FusedSDPA: accepted
-    assert (impl.name, impl.prefill, impl.decode) == ("sdpa", F.scaled_dot_product_attention,
-                                                      F.scaled_dot_product_attention)
+def test_select_attention_off_hpu():
+    impl = CpuBackend().attention(False, False)
+    assert type(impl) is MathAttention and impl.prefill is math_attention and impl.name == "math"
+    impl = Backend(torch.device("cpu")).attention(True, True)  # CUDA's; recompute only means something to FusedSDPA
+    assert type(impl) is AttentionBackend and impl.name == "sdpa"
+
+
+def test_each_model_keeps_the_attention_its_runner_chose(tmp_path):
+    """USE_FLASH_ATTENTION is a per-model choice: a second runner in the process with another setting leaves
+    the first one's layers and /info as they were."""
+    from gaudi_runtime.device.cpu_attention import CpuAttention
+    from gaudi_runtime.layers.attention import Attention
+    from gaudi_runtime.shard.runner import ModelRunner
+    from gaudi_runtime.tools.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "llama", "llama")
+    env = {"MODEL_ID": str(model_dir), "DTYPE": "float32", "DEVICE": "cpu", "BLOCK_SIZE": "4",
+           "MAX_TOTAL_TOKENS": "64", "MAX_BATCH_SIZE": "2", "NUM_SHARD": "1"}
+    math = ModelRunner(resolve(None, {**env, "USE_FLASH_ATTENTION": "false"}), str(model_dir), CpuBackend())
+    fast = ModelRunner(resolve(None, env), str(model_dir), CpuBackend())
+    for runner, kind in ((math, MathAttention), (fast, CpuAttention)):
+        backends = {id(m.backend): m.backend for m in runner.model.modules() if isinstance(m, Attention)}
+        assert len(backends) == 1 and type(next(iter(backends.values()))) is kind
+    assert math.info()["attention"] == "math"
+    assert fast.info()["attention"] in ("sdpa (decode: paged C kernel)", "sdpa (decode: grouped bmm)")
 
 
 @pytest.fixture
@@ -119,13 +142,14 @@ def fake_hpu(monkeypatch):
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_hpu_uses_fused_sdpa_with_recompute_for_the_first_token(fake_hpu, restore_attention, recompute):
+def test_hpu_uses_fused_sdpa_with_recompute_for_the_first_token(fake_hpu, recompute):
+    from gaudi_runtime.device.hpu import HpuBackend
     from gaudi_runtime.layers.attention import Attention, AttentionMetadata
 
-    def run_layer():
+    def run_layer(backend):
         """A 5-token prefill into a paged cache, then one decode step over it."""
         torch.manual_seed(0)
-        layer = Attention(num_heads=4, num_kv_heads=2, head_dim=8)
+        layer = Attention(num_heads=4, num_kv_heads=2, head_dim=8, backend=backend)
         cache = (torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8))  # 4 blocks of 4 tokens
         q, k, v = torch.randn(1, 5, 4, 8), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8)
         first = layer(q, k, v, cache, AttentionMetadata(is_prefill=True, slots=torch.arange(4, 9)[None]))
@@ -134,12 +158,13 @@ def test_hpu_uses_fused_sdpa_with_recompute_for_the_first_token(fake_hpu, restor
                                  context_lens=torch.tensor([6]))
         return first, layer(q, k, v, cache, meta)
 
-    assert select_attention(True, recompute, "hpu").name == "fused_sdpa (decode: flat paged)"
-    fused = run_layer()
+    hpu = HpuBackend(torch_device=torch.device("cpu"))
+    impl = hpu.attention(True, recompute)
+    assert impl.name == "fused_sdpa (decode: flat paged)"
+    fused = run_layer(impl)
     assert fake_hpu["fused_sdpa"] == [{"is_causal": True, "recompute": recompute, "softmax_mode": "None"},
                                       {"is_causal": False, "recompute": False, "softmax_mode": "None"}]
-    select_attention(False, False, "hpu")
-    for got, want in zip(fused, run_layer(), strict=True):
+    for got, want in zip(fused, run_layer(hpu.attention(False, False)), strict=True):
         torch.testing.assert_close(got, want)
     assert len(fake_hpu["fused_sdpa"]) == 2  # the math path calls no fused kernel
 

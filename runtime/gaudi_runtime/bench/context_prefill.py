@@ -21,14 +21,10 @@ import time
 import torch
 
 from gaudi_runtime.buckets import ceil_div
+from gaudi_runtime.device.cpu_attention import CpuAttention
 from gaudi_runtime.device.cpu_gemm import prepack_linears
 from gaudi_runtime.device.host_allocator import tune_host_allocator
-from gaudi_runtime.layers import attention
-from gaudi_runtime.layers.attention import (
-    AttentionMetadata,
-    chunked_causal_attention,
-    grouped_context_attention,
-)
+from gaudi_runtime.layers.attention import AttentionMetadata, use_attention
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 from gaudi_runtime.models.registry import load_model
 
@@ -60,7 +56,6 @@ def main() -> None:
         ap.error(f"--cached must be a multiple of the block size ({BLOCK})")
     if args.threads:
         torch.set_num_threads(args.threads)
-    attention.select_attention(True, False, "cpu")
     tune_host_allocator()
     dtype = getattr(torch, args.dtype)
     model = load_model(args.model_id, dtype, torch.device("cpu"))
@@ -74,19 +69,21 @@ def main() -> None:
     ids, pos, slots, context, context_lens = context_inputs(args.batch, args.new, args.cached, model.vocab_size)
     whole = context_inputs(args.batch, total, 0, model.vocab_size)
 
-    def over_cache(kernel):
-        attention.IMPL.context_prefill = kernel
+    # The CPU backend's kernels with the matmul prefills (as on a CPU with native bfloat16) and without.
+    matmuls, flash = CpuAttention(bf16_matmuls=True), CpuAttention()
+
+    def over_cache(backend):
+        use_attention(model, backend)
         meta = AttentionMetadata(is_prefill=True, slots=slots, block_tables=context, context_lens=context_lens)
         return model.compute_logits(model(ids, pos, kv, meta)[:, -1])
 
-    def computed_whole(kernel):
-        attention.IMPL.causal_prefill = kernel
+    def computed_whole(backend):
+        use_attention(model, backend)
         meta = AttentionMetadata(is_prefill=True, slots=whole[2])
         return model.compute_logits(model(whole[0], whole[1], kv, meta)[:, -1])
 
-    variants = {"matmuls": lambda: over_cache(grouped_context_attention), "sdpa": lambda: over_cache(None),
-                "whole": lambda: computed_whole(chunked_causal_attention),
-                "whole-flash": lambda: computed_whole(None)}
+    variants = {"matmuls": lambda: over_cache(matmuls), "sdpa": lambda: over_cache(flash),
+                "whole": lambda: computed_whole(matmuls), "whole-flash": lambda: computed_whole(flash)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.inference_mode():
         for _ in range(args.repeats):

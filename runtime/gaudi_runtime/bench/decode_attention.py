@@ -22,8 +22,9 @@ import time
 import torch
 
 from gaudi_runtime.buckets import ceil_div
+from gaudi_runtime.device import cpu_paged_attention
+from gaudi_runtime.device.cpu_attention import CpuAttention
 from gaudi_runtime.device.host_allocator import tune_host_allocator
-from gaudi_runtime.layers import attention
 from gaudi_runtime.layers.attention import Attention, AttentionMetadata
 
 
@@ -43,12 +44,14 @@ def problem(batch: int, context: int, heads: int, kv_heads: int, head_size: int,
 def time_paths(layer: Attention, inputs, repeats: int, steps: int) -> dict[str, list[float]]:
     """Milliseconds per layer of each path, alternated; a step is one call per layer's cache."""
     q, caches, tables, lens = inputs
-    kernel = attention.select_attention(True, False, "cpu").paged_decode
-    paths = {"gather": None, "paged": kernel} if kernel is not None else {"gather": None}
+    kernel = cpu_paged_attention.kernel()  # None (warned) without a compiler
+    paths = {"gather": CpuAttention()}
+    if kernel is not None:
+        paths["paged"] = CpuAttention(kernel)
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
-        for name, paged in paths.items():
-            attention.IMPL.paged_decode = paged
+        for name, backend in paths.items():
+            layer.backend = backend
             start = time.perf_counter()
             for _ in range(steps):
                 # One metadata object per step: its first layer builds the gather path's mask.

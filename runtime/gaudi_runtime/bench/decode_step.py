@@ -20,30 +20,37 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from gaudi_runtime.buckets import ceil_div
-from gaudi_runtime.device import cpu_layer_ops
+from gaudi_runtime.device import cpu_layer_ops, cpu_paged_attention
+from gaudi_runtime.device.cpu_attention import CpuAttention
 from gaudi_runtime.device.cpu_gemm import prepack_linears
 from gaudi_runtime.device.host_allocator import tune_host_allocator
-from gaudi_runtime.layers import attention
-from gaudi_runtime.layers.attention import AttentionMetadata, grouped_decode_attention
+from gaudi_runtime.layers.attention import AttentionMetadata, use_attention
+from gaudi_runtime.layers.attention_backend import AttentionBackend
 from gaudi_runtime.layers.embedding import ParallelLMHead
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 from gaudi_runtime.layers.linear import LinearBase
 from gaudi_runtime.models.registry import load_model
 
 BLOCK = 16
-# name: (decode attention over the gathered blocks, read the cache in place, linear layers' kernels:
-# "gemv" as the CPU backend sets them up, "no-gemv" without the one-row kernel, "torch" F.linear; norms,
-# rotary and cache writes through the layer operations kernel)
-VARIANTS = {"paged": (grouped_decode_attention, True, "gemv", True),
-            "torch-layer-ops": (grouped_decode_attention, True, "gemv", False),
-            "no-gemv": (grouped_decode_attention, True, "no-gemv", True),
-            "torch-linear": (grouped_decode_attention, True, "torch", True),
-            "sdpa": (F.scaled_dot_product_attention, False, "gemv", True),
-            "grouped": (grouped_decode_attention, False, "gemv", True),
-            "plain": (grouped_decode_attention, False, "torch", False)}
+# name: (attention: "paged" reads the cache in place, "grouped" the CPU's decode over the gathered blocks,
+# "sdpa" torch SDPA over them; linear layers' kernels: "gemv" as the CPU backend sets them up, "no-gemv"
+# without the one-row kernel, "torch" F.linear; norms, rotary and cache writes through the layer operations
+# kernel)
+VARIANTS = {"paged": ("paged", "gemv", True),
+            "torch-layer-ops": ("paged", "gemv", False),
+            "no-gemv": ("paged", "no-gemv", True),
+            "torch-linear": ("paged", "torch", True),
+            "sdpa": ("sdpa", "gemv", True),
+            "grouped": ("grouped", "gemv", True),
+            "plain": ("grouped", "torch", False)}
+
+
+def attention_backends() -> dict[str, AttentionBackend]:
+    """The attention VARIANTS name: without a compiler "paged" is the gather (warned once), as on a shard."""
+    paged = cpu_paged_attention.kernel()
+    return {"paged": CpuAttention(paged), "grouped": CpuAttention(), "sdpa": AttentionBackend()}
 
 
 def step_inputs(batch: int, context: int, vocab: int):
@@ -89,7 +96,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = ap.parse_args()
-    paged = attention.select_attention(True, False, "cpu").paged_decode  # None (warned) without a compiler
+    backends = attention_backends()
     if not args.default_allocator:
         tune_host_allocator()
     model = load_model(args.model_id, getattr(torch, args.dtype), torch.device("cpu"))
@@ -115,8 +122,8 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in args.variants}
             for _ in range(args.repeats):
                 for name in args.variants:
-                    kernel, in_place, linears, ops = VARIANTS[name]
-                    attention.IMPL.decode, attention.IMPL.paged_decode = kernel, paged if in_place else None
+                    kind, linears, ops = VARIANTS[name]
+                    use_attention(model, backends[kind])
                     use_linears(linears)
                     use_ops(ops)
                     step(*inputs)
@@ -127,8 +134,7 @@ def main() -> None:
             for name, ts in times.items():
                 print(f"{batch:>5} {name:<12} {min(ts):>8.2f} {statistics.median(ts):>9.2f}")
             if args.profile:
-                impl = attention.select_attention(True, False, "cpu")
-                attention.IMPL.decode, attention.IMPL.paged_decode = impl.decode, impl.paged_decode
+                use_attention(model, backends["paged"])
                 use_linears("gemv")
                 use_ops(True)
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -6,6 +6,9 @@ from collections.abc import Callable
 
 import torch
 
+from gaudi_runtime.device.attention import MathAttention
+from gaudi_runtime.layers.attention_backend import AttentionBackend
+
 
 class Backend:
     """Eager execution; backends override what their device does differently."""
@@ -31,6 +34,13 @@ class Backend:
     def memory_info(self) -> tuple[int, int] | None:
         """(free, total) bytes of device memory, or None when unknown."""
         return None
+
+    def attention(self, use_flash: bool = True, recompute: bool = False, cpu_paged: bool = True) -> AttentionBackend:
+        """The attention kernels for a model on this device, chosen once per model (the runner sets them on
+        its layers): torch SDPA here, or the explicit math with USE_FLASH_ATTENTION=false (`use_flash`).
+        FLASH_ATTENTION_RECOMPUTE (`recompute`) means something only to Habana's FusedSDPA, and
+        CPU_PAGED_ATTENTION (`cpu_paged`) only to the CPU's."""
+        return AttentionBackend() if use_flash else MathAttention()
 
     def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
         """Adapt the loaded (and quantized) model to the device's kernels (as the Config `cfg` asks);

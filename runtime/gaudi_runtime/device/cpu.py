@@ -6,10 +6,13 @@ import os
 
 import torch
 
+from gaudi_runtime.device import cpu_paged_attention
 from gaudi_runtime.device.base import Backend
-from gaudi_runtime.device.cpu_gemm import prepack_linears
+from gaudi_runtime.device.cpu_attention import CpuAttention
+from gaudi_runtime.device.cpu_gemm import native_bf16, prepack_linears
 from gaudi_runtime.device.cpu_layer_ops import use_layer_ops
 from gaudi_runtime.device.host_allocator import tune_host_allocator
+from gaudi_runtime.layers.attention_backend import AttentionBackend
 
 
 class CpuBackend(Backend):
@@ -26,6 +29,14 @@ class CpuBackend(Backend):
             return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
         except (ValueError, OSError):
             return None
+
+    def attention(self, use_flash: bool = True, recompute: bool = False, cpu_paged: bool = True) -> AttentionBackend:
+        """Decode reads the paged cache in place with the C kernel (`cpu_paged`; compiled here, so a missing
+        compiler is found and warned about at start), else over the gathered blocks with
+        `grouped_decode_attention`; the matmul prefills where this CPU multiplies bfloat16 in hardware."""
+        if not use_flash:
+            return super().attention(use_flash, recompute, cpu_paged)
+        return CpuAttention(cpu_paged_attention.kernel() if cpu_paged else None, native_bf16())
 
     def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
         prepack_linears(model, few_rows=cfg is None or cfg.cpu_gemv)

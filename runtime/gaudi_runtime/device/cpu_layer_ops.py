@@ -19,6 +19,9 @@ from pathlib import Path
 import torch
 
 from gaudi_runtime.device import cpu_kernels
+from gaudi_runtime.layers.attention import Attention
+from gaudi_runtime.layers.norm import RMSNorm
+from gaudi_runtime.layers.rotary import RotaryEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +146,6 @@ def set_layer_ops(model: torch.nn.Module, ops: LayerOpsKernel | None) -> int:
     """Give the model's RMSNorm, RotaryEmbedding and Attention modules `ops`' calls (None: take them away,
     back to torch's code); returns how many modules it set. Subclasses with formulas of their own (Gemma's
     norm) keep theirs."""
-    from gaudi_runtime.layers.attention import Attention
-    from gaudi_runtime.layers.norm import RMSNorm
-    from gaudi_runtime.layers.rotary import RotaryEmbedding
-
     calls = {RMSNorm: ("kernel", "rms_norm"), RotaryEmbedding: ("kernel", "rotary"),
              Attention: ("cache_writer", "write_kv")}
     given = 0

@@ -11,11 +11,14 @@ import importlib.util
 import logging
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from gaudi_runtime.device.base import Backend
+from gaudi_runtime.layers.attention_backend import AttentionBackend
+from gaudi_runtime.layers.flat_paged_attention import flat_paged_decode
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,25 @@ def block_softmax_adjustment():
         return None
 
 
+class HpuAttention(AttentionBackend):
+    """Habana's FusedSDPA for prefill (`recompute`: FLASH_ATTENTION_RECOMPUTE, for the first token) and for
+    the gathered decode; decode over the flat layout of the blocks in use (`flat_paged_decode`, with
+    Habana's fused softmax rescale where the bridge has it)."""
+
+    name = "fused_sdpa (decode: flat paged)"
+    prefill_gqa = False
+
+    def __init__(self, recompute: bool = False):
+        self._prefill, self._decode = fused_sdpa(recompute), fused_sdpa(False)
+        self.flat_decode = partial(flat_paged_decode, adjust=block_softmax_adjustment())
+
+    def prefill(self, q, k, v, attn_mask=None, is_causal=False, scale=None):  # no enable_gqa: K/V repeated
+        return self._prefill(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+    def decode(self, q, k, v, attn_mask, scale=None):
+        return self._decode(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
 class _Step(torch.nn.Module):
     """A step function as a module, the unit `wrap_in_hpu_graph` caches graphs for."""
 
@@ -137,6 +159,11 @@ class HpuBackend(Backend):
         super().__init__(torch_device or torch.device("hpu"))
         self.graphs_enabled = graphs
         self._uploads: dict[tuple, torch.Tensor] = {}
+
+    def attention(self, use_flash: bool = True, recompute: bool = False, cpu_paged: bool = True) -> AttentionBackend:
+        if not use_flash:  # the math keeps the gathered decode: no flat layout
+            return super().attention(use_flash, recompute, cpu_paged)
+        return HpuAttention(recompute)
 
     def synchronize(self) -> None:
         import habana_frameworks.torch.hpu as hthpu

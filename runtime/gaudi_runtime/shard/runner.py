@@ -19,7 +19,7 @@ import torch
 from gaudi_runtime import buckets
 from gaudi_runtime.config import Config
 from gaudi_runtime.device.base import Backend
-from gaudi_runtime.layers.attention import AttentionMetadata, attention_in_use, select_attention
+from gaudi_runtime.layers.attention import AttentionMetadata, attention_in_use, use_attention
 from gaudi_runtime.layers.flat_paged_attention import flat_layout
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from gaudi_runtime.models import load_model
@@ -104,10 +104,10 @@ class ModelRunner:
         self.device = device = backend.torch_device
         self.dtype = getattr(torch, cfg.dtype)
         t0 = time.perf_counter()
-        attention = select_attention(cfg.use_flash_attention, cfg.flash_attention_recompute, backend.name,
-                                     cfg.cpu_paged_attention)
+        attention = backend.attention(cfg.use_flash_attention, cfg.flash_attention_recompute, cfg.cpu_paged_attention)
         rope = (cfg.rope_scaling, cfg.rope_factor) if cfg.rope_scaling else None  # --rope-scaling/--rope-factor
         self.model = load_model(model_dir, self.dtype, device, rank, world_size, process_group, rope=rope)
+        use_attention(self.model, attention)
         # FP8 (--quantize / QUANT_CONFIG) swaps layers after load; --kv-cache-dtype sets the cache's scales.
         self.model = quantize_loaded(self.model, cfg, backend.name, self.dtype, rank, world_size)
         self.kv_dtype = kv_cache_dtype(cfg, self.dtype)
