@@ -10,9 +10,21 @@ from pathlib import Path
 FAKES = str(Path(__file__).resolve().parent / "fakes")
 
 
+def _modules(package: str) -> list[str]:
+    return [m for m in sys.modules if m == package or m.startswith(package + ".")]
+
+
 def _forget(monkeypatch, package: str) -> None:
-    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+    """Before a test: drop `package`'s modules, put back by monkeypatch's undo after the test."""
+    for name in _modules(package):
         monkeypatch.delitem(sys.modules, name)
+
+
+def _drop(package: str) -> None:
+    """After a test: drop the modules the test imported. Not through monkeypatch, whose undo (after
+    the fixture's end) would put them back for every later test."""
+    for name in _modules(package):
+        del sys.modules[name]
 
 
 def load_fake(monkeypatch, package: str, module: str):
@@ -23,7 +35,7 @@ def load_fake(monkeypatch, package: str, module: str):
     fake = importlib.import_module(module)
     fake.reset()
     yield fake.RECORD
-    _forget(monkeypatch, package)
+    _drop(package)
 
 
 def forget(monkeypatch, package: str) -> None:
@@ -37,4 +49,4 @@ def importable_fake(monkeypatch, package: str):
     monkeypatch.syspath_prepend(FAKES)
     _forget(monkeypatch, package)
     yield
-    _forget(monkeypatch, package)
+    _drop(package)
