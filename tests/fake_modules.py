@@ -38,9 +38,10 @@ def load_fake(monkeypatch, package: str, module: str):
     _drop(package)
 
 
-def forget(monkeypatch, package: str) -> None:
-    """Drop every imported module of `package`: the next import runs it afresh, as a new process would."""
-    _forget(monkeypatch, package)
+def forget(package: str) -> None:
+    """Drop every imported module of `package`: the next import runs it afresh, as a new process would.
+    For a test inside `importable_fake` or `load_fake`, whose modules are the test's own imports."""
+    _drop(package)
 
 
 def importable_fake(monkeypatch, package: str):

@@ -39,9 +39,9 @@ def config(model_dir, cache_dir, **env: str):
                    device_count=lambda device: 1)
 
 
-def start(cfg, model_dir, monkeypatch) -> ModelRunner:
+def start(cfg, model_dir) -> ModelRunner:
     """A shard's start as `shard.server.serve` makes it, in a fresh process (the bridge not yet loaded)."""
-    forget(monkeypatch, "habana_frameworks")
+    forget("habana_frameworks")
     recipes = plan_recipe_cache(cfg, str(model_dir), rank=0)
     backend = select_device("hpu", recipe_cache=recipes)
     backend.torch_device = torch.device("cpu")  # the fake bridge computes on the CPU
@@ -64,14 +64,14 @@ def test_the_recipe_cache_is_configured_before_the_bridge_loads(hpu_fake, model_
     assert json.loads((tmp_path / recipes.key / "key.json").read_text()) == recipes.inputs
 
 
-def test_a_second_start_with_the_same_key_warms_up_from_the_cache(hpu_fake, model_dir, tmp_path, monkeypatch):
+def test_a_second_start_with_the_same_key_warms_up_from_the_cache(hpu_fake, model_dir, tmp_path):
     cfg = config(model_dir, tmp_path)
-    first = start(cfg, model_dir, monkeypatch)
+    first = start(cfg, model_dir)
     assert first.info()["warmup_from_cache"] is False
     list(first.warmup())
     assert record()["recipe_compiles"] == len(record()["captures"]) > 0 and record()["recipe_hits"] == 0
 
-    second = start(cfg, model_dir, monkeypatch)
+    second = start(cfg, model_dir)
     assert second.recipe_cache.key == first.recipe_cache.key and second.info()["warmup_from_cache"] is True
     list(second.warmup())
     assert record()["recipe_hits"] == len(record()["captures"]) > 0 and record()["recipe_compiles"] == 0
@@ -79,20 +79,20 @@ def test_a_second_start_with_the_same_key_warms_up_from_the_cache(hpu_fake, mode
     assert second.info()["recipe_cache"] == {"dir": str(tmp_path / second.recipe_cache.key / "rank-0"),
                                              "key": second.recipe_cache.key, "from_cache": True}
 
-    changed = start(config(model_dir, tmp_path, MAX_BATCH_SIZE="16"), model_dir, monkeypatch)
+    changed = start(config(model_dir, tmp_path, MAX_BATCH_SIZE="16"), model_dir)
     assert changed.recipe_cache.key != first.recipe_cache.key and changed.info()["warmup_from_cache"] is False
 
 
-def test_a_warmup_that_did_not_finish_leaves_the_cache_cold(hpu_fake, model_dir, tmp_path, monkeypatch):
+def test_a_warmup_that_did_not_finish_leaves_the_cache_cold(hpu_fake, model_dir, tmp_path):
     cfg = config(model_dir, tmp_path)
-    warmup = start(cfg, model_dir, monkeypatch).warmup()
+    warmup = start(cfg, model_dir).warmup()
     next(warmup)  # the pod dies during warmup
     warmup.close()
-    assert start(cfg, model_dir, monkeypatch).info()["warmup_from_cache"] is False
+    assert start(cfg, model_dir).info()["warmup_from_cache"] is False
 
 
-def test_no_recipe_cache_without_habana_or_without_the_setting(model_dir, tmp_path, monkeypatch):
-    forget(monkeypatch, "habana_frameworks")
+def test_no_recipe_cache_without_habana_or_without_the_setting(model_dir, tmp_path):
+    forget("habana_frameworks")
     assert plan_recipe_cache(config(model_dir, tmp_path), str(model_dir), 0) is None  # no bridge installed
     assert not any(tmp_path.iterdir())
     cfg = resolve(None, {"MODEL_ID": str(model_dir), **SMALL})
