@@ -228,7 +228,7 @@ SHARD = 'process 1:"python gaudi-serve launch --model-id m";process 2:"python -m
 LOOP = "BaseEventLoop._run_once (asyncio/base_events.py:1922);Handle._run (asyncio/events.py:80)"
 PROFILE = f"""\
 {SHARD};{LOOP};ShardServicer.Decode (gaudi_runtime/shard/servicer.py:117);ModelRunner.decode (gaudi_runtime/shard/runner.py:394);ModelRunner._decode_step (gaudi_runtime/shard/runner.py:184);_packed_linear (gaudi_runtime/device/cpu_gemm.py:37) 30
-{SHARD};{LOOP};ShardServicer.Decode (gaudi_runtime/shard/servicer.py:117);ModelRunner.decode (gaudi_runtime/shard/runner.py:396);ModelRunner._sample (gaudi_runtime/shard/runner.py:352);BatchSampler.__call__ (gaudi_runtime/shard/sampling.py:384) 10
+{SHARD};{LOOP};ShardServicer.Decode (gaudi_runtime/shard/servicer.py:117);ModelRunner.decode (gaudi_runtime/shard/runner.py:218);sample (gaudi_runtime/shard/step_sampling.py:47) 10
 {SHARD};{LOOP};ShardServicer.Decode (gaudi_runtime/shard/servicer.py:124);to_generations (gaudi_runtime/shard/servicer.py:40) 2
 {SHARD};{LOOP} 6
 {ROUTER};{LOOP};drive (gaudi_runtime/router/sse.py:64);send (gaudi_runtime/router/sse.py:29);_SelectorSocketTransport.write (asyncio/selector_events.py:1057) 8

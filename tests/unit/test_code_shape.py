@@ -93,6 +93,15 @@ def test_no_function_is_longer_than_a_screen():
     assert not long, "functions over 60 lines:\n" + "\n".join(long)
 
 
+def test_the_shards_runner_stays_a_coordinator():
+    """The runner loads the model and runs each step; building a step's inputs (shard/inputs.py), warmup
+    (shard/warmup.py) and sampling around the step (shard/step_sampling.py) live beside it, where the next
+    input kind or per-row feature goes (docs/design.md, "The shard's runner")."""
+    runner = PACKAGES["gaudi_runtime"] / "shard" / "runner.py"
+    lines = len(runner.read_text().splitlines())
+    assert lines < 300, f"shard/runner.py has {lines} lines: move a job out of it rather than into it"
+
+
 def test_no_import_cycles_between_modules():
     known = _known_modules()
     graph = {module: _imports(module, is_pkg, ast.parse(path.read_text()), known)

@@ -47,8 +47,9 @@ CATEGORIES: list[tuple[str, str, tuple[str, ...]]] = [
     # py-spy sometimes reads a stack cut short, without the runner's frames above the model's.
     ("shard", "forward pass (stack cut short)", ("gaudi_runtime/layers/", "gaudi_runtime/models/",
                                                  "gaudi_runtime/device/")),
-    ("shard", "sampling", ("shard/sampling.py", "_sample (gaudi_runtime/shard/runner.py")),
-    ("shard", "batch bookkeeping (outside the forward pass)", ("shard/runner.py", "shard/batch.py")),
+    ("shard", "sampling", ("shard/sampling.py", "shard/step_sampling.py")),
+    ("shard", "batch bookkeeping (outside the forward pass)", ("shard/runner.py", "shard/inputs.py",
+                                                                "shard/batch.py")),
     ("shard", "gRPC + messages", ("to_generations", "shard/servicer.py", "shard/call_order.py", "grpc/",
                                   "google/protobuf", "generate_pb2")),
 ]

@@ -1,0 +1,184 @@
+"""A forward pass's inputs, built from the requests or the cached batch: pure functions.
+
+Each builder picks the bucket (`gaudi_runtime.buckets`) the batch falls in, pads the rows, tokens and
+blocks to it, and computes where each token is (position) and where its keys and values go in the KV
+cache (slot: block * block_size + offset). Padded rows and tokens write to block 0, the padding block.
+A device that does not pad (`pad=False`: CPU, CUDA without graphs) runs the batch's own shape, but the
+bucket is still reported, so that the runner can tell a shape warmup did not run.
+
+A new input kind is one more builder here returning `StepInputs` for a step function of the runner;
+a new per-row input (an adapter id) is one more array in the `args` of the kinds that need it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gaudi_runtime import buckets
+from gaudi_runtime.config import Config
+from gaudi_runtime.layers.flat_paged_attention import flat_layout
+from gaudi_runtime.params import SamplingParameters
+from gaudi_runtime.shard.batch import ShardBatch
+
+
+@dataclass
+class PrefillInput:
+    id: int
+    input_ids: list[int]
+    params: SamplingParameters
+    top_n_tokens: int
+    blocks: list[int]
+    prefill_logprobs: bool
+    images: list[bytes] = field(default_factory=list)  # encoded images of a multimodal prompt, in order
+    grammar: tuple[str, str] | None = None  # (kind, text) the output must follow (shard/grammar.py)
+    cached_tokens: int = 0  # prompt tokens the first blocks already hold (prefix caching): not computed
+
+
+@dataclass
+class StepInputs:
+    """What one step function takes, and the bucket it was padded to."""
+
+    kind: str  # "prefill", "prefill_context" or "decode": the warmup phase the bucket belongs to
+    bucket: tuple[int, ...]  # the bucket's shape, as warmup lists it (even where `args` are not padded)
+    args: tuple  # the step function's positional arguments: numpy arrays (prefill) or tensors (decode)
+
+
+def check_cached(reqs: list[PrefillInput], block_size: int) -> None:
+    """Cached tokens fill whole blocks of the request's own, leave at least one token to compute, and
+    are none where the prompt's log-probabilities are wanted."""
+    for r in reqs:
+        c = r.cached_tokens
+        if c % block_size or c >= len(r.input_ids) or c > len(r.blocks) * block_size or (c and r.prefill_logprobs):
+            raise ValueError(f"request {r.id}: {c} cached tokens do not fit its {len(r.input_ids)}-token prompt "
+                             f"and {len(r.blocks)} blocks of {block_size}")
+
+
+def prompt_lens(reqs: list[PrefillInput]) -> np.ndarray:
+    return np.array([len(r.input_ids) for r in reqs], dtype=np.int64)
+
+
+def cached_lens(reqs: list[PrefillInput]) -> np.ndarray:
+    return np.array([r.cached_tokens for r in reqs], dtype=np.int64)
+
+
+def block_tables(reqs: list[PrefillInput], cfg: Config) -> np.ndarray:
+    """Each request's blocks, 0-padded to a multiple of the block step: the batch keeps them."""
+    width = buckets.round_up(max(len(r.blocks) for r in reqs), buckets.block_step(cfg))
+    tables = np.zeros((len(reqs), width), dtype=np.int64)
+    for i, r in enumerate(reqs):
+        tables[i, : len(r.blocks)] = r.blocks
+    return tables
+
+
+def _slots(tables: np.ndarray, pos: np.ndarray, real: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of each position [n, seq] in its row's blocks; 0 (the padding block) where not `real`."""
+    blocks = np.take_along_axis(tables, np.minimum(pos // block_size, tables.shape[1] - 1), 1)
+    return np.where(real, blocks * block_size + pos % block_size, 0)
+
+
+def prefill_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Config, pad: bool = True) -> StepInputs:
+    """Every prompt token from position 0: ids, positions, slots [rows, seq] and the index of each row's
+    last token [rows]. Bucket: (rows, seq)."""
+    n, bs = len(reqs), cfg.block_size
+    lens = prompt_lens(reqs)
+    seq = buckets.prefill_seq_bucket(int(lens.max()), cfg)
+    rows = buckets.prefill_batch_bucket(n, seq, cfg)
+    bucket = (rows, seq)
+    if not pad:
+        seq, rows = int(lens.max()), n
+    ids = np.zeros((rows, seq), dtype=np.int64)
+    for i, r in enumerate(reqs):
+        ids[i, : lens[i]] = r.input_ids
+    pos = np.arange(seq, dtype=np.int64)
+    slots = np.zeros((rows, seq), dtype=np.int64)
+    slots[:n] = _slots(tables, np.broadcast_to(pos, (n, seq)), pos[None, :] < lens[:, None], bs)
+    last_idx = np.zeros(rows, dtype=np.int64)
+    last_idx[:n] = lens - 1
+    return StepInputs("prefill", bucket, (ids, np.broadcast_to(pos, (rows, seq)).copy(), slots, last_idx))
+
+
+def prefill_context_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Config,
+                           pad: bool = True) -> StepInputs:
+    """The tokens after each prompt's cached ones, at their positions: ids, positions, slots [rows, seq],
+    the last new token's index [rows], the cached blocks [rows, context blocks] and the cached token
+    count [rows]. Bucket: (rows, new tokens, context blocks)."""
+    n, bs = len(reqs), cfg.block_size
+    cached = cached_lens(reqs)
+    new, context = prompt_lens(reqs) - cached, cached // bs
+    seq = buckets.prefill_seq_bucket(int(new.max()), cfg)
+    rows = buckets.prefill_batch_bucket(n, seq, cfg)
+    ctx = buckets.context_block_bucket(int(context.max()), cfg)
+    bucket = (rows, seq, ctx)
+    if not pad:
+        seq, rows, ctx = int(new.max()), n, int(context.max())
+    ids = np.zeros((rows, seq), dtype=np.int64)
+    for i, r in enumerate(reqs):
+        ids[i, : new[i]] = r.input_ids[cached[i]:]
+    j = np.arange(seq, dtype=np.int64)
+    pos = cached[:, None] + j[None, :]  # [n, seq]
+    real = j[None, :] < new[:, None]
+    positions, slots = np.zeros((rows, seq), dtype=np.int64), np.zeros((rows, seq), dtype=np.int64)
+    positions[:n] = np.where(real, pos, 0)
+    slots[:n] = _slots(tables, pos, real, bs)
+    context_tables = np.zeros((rows, ctx), dtype=np.int64)
+    cols = min(ctx, tables.shape[1])
+    context_tables[:n, :cols] = np.where(np.arange(cols)[None, :] < context[:, None], tables[:, :cols], 0)
+    context_lens, last_idx = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+    context_lens[:n], last_idx[:n] = cached, new - 1
+    return StepInputs("prefill_context", bucket, (ids, positions, slots, last_idx, context_tables, context_lens))
+
+
+def decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> StepInputs:
+    """The next token of each row: ids, positions, slots [rows], the block tables [rows, width] padded to
+    the bucket of the longest row, context lengths [rows]; tensors where the batch is, no host sync.
+    Bucket: (rows, width)."""
+    bs, n = cfg.block_size, len(batch)
+    rows = buckets.decode_batch_bucket(n, cfg)
+    longest = int(batch.seq_lens_host.max()) + 1
+    width = buckets.decode_block_bucket(longest, cfg)
+    bucket = (rows, width)
+    if not pad:  # only the rows and blocks in use
+        rows, width = n, buckets.ceil_div(longest, bs)
+    tables = batch.block_tables
+    if tables.shape[1] < width:
+        tables = torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+    tables = tables[:, :width]
+    positions = batch.seq_lens
+    slots = tables.gather(1, (positions // bs)[:, None]).squeeze(1) * bs + positions % bs
+    extra = rows - n
+    if extra:
+        zeros = torch.zeros(extra, dtype=torch.long, device=positions.device)
+        input_ids = torch.cat([batch.last_ids, zeros])
+        positions = torch.cat([positions, zeros])
+        slots = torch.cat([slots, zeros])
+        tables = torch.cat([tables, torch.zeros(extra, width, dtype=torch.long, device=positions.device)])
+    else:
+        input_ids = batch.last_ids
+    return StepInputs("decode", bucket, (input_ids, positions, slots, tables, positions + 1))
+
+
+def flat_decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> StepInputs:
+    """The next token of each row: ids, positions and slots [rows], then the flat layout of the blocks the
+    rows use (`flat_layout`: block list, block groups [total], bias [total, block size]), laid out on the
+    host and moved where the batch is. Bucket: (rows, total blocks)."""
+    bs, n = cfg.block_size, len(batch)
+    rows = buckets.decode_batch_bucket(n, cfg)
+    pos = batch.seq_lens_host
+    used = int((pos // bs + 1).sum())  # blocks holding each row's pos + 1 tokens
+    total = buckets.decode_total_blocks_bucket(used, rows, cfg)
+    bucket = (rows, total)
+    if not pad:  # no padded rows or blocks
+        rows, total = n, used
+    tables = batch.block_tables_host
+    positions, slots = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+    positions[:n] = pos
+    slots[:n] = tables[np.arange(n), pos // bs] * bs + pos % bs
+    layout = flat_layout(tables, pos + 1, bs, rows, total)
+    dev = batch.last_ids.device
+    input_ids = batch.last_ids
+    if rows > n:
+        input_ids = torch.cat([input_ids, torch.zeros(rows - n, dtype=torch.long, device=dev)])
+    return StepInputs("decode", bucket, (input_ids, *(torch.from_numpy(a).to(dev) for a in (positions, slots, *layout))))

@@ -1,0 +1,67 @@
+"""Sampling around a forward pass: the sampler of a new batch, the step's tokens, the prompt's log-probabilities.
+
+The sampler itself (`sampling.py`) and the grammar matchers (`grammar.py`) know nothing of the device's
+step; this is where they meet it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from gaudi_runtime.device.base import Backend
+from gaudi_runtime.shard.grammar import GrammarCache, GrammarRows
+from gaudi_runtime.shard.inputs import PrefillInput
+from gaudi_runtime.shard.sampling import BatchSampler, SampleOutput
+
+
+def grammar_rows(grammars: GrammarCache | None, reqs: list[PrefillInput]) -> GrammarRows | None:
+    """A matcher per constrained request (the router had the grammar compiled; a grammar dropped
+    from the cache since is compiled again here). `grammars` is None where grammars are turned off."""
+    if grammars is None or all(r.grammar is None for r in reqs):
+        if any(r.grammar is not None for r in reqs):
+            raise ValueError("grammar is not supported")
+        return None
+    try:
+        return GrammarRows.of(grammars, [None if r.grammar is None else grammars.matcher(*r.grammar) for r in reqs])
+    except ValueError as e:
+        raise ValueError(f"grammar: {e}") from e
+
+
+def prefill_sampler(reqs: list[PrefillInput], vocab_size: int, device: torch.device,
+                    grammars: GrammarCache | None) -> BatchSampler:
+    """The sampler a new batch keeps for all its steps, one row per request."""
+    return BatchSampler([r.params for r in reqs], [r.top_n_tokens for r in reqs], [r.input_ids for r in reqs],
+                        vocab_size, device, grammar_rows(grammars, reqs))
+
+
+def sample(backend: Backend, sampler: BatchSampler, logits: torch.Tensor, rows: int) -> SampleOutput:
+    """Sample the step whose forward pass was just queued. With grammars, the matchers fill the
+    bitmask on the host meanwhile (the device is still computing `logits` on HPU and CUDA), and
+    then take the sampled tokens, which costs every rank a read-back of the step's tokens."""
+    bitmask = None
+    if sampler.grammar is not None:
+        bitmask = backend.upload(sampler.grammar.fill(rows))
+    out = sampler(logits, bitmask)
+    backend.mark_step()
+    if sampler.grammar is not None:
+        sampler.accept(out.next_ids[:len(sampler)].tolist())
+    return out
+
+
+def prompt_logprobs(compute_logits, hidden: torch.Tensor, ids: np.ndarray,
+                    reqs: list[PrefillInput]) -> dict[int, list[float]]:
+    """The log-probability of each prompt token after the ones before it, for the requests that want
+    them (NaN for the first), by request id. Such rows computed their whole prompt (no cached tokens),
+    so `hidden` [rows, seq] and the padded `ids` hold all of it."""
+    result = {}
+    for i, r in enumerate(reqs):
+        if not r.prefill_logprobs:
+            continue
+        n = len(r.input_ids)
+        lp = torch.log_softmax(compute_logits(hidden[i, : n - 1]), dim=-1)
+        nxt = torch.from_numpy(ids[i, 1:n]).to(lp.device)
+        result[r.id] = [math.nan] + lp.gather(1, nxt[:, None]).squeeze(1).tolist()
+    return result
