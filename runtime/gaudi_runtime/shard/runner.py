@@ -454,10 +454,9 @@ class ModelRunner:
             self.warmup_summary = {"enabled": False}
             yield 0, 0, "done"
             return
-        warm_decode = self._warm_flat_decode if self.flat_decode else self._warm_decode
-        phases = [("prefill", buckets.prefill_buckets(cfg), self._warm_prefill),
-                  ("prefill_context", buckets.prefill_context_buckets(cfg), self._warm_prefill_context),
-                  ("decode", self._decode_shapes(), warm_decode)]
+        warm = {"prefill": self._warm_prefill, "prefill_context": self._warm_prefill_context,
+                "decode": self._warm_flat_decode if self.flat_decode else self._warm_decode}
+        phases = [(phase, shapes, warm[phase]) for phase, shapes in buckets.warmup_plan(cfg, self.flat_decode)]
         # Without padding (CPU, CUDA without graphs) nothing is compiled per shape: of the many prefill
         # shapes with cached blocks, only the one with the largest attention runs, to meet running out
         # of memory at start rather than under traffic; the others count as warmed.
@@ -511,11 +510,6 @@ class ModelRunner:
         self._warm(f"decode bucket (batch {rows}, {total} blocks in all)", "--max-batch-size or --max-total-tokens",
                    self._decode_fn, zeros, zeros, zeros, blocks, blocks, bias)
 
-    def _decode_shapes(self) -> list[tuple[int, int]]:
-        """Every shape a decode step may run on: (batch, total blocks) over the flat layout, else (batch,
-        block-table width)."""
-        return buckets.decode_flat_buckets(self.cfg) if self.flat_decode else buckets.decode_buckets(self.cfg)
-
     def _warm(self, what: str, setting: str, fn, *args) -> None:
         try:
             fn(*args)
@@ -555,9 +549,8 @@ class ModelRunner:
             "max_batch_total_tokens": (self.num_blocks - 1) * self.cfg.block_size,
             "warmup": self.warmup_summary,
             "unwarmed_shapes": self.unwarmed_shapes,
-            "buckets": {"prefill": len(buckets.prefill_buckets(self.cfg)),
-                        "prefill_context": len(buckets.prefill_context_buckets(self.cfg)),
-                        "decode": len(self._decode_shapes()),
+            # Decode shapes: (batch, total blocks) over the flat layout, else (batch, block-table width).
+            "buckets": {**{phase: len(shapes) for phase, shapes in buckets.warmup_plan(self.cfg, self.flat_decode)},
                         "exponential": self.cfg.exponential_bucketing},
         }
 
