@@ -25,7 +25,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +91,32 @@ class Watchdog:
         log.error("%s", why)
         write_termination_message(self.message_path, why)
         return progress.STALL_EXIT_CODE
+
+
+@contextmanager
+def watched_download(watch: Watchdog) -> Iterator[None]:
+    """While the main thread downloads: the stall rule from a thread, and a SIGTERM (the kubelet's
+    liveness probe) that finds the start stalled ends it the same way. Nothing else runs yet, and a
+    download resumes where it stopped, so the process ends at once."""
+    done = threading.Event()
+
+    def check() -> None:
+        while not done.wait(WATCH_INTERVAL_S):
+            if why := watch.stalled():
+                os._exit(watch.give_up(why))
+
+    def on_term(signum, frame) -> None:
+        if why := watch.stalled():
+            os._exit(watch.give_up(why))
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    previous = signal.signal(signal.SIGTERM, on_term)
+    threading.Thread(target=check, name="download-watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def write_termination_message(path: str, message: str) -> None:
@@ -303,7 +332,8 @@ def _launch(cfg: Config, progress_dir: str) -> int:
     early = start_http.StartServer(sock, lambda: _start_state(progress_dir),
                                    lambda: start_http.liveness(progress_dir, t0, cfg.warmup_stall_seconds)).start()
     try:
-        model_dir = resolve_model_dir(cfg, steps)
+        with watched_download(watch):
+            model_dir = resolve_model_dir(cfg, steps)
     except DownloadError as e:
         log.error("--model-id %s: model download failed (%s): %s", cfg.model_id, e.reason, e)
         return e.exit_code
