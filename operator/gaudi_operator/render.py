@@ -123,6 +123,7 @@ def runtime_args(spec: InferenceServiceSpec) -> list[str]:
         "--sharded", _bool(spec.shards > 1),
         "--num-shard", str(spec.shards),
         "--shutdown-grace-seconds", str(spec.shutdown_grace_seconds()),
+        "--warmup-stall-seconds", str(spec.probes.warmup_stall_seconds),
     ]
     return args
 
@@ -216,14 +217,20 @@ def _probe(path: str, period: int | None, timeout: int | None, failures: int | N
 
 
 def probes(spec: InferenceServiceSpec) -> dict[str, dict[str, Any]]:
+    """No probe bounds how long a start may take, only how long it may make no progress.
+
+    /livez answers as soon as the process has bound its port (before the model download) and fails
+    only once nothing progressed for spec.probes.warmupStallSeconds (the runtime's own stall rule,
+    which also makes the runtime exit with the reason) or the shards failed: the startupProbe covers the
+    process coming up, the livenessProbe the rest of the pod's life. /health gates the Service.
+    """
     st, rd, lv = spec.probes.startup, spec.probes.readiness, spec.probes.liveness
     period = st.period_seconds or 10
     startup_failures = st.failure_threshold or -(-spec.startup_budget_seconds() // period)
     return {
-        # /health answers 503 until load + warmup are done: the startup budget covers both.
-        "startupProbe": _probe("/health", period, st.timeout_seconds, startup_failures, startup_failures),
+        "startupProbe": _probe("/livez", period, st.timeout_seconds, startup_failures, startup_failures),
         "readinessProbe": _probe("/health", rd.period_seconds, rd.timeout_seconds, rd.failure_threshold, 3),
-        "livenessProbe": _probe("/ping", lv.period_seconds, lv.timeout_seconds, lv.failure_threshold, 3),
+        "livenessProbe": _probe("/livez", lv.period_seconds, lv.timeout_seconds, lv.failure_threshold, 3),
     }
 
 
@@ -333,7 +340,8 @@ def render_deployment(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[
             # Cards are scarce: never surge (a surge pod would wait for free cards), replace one at a time.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "revisionHistoryLimit": 5,
-            "progressDeadlineSeconds": spec.startup_budget_seconds() + 600,
+            # The controller's deadline knows nothing of warmup: status.py trusts a starting pod's own progress.
+            "progressDeadlineSeconds": spec.startup_budget_seconds() + spec.probes.warmup_stall_seconds,
             "template": pod_template(body, spec),
         },
     }

@@ -8,7 +8,6 @@ object, a test) is read the same way.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -61,10 +60,13 @@ RECIPES_MESSAGE = ("spec.model.cache.recipes needs a cache the pods can write: a
 SELECTOR_VALUES_MESSAGE = ("spec.networkPolicy.from: a matchExpressions entry needs values with In or NotIn, "
                            "and none with Exists or DoesNotExist")
 
-# Startup budget model (seconds): loading the weights, then one pass per warmup shape.
-LOAD_SECONDS = 600
-SECONDS_PER_SHAPE_GRAPHS = 15
-SECONDS_PER_SHAPE_EAGER = 3
+# Seconds the container has to start answering HTTP (the startupProbe): the launcher binds its port
+# before the model download, so this covers only the process starting, not download, load or warmup.
+START_SECONDS = 300
+# Default stall window (--warmup-stall-seconds): ten times the longest single step seen on Gaudi (a
+# large prefill graph compiling, a 5 GB weight file from network storage: about a minute each), so no
+# healthy start comes near it, and a stuck pod is back to warming within about ten minutes.
+WARMUP_STALL_SECONDS = 600
 
 # Graceful scale-down: the preStop hook holds SIGTERM back while the Service drops the pod;
 # the runtime's drain gets spec.serving.drainSeconds less this hook and the shards' own stop.
@@ -205,6 +207,7 @@ class StartupProbeTiming(ProbeTiming):
 
 
 class Probes(_Model):
+    warmup_stall_seconds: int = Field(WARMUP_STALL_SECONDS, ge=10)
     startup: StartupProbeTiming = StartupProbeTiming()
     readiness: ProbeTiming = ProbeTiming()
     liveness: ProbeTiming = ProbeTiming()
@@ -361,30 +364,10 @@ class InferenceServiceSpec(_Model):
 
     # ---- derived values -------------------------------------------------
 
-    def warmup_shapes(self) -> int:
-        """Estimate of the number of shapes the runtime warms up (prefill + decode buckets)."""
-        s, b = self.serving, self.batching
-        seq_buckets = math.ceil(s.max_input_tokens / b.pad_sequence_to_multiple_of)
-        prefill_tokens = s.max_batch_prefill_tokens or (s.max_input_tokens + 50)
-        prefill_bs = max(1, prefill_tokens // s.max_input_tokens)
-        prefill_buckets = math.ceil(prefill_bs / b.prefill_batch_bucket_size)
-        if s.max_batch_size:
-            decode_bs = s.max_batch_size
-        elif s.max_batch_total_tokens:
-            decode_bs = max(1, s.max_batch_total_tokens // s.max_total_tokens)
-        else:
-            decode_bs = 256
-        decode_buckets = math.ceil(decode_bs / b.batch_bucket_size)
-        return prefill_buckets * seq_buckets + decode_buckets
-
     def startup_budget_seconds(self) -> int:
-        """Seconds the startupProbe allows for load + warmup (spec.probes.startup.budgetSeconds wins)."""
-        if self.probes.startup.budget_seconds:
-            return self.probes.startup.budget_seconds
-        if not self.batching.warmup:
-            return LOAD_SECONDS
-        per_shape = SECONDS_PER_SHAPE_GRAPHS if self.batching.hpu_graphs else SECONDS_PER_SHAPE_EAGER
-        return LOAD_SECONDS + self.warmup_shapes() * per_shape
+        """Seconds the startupProbe allows the process to start answering HTTP (spec.probes.startup.budgetSeconds
+        wins). Download, load and warmup are not in it: the liveness probe follows their progress."""
+        return self.probes.startup.budget_seconds or START_SECONDS
 
     def shutdown_grace_seconds(self) -> int:
         """How long the runtime lets running requests finish after SIGTERM (--shutdown-grace-seconds)."""

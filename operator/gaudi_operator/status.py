@@ -17,9 +17,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from gaudi_runtime.progress import STALL_EXIT_CODE
+
 from .autoscaling import autoscaling_status
 from .download import Download
 from .download import summary as download_summary
+from .estimate import expected_warmup_shapes
 from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, Rendered, selector_string
 from .spec import InferenceServiceSpec
 
@@ -31,11 +34,12 @@ IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "E
 CONTAINER_CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
 # Most telling first: this is the order in which a problem is chosen for the conditions.
 PROBLEM_ORDER = (
-    "InvalidSpec", "ModelDownloadFailed", "WarmupOutOfMemory", "OOMKilled", "CrashLoopBackOff",
+    "InvalidSpec", "ModelDownloadFailed", "WarmupOutOfMemory", "StartupStalled", "OOMKilled", "CrashLoopBackOff",
     *CONTAINER_CONFIG_REASONS, *IMAGE_PULL_REASONS, "PodFailed", "ProgressDeadlineExceeded", "AutoscalerNotInstalled", "Unschedulable",
 )
 # Problems that leave a pod unable to ever serve without a change by the user.
-FATAL_REASONS = frozenset(PROBLEM_ORDER) - {"Unschedulable", "AutoscalerNotInstalled"}
+# A stalled start is restarted and may well get through the next time (a hung collective, a stuck mount).
+FATAL_REASONS = frozenset(PROBLEM_ORDER) - {"Unschedulable", "AutoscalerNotInstalled", "StartupStalled"}
 # Without a problem, the Ready condition's reason names how far the pods got.
 PHASE_OF_READY_REASON = {"AllReplicasReady": "Ready", "WarmingUp": "WarmingUp", "Loading": "Loading"}
 # What to do about each reason a download gives for failing (download_report.py in the runtime).
@@ -53,6 +57,8 @@ _DOWNLOAD_RE = re.compile(
     r"RepositoryNotFound|GatedRepo|RevisionNotFound|EntryNotFound|LocalEntryNotFound|HfHubHTTPError"
     r"|40[134] Client Error|failed to download|download failed|could not download", re.I)
 _OOM_RE = re.compile(r"out of memory|\bOOM\b|RESOURCE_EXHAUSTED|failed to allocate", re.I)
+# What the runtime writes when its start made no progress for --warmup-stall-seconds (gaudi_runtime.progress).
+_STALL_RE = re.compile(r"start stalled", re.I)
 
 __all__ = ["MANAGED_KEYS", "Observed", "compute_status", "invalid_spec_status", "latest_ready_pod", "phase_of",
            "status_patch"]
@@ -123,7 +129,21 @@ def _crash_problem(pod: str, cs: dict[str, Any]) -> Problem:
                                        f"restarts: {restarts}){detail}")
 
 
-def _pod_problem(name: str, st: dict[str, Any], statuses: list[dict[str, Any]], shards: int) -> Problem | None:
+def _stall_problem(pod: str, cs: dict[str, Any]) -> Problem | None:
+    """The container's last run ended because its start stalled: the runtime's exit code and message,
+    or the log's tail the kubelet took as the message (FallbackToLogsOnError)."""
+    term = (cs.get("lastState") or {}).get("terminated") or {}
+    lines = (term.get("message") or "").strip().splitlines()
+    said = next((line for line in reversed(lines) if _STALL_RE.search(line)), None)
+    if term.get("exitCode") != STALL_EXIT_CODE and said is None:
+        return None
+    why = said[_STALL_RE.search(said).start():] if said else "no progress within spec.probes.warmupStallSeconds"
+    return Problem("StartupStalled", f"pod {pod}: restarted because its start stalled "
+                                     f"(restarts: {cs.get('restartCount', 0)}): {why}")
+
+
+def _pod_problem(name: str, st: dict[str, Any], statuses: list[dict[str, Any]], shards: int,
+                 ready: bool = False) -> Problem | None:
     """The first thing that keeps this pod from serving, as the kubelet and the scheduler report it."""
     if st.get("phase") == "Failed":
         return Problem("PodFailed", f"pod {name}: {st.get('reason') or 'Failed'}: {st.get('message', '')}".rstrip(": "))
@@ -134,6 +154,9 @@ def _pod_problem(name: str, st: dict[str, Any], statuses: list[dict[str, Any]], 
             msg = f"not enough {GAUDI_RESOURCE} on any node ({shards} per replica): {msg}"
         return Problem("Unschedulable", f"pod {name}: {msg}")
     for cs in statuses:
+        stalled = None if ready else _stall_problem(name, cs)
+        if stalled:  # while it starts again (or waits to): once it serves, the restart is history
+            return stalled
         waiting = (cs.get("state") or {}).get("waiting") or {}
         reason = waiting.get("reason")
         if reason == "CrashLoopBackOff":
@@ -155,7 +178,7 @@ def pod_state(pod: dict[str, Any], template_hash: str, shards: int, warmup: dict
         running=st.get("phase") == "Running" and any("running" in (cs.get("state") or {}) for cs in statuses),
         updated=(meta.get("labels") or {}).get(TEMPLATE_HASH_LABEL) == template_hash,
         warmup=warmup if warmup and not ready and int(warmup.get("total") or 0) > 0 else None,
-        problem=_pod_problem(name, st, statuses, shards),
+        problem=_pod_problem(name, st, statuses, shards, ready),
     )
 
 
@@ -247,7 +270,10 @@ def observe_fleet(spec: InferenceServiceSpec, template_hash: str, observed: Obse
     active = [s for s in states if not s.terminating]
     problems = [s.problem for s in active if s.problem]
     download_problem = _download_problem(observed.download, spec)
-    for problem in (_deployment_problem(observed.deployment), download_problem):
+    # The Deployment's progress deadline knows nothing of warmup: a pod still starting without a problem
+    # of its own is judged by its own progress (the runtime's stall rule), not by that deadline.
+    starting = any(s.running and not s.ready and s.problem is None for s in active)
+    for problem in (None if starting else _deployment_problem(observed.deployment), download_problem):
         if problem:
             problems.append(problem)
     problems += [Problem("AutoscalerNotInstalled", f"this cluster does not serve {kind}: install its autoscaler "
@@ -273,12 +299,14 @@ def _warmup_progress(fleet: Fleet) -> dict[str, Any] | None:
     return warm
 
 
-def _summary(fleet: Fleet, warm: dict[str, Any] | None) -> str:
+def _summary(fleet: Fleet, warm: dict[str, Any] | None, spec: InferenceServiceSpec) -> str:
     summary = f"{fleet.ready}/{fleet.desired} replicas ready"
     if fleet.downloading and fleet.download is not None:
         summary += f"; download {download_summary(fleet.download)}"
     if warm:
         summary += f"; warmup {warm['done']}/{warm['total']} shapes"
+    elif fleet.stage == "Loading" and (expected := expected_warmup_shapes(spec)):
+        summary += f"; loading, then a warmup of {expected} shapes"  # the runtime's own count (estimate.py)
     if len(fleet.problems) > 1:
         summary += f"; {len(fleet.problems)} problems"
     return summary
@@ -389,7 +417,7 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: R
     """The status of an InferenceService whose children were rendered as `rendered` and observed as `observed`."""
     fleet = observe_fleet(spec, rendered.template_hash, observed)
     warm = _warmup_progress(fleet)
-    summary = _summary(fleet, warm)
+    summary = _summary(fleet, warm, spec)
     conditions = {"Ready": _ready(fleet, summary), "Progressing": _progressing(fleet, summary),
                   "Degraded": _degraded(fleet)}
     if observed.download is not None:

@@ -157,3 +157,24 @@ def prefill_context_buckets(cfg: Config) -> list[tuple[int, int, int]]:
         return []
     widths = bucket_values(block_step(cfg), context_block_cap(cfg), exponential=True)
     return [(rows, seq, w) for rows, seq in prefill_buckets(cfg) for w in widths]
+
+
+def flat_decode_on(device: str, use_flash_attention: bool) -> bool:
+    """Whether decode runs over the flat layout of the blocks in use: on HPU with fused attention
+    (`layers/attention.py`'s `select_attention`); elsewhere, and with the explicit math, over block tables."""
+    return device == "hpu" and use_flash_attention
+
+
+def warmup_plan(cfg: Config, flat_decode: bool) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """The shapes warmup runs, phase by phase: what the shards warm and what the operator expects (one
+    implementation, pure, no torch, so the operator image imports it without the runtime's dependencies)."""
+    decode = decode_flat_buckets(cfg) if flat_decode else decode_buckets(cfg)
+    return [("prefill", prefill_buckets(cfg)), ("prefill_context", prefill_context_buckets(cfg)),
+            ("decode", decode)]
+
+
+def warmup_shape_count(cfg: Config, flat_decode: bool) -> int:
+    """How many shapes warmup runs (none with WARMUP_ENABLED false)."""
+    if not cfg.warmup_enabled:
+        return 0
+    return sum(len(shapes) for _, shapes in warmup_plan(cfg, flat_decode))

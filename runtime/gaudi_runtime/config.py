@@ -95,6 +95,10 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--tool-call-parser", None, str, None, "Tool-call format of the model's output: llama3_json, mistral or "
      "hermes (default: recognised from the chat template; llama3_json for a template that does not render "
      "tools, which then get them in a prompt)."),
+    ("--warmup-stall-seconds", None, float, 600.0, "While the server is not serving yet (model download, load, "
+     "warmup): seconds without any step done (a downloaded chunk, a loaded weight, a warmed shape) after which the "
+     "start counts as stuck: /livez answers 503 and the launcher exits with code 75, the reason in its log and "
+     "termination message. A start that keeps making steps is never stopped, however long it takes. 0: never."),
     ("--shutdown-grace-seconds", None, float, 20.0, "On SIGTERM, how long running requests may still finish (new "
      "ones get 503, /health 503); those left then end with an error. Keep it below the pod's "
      "terminationGracePeriodSeconds less preStop."),
@@ -139,6 +143,9 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
      "several torch operators. false, or no compiler: torch's operators."),
     ("RECIPE_CACHE_SIZE_MB", int, 16384, "Gaudi: most megabytes of recipes each shard keeps under "
      "--recipe-cache-dir (Habana drops the oldest beyond it)."),
+    ("TERMINATION_MESSAGE_PATH", str, "/dev/termination-log", "Where the launcher writes why it gave up (a "
+     "stalled start) for Kubernetes to show: the container's terminationMessagePath. Written only where the "
+     "file exists (the kubelet creates it)."),
     ("QUANT_CONFIG", str, None, "INC FP8 JSON (QUANTIZE mode, allowlist/blocklist, dump_stats_path); implies "
      "--quantize fp8."),
 ]
@@ -215,7 +222,9 @@ class Config:
     disable_grammar_support: bool = False
     grammar_compile_timeout_s: float = 10.0
     tool_call_parser: str | None = None
+    warmup_stall_seconds: float = 600.0
     shutdown_grace_seconds: float = 20.0
+    termination_message_path: str = "/dev/termination-log"
     prof_waitstep: int = 0
     prof_warmupstep: int = 0
     prof_step: int = 0
@@ -369,6 +378,8 @@ def _derive_batching(v: dict[str, object]) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if v["shutdown_grace_seconds"] < 0:
         raise ConfigError("--shutdown-grace-seconds must be >= 0")
+    if v["warmup_stall_seconds"] < 0:
+        raise ConfigError("--warmup-stall-seconds must be >= 0 (0: never)")
     for name in ("batch_bucket_size", "prefill_batch_bucket_size", "pad_sequence_to_multiple_of"):
         if v[name] < 1:
             raise ConfigError(f"{name.upper()} must be positive")

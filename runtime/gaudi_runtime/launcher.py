@@ -1,5 +1,11 @@
 """`gaudi-serve launch`: spawn the shards and the router, supervise, exit non-zero if any dies.
 
+The HTTP port is bound first and answers the probes from the start (start_http.py): during a download
+here, then in the router, which inherits the socket. Until the router reports that it serves, a
+watchdog applies the stall rule of progress.py to the steps every process reports: a start that has
+made no step for --warmup-stall-seconds ends with STALL_EXIT_CODE and the reason in the termination
+message, so that Kubernetes restarts the pod and the operator can say why.
+
 SIGTERM (what the kubelet sends when a pod is deleted) or SIGINT shuts down in
 order: the router first, which stops admitting and lets running requests
 finish for up to --shutdown-grace-seconds (router/drain.py), then the shards it
@@ -13,15 +19,23 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+from gaudi_runtime import progress, start_http
 from gaudi_runtime.config import Config, ConfigError
 from gaudi_runtime.download import DOWNLOAD_SECONDS_ENV, DownloadError, ensure_snapshot
+from gaudi_runtime.download_report import LogLines
 from gaudi_runtime.router.images import check_image_budget
 
 log = logging.getLogger("gaudi_runtime.launcher")
@@ -32,14 +46,88 @@ STOP_GRACE_S = 10.0
 # A shard died: how long the router has to notice (its calls fail), answer /health 503, end every
 # stream with an error event and exit by itself (after GAUDI_SERVE_FAIL_EXIT_DELAY_S) before it is stopped.
 ROUTER_REPORT_S = 5.0
+# While the start is watched: how often the launcher looks at its children and at the progress.
+WATCH_INTERVAL_S = 0.5
 
 
-def resolve_model_dir(cfg: Config) -> str:
+class _DownloadSteps(LogLines):
+    """The download's progress in the log and, as steps of the start, for the stall rule."""
+
+    def __init__(self, steps: progress.Reporter):
+        super().__init__(log)
+        self.steps = steps
+
+    def progress(self, done: int, total: int, file: str | None) -> None:
+        super().progress(done, total, file)
+        self.steps.report("downloading", done, total)
+
+
+def resolve_model_dir(cfg: Config, steps: progress.Reporter | None = None) -> str:
     """A local directory as is; otherwise a complete, checked hub snapshot, fetched as `gaudi-serve download`
     fetches it (HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE honoured). Raises DownloadError."""
     if os.path.isdir(cfg.model_id):
         return cfg.model_id
-    return ensure_snapshot(cfg.model_id, cfg.revision, cfg.huggingface_hub_cache)["path"]
+    reporter = _DownloadSteps(steps) if steps is not None else None
+    return ensure_snapshot(cfg.model_id, cfg.revision, cfg.huggingface_hub_cache, reporter)["path"]
+
+
+@dataclass(frozen=True)
+class Watchdog:
+    """The stall rule over the pod's start (progress.py), and what to do when it holds."""
+
+    progress_dir: str
+    started_at: float
+    window_s: float
+    message_path: str
+
+    def serving(self) -> bool:
+        last = progress.latest(self.progress_dir)
+        return last is not None and last.phase == progress.READY
+
+    def stalled(self) -> str | None:
+        return progress.stall(progress.latest(self.progress_dir), self.started_at, time.monotonic(), self.window_s)
+
+    def give_up(self, why: str) -> int:
+        log.error("%s", why)
+        write_termination_message(self.message_path, why)
+        return progress.STALL_EXIT_CODE
+
+
+@contextmanager
+def watched_download(watch: Watchdog) -> Iterator[None]:
+    """While the main thread downloads: the stall rule from a thread, and a SIGTERM (the kubelet's
+    liveness probe) that finds the start stalled ends it the same way. Nothing else runs yet, and a
+    download resumes where it stopped, so the process ends at once."""
+    done = threading.Event()
+
+    def check() -> None:
+        while not done.wait(WATCH_INTERVAL_S):
+            if why := watch.stalled():
+                os._exit(watch.give_up(why))
+
+    def on_term(signum, frame) -> None:
+        if why := watch.stalled():
+            os._exit(watch.give_up(why))
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    previous = signal.signal(signal.SIGTERM, on_term)
+    threading.Thread(target=check, name="download-watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def write_termination_message(path: str, message: str) -> None:
+    """Where the kubelet created the container's termination message file, say why the container ends."""
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(message + "\n")
+    except OSError as e:
+        log.warning("could not write the termination message to %s: %s", path, e)
 
 
 def check_model(model_dir: str) -> None:
@@ -84,10 +172,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child_env(cfg: Config, model_dir: str, download_seconds: float | None = None) -> dict[str, str]:
+def _child_env(cfg: Config, model_dir: str, download_seconds: float | None = None,
+               progress_dir: str | None = None) -> dict[str, str]:
     env = dict(os.environ, **{CONFIG_ENV: cfg.to_json(), MODEL_DIR_ENV: model_dir})
     if download_seconds is not None:
         env[DOWNLOAD_SECONDS_ENV] = f"{download_seconds:.3f}"
+    if progress_dir is not None:
+        env[progress.PROGRESS_DIR_ENV] = progress_dir
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", str(_free_port()))
     return env
@@ -105,11 +196,14 @@ def spawn_shards(cfg: Config, model_dir: str, env: dict[str, str] | None = None)
     ]
 
 
-def spawn(cfg: Config, model_dir: str, download_seconds: float | None = None) -> list[tuple[str, subprocess.Popen]]:
-    env = _child_env(cfg, model_dir, download_seconds)
+def spawn(cfg: Config, model_dir: str, download_seconds: float | None = None, progress_dir: str | None = None,
+          listen_fd: int | None = None) -> list[tuple[str, subprocess.Popen]]:
+    """The shards and the router; `listen_fd`: the bound HTTP socket the router serves on (else it binds)."""
+    env = _child_env(cfg, model_dir, download_seconds, progress_dir)
     procs = spawn_shards(cfg, model_dir, env)
-    return procs + [("router", subprocess.Popen(_EXE + ["router"], env=env, preexec_fn=_die_with_parent,
-                                                 process_group=0))]
+    router_env = dict(env, **({start_http.LISTEN_FD_ENV: str(listen_fd)} if listen_fd is not None else {}))
+    return procs + [("router", subprocess.Popen(_EXE + ["router"], env=router_env, preexec_fn=_die_with_parent,
+                                                 process_group=0, pass_fds=() if listen_fd is None else (listen_fd,)))]
 
 
 def stop_all(procs: list[tuple[str, subprocess.Popen]]) -> None:
@@ -167,23 +261,40 @@ def drain_router(procs: list[tuple[str, subprocess.Popen]], grace_s: float) -> i
     return 0 if code == 0 else 1
 
 
-def supervise(procs: list[tuple[str, subprocess.Popen]], grace_s: float = 0.0) -> int:
-    """Block until a child exits or we are told to stop (then the router drains for up to `grace_s`);
-    then stop every child."""
+def _exited(procs: list[tuple[str, subprocess.Popen]], block: bool) -> int | None:
+    """The exit code to end with when a child has exited (waiting for one when `block`), else None."""
+    # WNOWAIT leaves the child for Popen to reap, so its exit code stays readable.
+    if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG)) is None:
+        return None
+    for name, p in procs:
+        code = p.poll()
+        if code is not None:
+            log.error("%s exited with code %s; stopping every process", name, code)
+            if name != "router":
+                let_router_report(procs)
+            return code or 1
+    return None
+
+
+def supervise(procs: list[tuple[str, subprocess.Popen]], grace_s: float = 0.0, watch: Watchdog | None = None) -> int:
+    """Block until a child exits, the start stalls (`watch`) or we are told to stop (then the router drains
+    for up to `grace_s`); then stop every child."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _raise_stop)
     try:
         while True:
-            # WNOWAIT leaves the child for Popen to reap, so its exit code stays readable.
-            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
-            for name, p in procs:
-                code = p.poll()
-                if code is not None:
-                    log.error("%s exited with code %s; stopping every process", name, code)
-                    if name != "router":
-                        let_router_report(procs)
-                    return code or 1
+            code = _exited(procs, block=watch is None)
+            if code is not None:
+                return code
+            if watch is not None and (why := watch.stalled()):
+                return watch.give_up(why)
+            if watch is not None and watch.serving():
+                watch = None  # served once: from now on only a child's exit ends the pod
+            elif watch is not None:
+                time.sleep(WATCH_INTERVAL_S)
     except _Stop:
+        if watch is not None and (why := watch.stalled()):  # the kubelet's liveness probe got there first
+            return watch.give_up(why)
         log.info("stop requested; the router finishes its requests (up to %gs), then the shards stop", grace_s)
         return drain_router(procs, grace_s)
     finally:
@@ -192,17 +303,47 @@ def supervise(procs: list[tuple[str, subprocess.Popen]], grace_s: float = 0.0) -
         stop_all(procs)
 
 
+def _start_state(progress_dir: str) -> dict:
+    """/health before the router has the port: downloading (with its bytes), else loading."""
+    last = progress.latest(progress_dir)
+    if last is not None and last.phase == "downloading":
+        return {"status": "downloading", "download": {"done": last.done, "total": last.total}}
+    return {"status": "loading"}
+
+
 def main(cfg: Config) -> int:
-    t0 = time.monotonic()
+    progress_dir = tempfile.mkdtemp(prefix="gaudi-serve-progress-")
     try:
-        model_dir = resolve_model_dir(cfg)
+        return _launch(cfg, progress_dir)
+    finally:
+        shutil.rmtree(progress_dir, ignore_errors=True)
+
+
+def _launch(cfg: Config, progress_dir: str) -> int:
+    t0 = time.monotonic()
+    steps = progress.Reporter(progress_dir, "launcher")
+    steps.report("starting")
+    try:
+        sock = start_http.bind(cfg.hostname, cfg.port)
+    except OSError as e:
+        log.error("--hostname %s --port %d: cannot listen: %s", cfg.hostname, cfg.port, e)
+        return 1
+    watch = Watchdog(progress_dir, t0, cfg.warmup_stall_seconds, cfg.termination_message_path)
+    early = start_http.StartServer(sock, lambda: _start_state(progress_dir),
+                                   lambda: start_http.liveness(progress_dir, t0, cfg.warmup_stall_seconds)).start()
+    try:
+        with watched_download(watch):
+            model_dir = resolve_model_dir(cfg, steps)
     except DownloadError as e:
         log.error("--model-id %s: model download failed (%s): %s", cfg.model_id, e.reason, e)
         return e.exit_code
     # Seconds spent getting the model, shown in /info (none for a local directory).
     download_seconds = None if model_dir == cfg.model_id else time.monotonic() - t0
+    steps.report("loading")
     check_model(model_dir)
     check_image_budget(cfg, json.loads((Path(model_dir) / "config.json").read_text()))
     log.info("effective configuration: %s", cfg.to_log_json())  # every flag and env setting, secrets masked
     log.info("launching %d shard(s) and the router for %s", cfg.num_shard, model_dir)
-    return supervise(spawn(cfg, model_dir, download_seconds), cfg.shutdown_grace_seconds)
+    procs = spawn(cfg, model_dir, download_seconds, progress_dir, listen_fd=early.hand_over())
+    sock.close()  # the router has its own copy
+    return supervise(procs, cfg.shutdown_grace_seconds, watch)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from gaudi_runtime.progress import STALL_EXIT_CODE
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.hub_standin import HubStandIn, StandInRepo
 from tests.runtime.launched import get_json, launch
@@ -219,3 +220,37 @@ def test_launch_serves_a_hub_id_offline_from_the_cache_and_reports_its_start(hub
     assert info["warmup_from_cache"] is None and info["recipe_cache"] is None  # no Gaudi here
     warming = [b["warmup"] for b in seen if b.get("status") == "warming_up"]
     assert warming and all(w["from_cache"] is None for w in warming)  # /health says it during warmup
+
+
+def test_launch_answers_the_probes_while_it_downloads_and_ends_a_stalled_download(hub, tmp_path):
+    """The port answers from the launcher's first second: /health with the download's bytes, /livez 200
+    while bytes come; once none came for --warmup-stall-seconds, /livez 503 and the launcher ends with the
+    stall's exit code and reason (the download resumes at the next start)."""
+    message = tmp_path / "termination-log"
+    message.write_text("")
+    hub.fail_once("model.safetensors", after=CHUNK, mode="hang")
+    srv = launch("org/big", tmp_path, "--dtype", "float32", "--warmup-stall-seconds", "10",
+                 env=hub_env(hub, tmp_path, TERMINATION_MESSAGE_PATH=str(message)))
+    seen: list[tuple[int, dict, int, dict]] = []
+    try:
+        deadline = time.monotonic() + 120
+        while srv.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                seen.append((*get_json(srv.url + "/health", timeout=2), *get_json(srv.url + "/livez", timeout=2)))
+            except OSError:
+                pass  # not bound yet
+            time.sleep(0.1)  # poll interval of a deadline-bounded wait
+        code = srv.proc.wait(timeout=30)
+    finally:
+        srv.stop()
+    held = [(h, lv) for hc, h, lc, lv in seen if hc == 503 and h.get("status") == "downloading" and lc == 200]
+    assert held, seen[:3]
+    assert 0 < held[-1][0]["download"]["done"] < held[-1][0]["download"]["total"] and \
+        held[-1][0]["download"]["total"] > BIG_WEIGHTS
+    stalled = [lv for _, _, lc, lv in seen if lc == 503]
+    assert stalled and stalled[0]["status"] == "stalled", seen[-3:]
+    assert stalled[0]["error"].startswith("start stalled: no progress for ") and "while downloading the model" in \
+        stalled[0]["error"]
+    assert code == STALL_EXIT_CODE
+    assert message.read_text().startswith("start stalled: no progress for ") and "while downloading the model" in \
+        message.read_text()

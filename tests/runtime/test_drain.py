@@ -122,6 +122,7 @@ def test_sigterm_lets_the_running_stream_finish_refuses_new_requests_then_exits_
         code, body = post_generate(srv.url)
         assert (code, body["error_type"]) == (503, "unhealthy") and "shutting down" in body["error"], body
         assert get_json(srv.url + "/ping")[0] == 200  # liveness holds: the kubelet must not restart it
+        assert get_json(srv.url + "/livez") == (200, {"status": "ok"})
         os.kill(shard, signal.SIGCONT)
         assert stream.done.wait(120)
         last = stream.events[-1]

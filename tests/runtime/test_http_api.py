@@ -451,7 +451,7 @@ async def test_api_key(make_server):
     status, b, _ = await call(s.url, "/generate", {"inputs": "hi"}, headers=auth)
     assert status == 200 and b["generated_text"] == "hi"
     assert (await call(s.url, "/info", method="GET", headers=auth))[0] == 200
-    for path in ("/health", "/ping", "/metrics"):
+    for path in ("/health", "/ping", "/livez", "/metrics"):
         assert (await call(s.url, path, method="GET"))[0] == 200, path
 
 

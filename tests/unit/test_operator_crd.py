@@ -193,6 +193,8 @@ BAD = [
     ("prefill bucket -1", manifest(batching={"prefillBatchBucketSize": -1}),
      "spec.batching.prefillBatchBucketSize", "less than the minimum"),
     ("replicas -1", manifest(replicas=-1), "spec.replicas", "-1 is less than the minimum of 0"),
+    ("stall window 5 s", manifest(probes={"warmupStallSeconds": 5}), "spec.probes.warmupStallSeconds",
+     "5 is less than the minimum of 10"),
     ("precision int8", manifest(precision="int8"), "spec.precision", "is not one of"),
     ("api key in env and from a Secret", manifest(apiKeySecretRef={"name": "k"}, env=[{"name": "API_KEY", "value": "x"}]),
      "spec", "spec.env must not set API_KEY when spec.apiKeySecretRef is set"),

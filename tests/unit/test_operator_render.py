@@ -54,9 +54,9 @@ def test_gaudi_pod_basics(shards: int) -> None:
     shm = next(v for v in ps["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
-    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    assert c["startupProbe"]["httpGet"]["path"] == "/livez"
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert c["livenessProbe"]["httpGet"]["path"] == "/ping"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert "initialDelaySeconds" not in c["startupProbe"]
     assert c["command"] == ["gaudi-serve"] and c["args"][0] == "launch"
     assert arg(c, "--port") == "8080" and arg(c, "--num-shard") == str(shards)
@@ -146,7 +146,7 @@ def test_api_key_comes_from_the_secret_and_never_appears_in_the_pod() -> None:
     assert env(apiKeySecretRef={"name": "s", "key": "token"})["API_KEY"] == {"secretKeyRef": {"name": "s", "key": "token"}}
     assert "API_KEY" not in env()
     # The probes stay on the routes the runtime leaves open with a key set.
-    assert {c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} <= {"/health", "/ping"}
+    assert {c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} <= {"/health", "/livez"}
 
 
 def test_user_env_overrides_without_duplicates() -> None:
@@ -233,20 +233,28 @@ def test_the_deployment_waits_for_the_download() -> None:
     assert waiting.template_hash == done.template_hash  # the pods the status counts as current
 
 
-def test_startup_probe_budget_from_warmup() -> None:
-    def failures(**spec: Any) -> int:
+def test_probes_follow_progress_and_no_budget_grows_with_the_warmup() -> None:
+    """Liveness and startup ask /livez (the runtime's stall rule), readiness /health; the startup budget
+    covers only the process coming up, whatever the warmup, and the stall window reaches the runtime."""
+    def startup_seconds(**spec: Any) -> int:
         p = container(**spec)["startupProbe"]
         return p["failureThreshold"] * p["periodSeconds"]
-    default = failures()
-    assert default == parse_spec(body()["spec"]).startup_budget_seconds()
-    assert failures(batching={"warmup": False}) < default
-    # More shapes to warm up -> more time.
-    assert failures(serving={"maxInputTokens": 4096, "maxTotalTokens": 8192}) > default
-    assert failures(probes={"startup": {"budgetSeconds": 300}}) == 300
+    c = container()
+    assert c["startupProbe"]["httpGet"] == c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert startup_seconds() == 300 == parse_spec(body()["spec"]).startup_budget_seconds()
+    long_warmup = {"serving": {"maxInputTokens": 16384, "maxTotalTokens": 32768, "maxBatchSize": 256}}
+    assert startup_seconds(**long_warmup) == startup_seconds(batching={"warmup": False}) == 300
+    assert container(**long_warmup)["livenessProbe"] == c["livenessProbe"]
+    assert startup_seconds(probes={"startup": {"budgetSeconds": 120}}) == 120
+    assert arg(c, "--warmup-stall-seconds") == "600"
+    assert arg(container(probes={"warmupStallSeconds": 45}), "--warmup-stall-seconds") == "45"
     p = container(probes={"startup": {"failureThreshold": 7, "periodSeconds": 20}})["startupProbe"]
     assert (p["failureThreshold"], p["periodSeconds"]) == (7, 20)
     r = container(probes={"readiness": {"periodSeconds": 3, "failureThreshold": 2}})["readinessProbe"]
     assert (r["periodSeconds"], r["failureThreshold"]) == (3, 2)
+    lv = container(probes={"liveness": {"periodSeconds": 5, "failureThreshold": 4}})["livenessProbe"]
+    assert (lv["periodSeconds"], lv["failureThreshold"], lv["httpGet"]["path"]) == (5, 4, "/livez")
 
 
 def test_resources_merge_but_cards_come_from_shards() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from gaudi_operator.download import Download
+from gaudi_operator.estimate import expected_warmup_shapes
 from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template, render
 from gaudi_operator.spec import InferenceServiceSpec, parse_spec
 from gaudi_operator.status import (
@@ -196,10 +197,57 @@ def test_progress_deadline_exceeded() -> None:
     dep = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "conditions": [
         {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
          "message": 'ReplicaSet "llama-5d9" has timed out progressing.'}]}}
-    st = compute(b, parse_spec(b["spec"]), dep, [pod("a")], now=NOW)
+    st = compute(b, parse_spec(b["spec"]), dep, [pod("a", running=False)], now=NOW)
     assert st["phase"] == "Failed"
     assert cond(st, "Progressing") == ("False", "ProgressDeadlineExceeded")
     assert cond(st, "Degraded") == ("True", "ProgressDeadlineExceeded")
+
+
+def test_a_long_warmup_outlives_the_deployments_deadline() -> None:
+    """The Deployment controller gives up on a rollout whose pod takes long to become ready; a pod that
+    is still loading or warming up is judged by its own progress (its liveness probe), not by that."""
+    b = body(replicas=1)
+    dep = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "conditions": [
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+         "message": 'ReplicaSet "llama-5d9" has timed out progressing.'}]}}
+    st = compute(b, parse_spec(b["spec"]), dep, [pod("a")], now=NOW, warmup={"a": {"done": 300, "total": 2000}})
+    assert st["phase"] == "WarmingUp" and cond(st, "Degraded") == ("False", "AsExpected")
+    assert cond(st, "Progressing") == ("True", "WarmingUp")
+    st = compute(b, parse_spec(b["spec"]), dep, [pod("a")], now=NOW)
+    expected = expected_warmup_shapes(parse_spec(b["spec"]))  # the runtime's count (test_operator_estimate.py)
+    assert st["phase"] == "Loading" and f"loading, then a warmup of {expected} shapes" in msg(st, "Ready")
+
+
+STALLED = ("2026-11-27 07:40:02,113 ERROR launcher gaudi_runtime.launcher: start stalled: no progress for 601s "
+           "while warming up (decode shapes), 80/298 (--warmup-stall-seconds 600); exiting so that the pod restarts")
+
+
+@pytest.mark.parametrize("last", [
+    {"exitCode": 75, "reason": "Error", "message": STALLED[STALLED.index("start stalled"):]},  # the message file
+    {"exitCode": 75, "reason": "Error", "message": "INFO warmup: 298 shapes\n" + STALLED},  # the log's tail
+    {"exitCode": 143, "reason": "Error", "message": STALLED},  # the liveness probe got there first
+])
+def test_a_restart_after_a_stalled_start_is_reported_until_the_pod_serves(last: dict[str, Any]) -> None:
+    b = body(replicas=1)
+    spec = parse_spec(b["spec"])
+    warming_again = pod("a", last=last, restarts=1)
+    st = compute(b, spec, None, [warming_again], now=NOW, warmup={"a": {"done": 3, "total": 298}})
+    assert cond(st, "Degraded") == ("True", "StartupStalled") and st["phase"] == "Degraded"
+    assert cond(st, "Ready") == ("False", "StartupStalled")
+    assert ("pod a: restarted because its start stalled (restarts: 1): start stalled: no progress for 601s while "
+            "warming up (decode shapes), 80/298") in msg(st, "Degraded")
+    assert st["warmup"]["done"] == 3  # and how far the new attempt got
+    backing_off = pod("a", waiting={"reason": "CrashLoopBackOff", "message": "back-off"}, last=last, restarts=4)
+    st = compute(b, spec, None, [backing_off], now=NOW)
+    assert cond(st, "Degraded") == ("True", "StartupStalled") and "(restarts: 4)" in msg(st, "Degraded")
+    st = compute(b, spec, None, [ready_pod("a", last=last, restarts=1)], now=NOW)
+    assert st["phase"] == "Ready" and cond(st, "Degraded") == ("False", "AsExpected")
+
+
+def test_another_exit_is_not_a_stall() -> None:
+    b = body(replicas=1)
+    st = compute(b, parse_spec(b["spec"]), None, [crashing("a", "ValueError: bad config", code=2)], now=NOW)
+    assert cond(st, "Degraded") == ("True", "CrashLoopBackOff")
 
 
 def test_invalid_spec_fails_with_reason() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .. import progress
 from ..download import WEIGHTS_INDEX, DownloadError, weight_files
 from ..layers.linear import LazyWeight, TPContext
 from .base import CausalLMBase
@@ -93,11 +94,13 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, LazyWeight]]:
     """``(name, LazyWeight)`` for every tensor; a layer's loader reads only its rank's slice."""
     from safetensors import safe_open
 
-    for f in files:
+    for i, f in enumerate(files):
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
                 sl = st.get_slice(name)
                 yield name, LazyWeight(sl, sl.get_shape())
+                progress.report("loading", i, len(files))  # a step of the start: a tensor read
+    progress.report("loading", len(files), len(files))
 
 
 def override_rope(cfg: dict[str, Any], scaling: str, factor: float) -> dict[str, Any]:

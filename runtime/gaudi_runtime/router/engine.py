@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 
+from gaudi_runtime import progress
 from gaudi_runtime.config import Config
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.router.batching import BatchingLoop
@@ -72,9 +73,11 @@ class BatchingEngine:
             self.requests.allocator = BlockAllocator(info.num_blocks)
             self.output.eos_ids = set(info.eos_token_ids)
             self.state = "warming_up"
+            progress.report("warming_up")
             await self.client.warmup(self._on_warmup)
             self.shard_info = await self.client.info()
             self.state = "ready"
+            progress.report(progress.READY)  # the launcher's watchdog stands down
             self.metrics.serving = True
             self.requests.report_load()  # the load gauges appear, at zero
             log.info("ready: %d KV blocks of %d tokens", info.num_blocks, info.block_size)
@@ -85,6 +88,7 @@ class BatchingEngine:
 
     def _on_warmup(self, done: int, total: int, phase: str) -> None:
         self.warmup_progress.update(done=done, total=total, phase=phase)
+        progress.report(phase, done, total)  # a step of the start (progress.py's stall rule)
         self.metrics.warmup(done, total)
 
     async def _serve(self) -> None:

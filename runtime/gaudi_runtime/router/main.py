@@ -10,9 +10,11 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 
 from aiohttp import web
 
+from gaudi_runtime import progress
 from gaudi_runtime.config import Config
 from gaudi_runtime.router.client import ShardClient
 from gaudi_runtime.router.drain import DRAIN, shut_down
@@ -25,10 +27,20 @@ from gaudi_runtime.router.state import STATE
 from gaudi_runtime.router.tokenizer import RouterTokenizer, keep_torch_out
 from gaudi_runtime.router.tool_calls import PROMPTED_FORMAT, detect_format, renders_tools
 from gaudi_runtime.router.tracing import make_tracer
+from gaudi_runtime.start_http import LISTEN_FD_ENV
 
 log = logging.getLogger(__name__)
 
 FAIL_EXIT_DELAY_S = float(os.environ.get("GAUDI_SERVE_FAIL_EXIT_DELAY_S", "2"))
+
+
+def _site(runner: web.AppRunner, cfg: Config) -> web.BaseSite:
+    """The launcher's listening socket when it passed one (probes queued on it meanwhile are answered
+    now), else the configured address."""
+    fd = os.environ.get(LISTEN_FD_ENV)
+    if fd:
+        return web.SockSite(runner, socket.socket(fileno=int(fd)))
+    return web.TCPSite(runner, cfg.hostname, cfg.port)
 
 
 def load_tokenizer(cfg: Config, model_dir: str) -> RouterTokenizer:
@@ -38,6 +50,8 @@ def load_tokenizer(cfg: Config, model_dir: str) -> RouterTokenizer:
 
 
 async def serve(cfg: Config, model_dir: str) -> int:
+    progress.start_reporting("router")
+    progress.report("loading")
     tokenizer = load_tokenizer(cfg, model_dir)
     client = ShardClient([cfg.shard_socket(r) for r in range(cfg.num_shard)])
     metrics = Metrics(cfg.model_name)
@@ -49,7 +63,7 @@ async def serve(cfg: Config, model_dir: str) -> int:
     log_tool_format(cfg, tokenizer)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    await web.TCPSite(runner, cfg.hostname, cfg.port).start()
+    await _site(runner, cfg).start()
     log.info("router listening on http://%s:%d", cfg.hostname, cfg.port)
 
     stop, hurry = _signals()

@@ -95,6 +95,7 @@ ROUTES = (
           summary="Ready to serve (200), or not yet, with the warmup's progress (503)", tag=OPS, open=True),
     Route("GET", "/ping", tgi_api.handle_ping, replies=(rm.PingResponse,), summary="The process answers",
           tag=OPS, open=True),
+    Route("GET", "/livez", tgi_api.handle_livez, open=True, documented=False),
     Route("GET", "/metrics", tgi_api.handle_metrics, media="text/plain", summary="Prometheus metrics",
           tag=OPS, open=True),
     Route("GET", "/api-doc/openapi.json", handle_openapi, open=True, documented=False),

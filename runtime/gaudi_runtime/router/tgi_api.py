@@ -4,11 +4,13 @@ Response shapes follow TGI so its clients work unchanged."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from aiohttp import web
 
 import gaudi_runtime
+from gaudi_runtime import progress
 from gaudi_runtime.router import json_text, sse
 from gaudi_runtime.router.http_common import (
     admit,
@@ -33,6 +35,10 @@ from gaudi_runtime.router.validation import (
     tokenize_input,
     validate_generate,
 )
+from gaudi_runtime.start_http import liveness
+
+# The router's start: the stall rule counts from here when no process has reported a step yet.
+ROUTER_STARTED_AT = time.monotonic()
 
 
 def token_json(t: Token) -> dict:
@@ -263,6 +269,23 @@ async def handle_health(request: web.Request) -> web.Response:
 
 async def handle_ping(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
+
+
+async def handle_livez(request: web.Request) -> web.Response:
+    """Liveness: 200 while serving or while the start makes progress; 503 once it stalled (progress.py)
+    or the shards failed. Outside a launched pod (no progress directory) only a failure fails it."""
+    state = get_state(request)
+    ready, health = state.engine.health()
+    if ready:
+        return web.json_response({"status": "ok"})
+    if health.get("status") == "failed":
+        return web.json_response({"status": "failed", "error": health.get("error", ""), "error_type": "unhealthy"},
+                                 status=503)
+    directory = os.environ.get(progress.PROGRESS_DIR_ENV)
+    if not directory:
+        return web.json_response({"status": "ok"})
+    code, body = liveness(directory, ROUTER_STARTED_AT, state.config.warmup_stall_seconds)
+    return web.json_response(body, status=code)
 
 
 async def handle_metrics(request: web.Request) -> web.Response:

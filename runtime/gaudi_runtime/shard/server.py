@@ -10,7 +10,7 @@ import signal
 import grpc
 import torch
 
-from gaudi_runtime import recipe_cache
+from gaudi_runtime import progress, recipe_cache
 from gaudi_runtime.config import Config
 from gaudi_runtime.device import select_device
 from gaudi_runtime.device.cpu_threads import adaptive_threads
@@ -76,6 +76,9 @@ def download_seconds(environ=None) -> float | None:
 
 
 async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None:
+    # Each step of the load is a step of the pod's start (progress.py); the weights report one per tensor.
+    progress.start_reporting(f"shard-{rank}")
+    progress.report("loading")
     recipes = plan_recipe_cache(cfg, model_dir, rank)
     backend = select_device(cfg.device, rank, world_size, graphs=cfg.enable_hpu_graph, recipe_cache=recipes)
     if backend.name != "hpu":
@@ -87,6 +90,7 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
         log.info("shard %d/%d: %d torch threads", rank, world_size, threads)
         adaptive = adaptive_threads(threads, world_size, allowed_cpus(), torch.set_num_threads)
     group = join_process_group(backend.distributed_backend, rank, world_size)
+    progress.report("loading")
     runner = ModelRunner(cfg, model_dir, backend, rank, world_size, group, recipe_cache=recipes,
                          download_seconds=download_seconds())
     urls = [f"unix://{cfg.shard_socket(r)}" for r in range(world_size)]
@@ -99,6 +103,7 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
         os.unlink(path)
     server.add_insecure_port(f"unix://{path}")
     await server.start()
+    progress.report("loading")
     log.info("shard %d/%d serving on %s", rank, world_size, path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

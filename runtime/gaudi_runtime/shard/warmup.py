@@ -24,16 +24,9 @@ class WarmupError(RuntimeError):
     """A bucket could not run; the message names the setting to lower."""
 
 
-def decode_shapes(cfg: Config, flat_decode: bool) -> list[tuple[int, int]]:
-    """Every shape a decode step may run on: (batch, total blocks) over the flat layout, else (batch,
-    block-table width)."""
-    return buckets.decode_flat_buckets(cfg) if flat_decode else buckets.decode_buckets(cfg)
-
-
 def shapes(cfg: Config, flat_decode: bool) -> dict[str, list[tuple[int, ...]]]:
-    """The buckets of each phase, in the order warmup runs them."""
-    return {"prefill": buckets.prefill_buckets(cfg), "prefill_context": buckets.prefill_context_buckets(cfg),
-            "decode": decode_shapes(cfg, flat_decode)}
+    """The buckets of each phase, in the order warmup runs them (the plan the operator counts too)."""
+    return dict(buckets.warmup_plan(cfg, flat_decode))
 
 
 def largest_context_shape(shapes: list[tuple[int, int, int]], block_size: int) -> tuple[int, int, int] | None:
