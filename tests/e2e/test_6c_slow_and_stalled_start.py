@@ -3,7 +3,7 @@
 prober and restarts are played from the rendered pod's probes (tests/e2e/kubelet_prober.py: kwok runs
 none).
 
-* A slow warmup: the shard is throttled (stopped 2 s, run 0.3 s, as a CPU-starved process is) for
+* A slow warmup: the shard is throttled (stopped 2.5 s, run 0.1 s, as a CPU-starved process is) for
   longer than anything the rendered pod allows without progress: the startupProbe's budget, the
   livenessProbe's failures, the stall window. It still makes a step every few seconds, so it reaches
   Ready without a restart.
@@ -93,16 +93,16 @@ def test_a_warmup_longer_than_any_allowance_reaches_ready_without_a_restart(
         throttle_until = began + 1.5 * max(limits.values())
         done = threading.Event()
 
-        def throttle() -> None:  # a starved shard: a few hundred milliseconds of CPU every 2 s
+        def throttle() -> None:  # a starved shard: 0.1 s of CPU every 2.6 s
             while not done.is_set() and time.monotonic() < throttle_until:
                 pids = shard_pids(kubelet.proc.pid)
                 for p in pids:
                     os.kill(p, signal.SIGSTOP)
-                done.wait(2.0)
+                done.wait(2.5)
                 for p in pids:
                     if alive(p):
                         os.kill(p, signal.SIGCONT)
-                done.wait(0.3)
+                done.wait(0.1)
         throttler = threading.Thread(target=throttle, daemon=True)
         throttler.start()
         try:
