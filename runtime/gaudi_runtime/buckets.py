@@ -174,7 +174,6 @@ def warmup_plan(cfg: Config, flat_decode: bool) -> list[tuple[str, list[tuple[in
 
 
 def warmup_shape_count(cfg: Config, flat_decode: bool) -> int:
-    """How many shapes warmup runs (none with WARMUP_ENABLED false)."""
-    if not cfg.warmup_enabled:
-        return 0
+    """How many shapes warmup runs when it runs (WARMUP_ENABLED is the caller's: it changes no bucket, so the
+    recipe cache's key, made of what this module reads, leaves it out)."""
     return sum(len(shapes) for _, shapes in warmup_plan(cfg, flat_decode))
