@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
 from gaudi_runtime.progress import STALL_EXIT_CODE
 from gaudi_runtime.tools.tiny_model import make_tiny_model
+from tests.e2e.harness import wait_for
 from tests.runtime.launched import alive, children, get_json, launch
 
 # Hundreds of shapes on CPU: a warmup of seconds, long enough to be seen from outside.
@@ -30,16 +30,6 @@ def poll(url: str) -> tuple[int, dict] | None:
         return get_json(url, timeout=2)
     except OSError:
         return None
-
-
-def wait_for(fn, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(0.05)  # poll interval of a deadline-bounded wait
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def shard_pids(launcher_pid: int) -> list[int]:
