@@ -25,7 +25,7 @@ from pathlib import Path
 PROGRESS_DIR_ENV = "GAUDI_SERVE_PROGRESS_DIR"
 # EX_TEMPFAIL: the start stalled; a restart may well get through (a hung collective, a stuck mount).
 STALL_EXIT_CODE = 75
-# Reports closer together than this from one process only refresh the file this often.
+# The same report again from one process (a tensor of the same file) refreshes the file at most this often.
 REPORT_INTERVAL_S = 1.0
 READY = "ready"
 PHASE_WORDS = {"starting": "starting", "downloading": "downloading the model", "loading": "loading the model",
@@ -72,13 +72,17 @@ class Reporter:
         self.path = Path(directory) / f"{process}.json"
         self.process = process
         self.interval_s = interval_s
-        self._last: tuple[str, float] = ("", float("-inf"))
+        self._last: tuple[tuple[str, int, int], float] = (("", 0, 0), float("-inf"))
 
     def report(self, phase: str, done: int = 0, total: int = 0) -> None:
+        """Written when it says something new; the same report again (a tensor of the same file) only
+        refreshes the time, at most every interval_s. A new count is never held back: it may be the last
+        one before a long step (a download that hangs), which /health then shows."""
         now = time.monotonic()
-        if phase == self._last[0] and now - self._last[1] < self.interval_s and done != total:
+        said = (phase, int(done), int(total))
+        if said == self._last[0] and now - self._last[1] < self.interval_s:
             return
-        self._last = (phase, now)
+        self._last = (said, now)
         step = Step(self.process, phase, int(done), int(total), now)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:

@@ -50,14 +50,15 @@ def test_the_newest_report_of_any_process_is_the_pods_progress(tmp_path) -> None
     assert latest(tmp_path / "missing") is None and latest(None) is None
 
 
-def test_reports_of_one_phase_are_written_at_most_once_a_second_but_the_last_always(tmp_path) -> None:
-    r = Reporter(tmp_path, "router", interval_s=3600)
-    r.report("prefill", 1, 10)
-    r.report("prefill", 2, 10)
-    assert latest(tmp_path).done == 1
-    r.report("prefill", 10, 10)  # a phase's end
-    assert latest(tmp_path).done == 10
-    r.report("decode", 1, 5)  # a new phase
+def test_a_new_count_is_always_written_the_same_report_again_at_most_once_an_interval(tmp_path) -> None:
+    r = Reporter(tmp_path, "shard-0", interval_s=3600)
+    r.report("downloading", 1, 10)
+    r.report("downloading", 2, 10)  # then the download hangs: /health must show 2, not 1
+    assert latest(tmp_path).done == 2
+    at = latest(tmp_path).at
+    r.report("downloading", 2, 10)  # the same again (a tensor of the same file): within the interval, not rewritten
+    assert latest(tmp_path).at == at
+    r.report("decode", 1, 5)
     assert (latest(tmp_path).phase, latest(tmp_path).done) == ("decode", 1)
 
 
