@@ -93,16 +93,21 @@ def test_a_warmup_longer_than_any_allowance_reaches_ready_without_a_restart(
         throttle_until = began + 1.5 * max(limits.values())
         done = threading.Event()
 
-        def throttle() -> None:  # a starved shard: 0.1 s of CPU every 2.6 s
+        def throttle() -> None:
+            """A starved shard, as slow on a fast machine as on a loaded one: stopped for 2.5 s, then run
+            only until the warmup has advanced (at most 0.3 s)."""
             while not done.is_set() and time.monotonic() < throttle_until:
                 pids = shard_pids(kubelet.proc.pid)
+                at = (warming(kubelet, url) or {"done": 0})["done"]
                 for p in pids:
                     os.kill(p, signal.SIGSTOP)
                 done.wait(2.5)
                 for p in pids:
                     if alive(p):
                         os.kill(p, signal.SIGCONT)
-                done.wait(0.1)
+                run_until = time.monotonic() + 0.3
+                while time.monotonic() < run_until and (warming(kubelet, url) or {"done": at})["done"] <= at:
+                    done.wait(0.01)  # poll interval while the shard runs
         throttler = threading.Thread(target=throttle, daemon=True)
         throttler.start()
         try:
