@@ -56,9 +56,11 @@ def detect_format(chat_template: str | None, configured: str | None = None) -> s
 
 
 @functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=8)
 def renders_tools(chat_template: str | None) -> bool:
     """Whether the template uses the `tools` variable (TGI's test), read from its syntax tree; a
-    template jinja cannot parse on its own (one with an extension's tags) by whether it names `tools`."""
+    template jinja cannot parse on its own (one with an extension's tags) by whether it names `tools`.
+    Cached: a server has one template, and every request with tools asks."""
     if not chat_template:
         return False
     try:
