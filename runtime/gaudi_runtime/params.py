@@ -22,4 +22,3 @@ class SamplingParameters:
     # ...and minus penalty once the token has been generated
     presence_penalty: float = 0.0
     seed: int = 0
-    watermark: bool = False

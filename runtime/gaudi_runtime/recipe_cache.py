@@ -117,9 +117,6 @@ class RecipeCache:
         except OSError as e:  # the next start compiles again, nothing worse
             log.warning("cannot mark the recipe cache %s warm: %s", self.directory, e)
 
-    def describe(self) -> dict:
-        return {"dir": str(self.directory), "key": self.key, "from_cache": self.from_cache}
-
 
 def plan(cfg: Config, model_dir: str, rank: int, device_versions: dict) -> RecipeCache:
     """The recipe directory of shard `rank` (nothing is written); `device_versions` from

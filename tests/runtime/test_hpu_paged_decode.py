@@ -10,6 +10,7 @@ from gaudi_runtime import buckets
 from gaudi_runtime.config import resolve
 from gaudi_runtime.device.base import Backend
 from gaudi_runtime.params import SamplingParameters
+from gaudi_runtime.shard.info import info_response
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 
@@ -55,12 +56,12 @@ def test_hpu_decode_over_flat_blocks_gives_the_cpu_paths_tokens(fake_hpu, model_
 
     cfg = config(model_dir)
     hpu = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
-    assert hpu.flat_decode and "flat paged" in hpu.info()["attention"]
+    assert hpu.flat_decode and "flat paged" in info_response(hpu, 1).attention
     list(hpu.warmup())
     warmed = len(fake_hpu["captures"])
     assert warmed == sum(len(s) for s in (buckets.prefill_buckets(cfg), buckets.prefill_context_buckets(cfg),
                                           buckets.decode_flat_buckets(cfg)))
-    assert hpu.info()["buckets"]["decode"] == hpu.warmup_summary["decode_shapes"] == len(
+    assert info_response(hpu, 1).buckets["decode"] == hpu.warmup_summary["decode_shapes"] == len(
         buckets.decode_flat_buckets(cfg))
     fake_hpu["block_softmax_adjustment"].clear()
     on_hpu = generate(hpu)
@@ -90,6 +91,6 @@ def test_hpu_math_fallback_keeps_gathered_decode(fake_hpu, model_dir):
     runner = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
     assert not runner.flat_decode
     list(runner.warmup())
-    assert runner.info()["buckets"]["decode"] == len(buckets.decode_buckets(cfg))
+    assert info_response(runner, 1).buckets["decode"] == len(buckets.decode_buckets(cfg))
     generate(runner, steps=2)
     assert runner.unwarmed_shapes == 0 and fake_hpu["block_softmax_adjustment"] == []

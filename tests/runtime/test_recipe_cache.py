@@ -11,6 +11,8 @@ import torch
 
 from gaudi_runtime.config import resolve
 from gaudi_runtime.device import select_device
+from gaudi_runtime.router.shard_info import details
+from gaudi_runtime.shard.info import info_response
 from gaudi_runtime.shard.runner import ModelRunner
 from gaudi_runtime.shard.server import plan_recipe_cache
 from gaudi_runtime.tools.tiny_model import make_tiny_model
@@ -48,6 +50,11 @@ def start(cfg, model_dir) -> ModelRunner:
     return ModelRunner(cfg, str(model_dir), backend, recipe_cache=recipes)
 
 
+def router_view(runner: ModelRunner) -> dict:
+    """What the router's /info shows of this shard, through the Info message."""
+    return details(info_response(runner, 1))
+
+
 def record():
     return sys.modules["habana_frameworks.torch"].RECORD
 
@@ -67,20 +74,20 @@ def test_the_recipe_cache_is_configured_before_the_bridge_loads(hpu_fake, model_
 def test_a_second_start_with_the_same_key_warms_up_from_the_cache(hpu_fake, model_dir, tmp_path):
     cfg = config(model_dir, tmp_path)
     first = start(cfg, model_dir)
-    assert first.info()["warmup_from_cache"] is False
+    assert router_view(first)["warmup_from_cache"] is False
     list(first.warmup())
     assert record()["recipe_compiles"] == len(record()["captures"]) > 0 and record()["recipe_hits"] == 0
 
     second = start(cfg, model_dir)
-    assert second.recipe_cache.key == first.recipe_cache.key and second.info()["warmup_from_cache"] is True
+    assert second.recipe_cache.key == first.recipe_cache.key and router_view(second)["warmup_from_cache"] is True
     list(second.warmup())
     assert record()["recipe_hits"] == len(record()["captures"]) > 0 and record()["recipe_compiles"] == 0
     assert second.warmup_summary["from_cache"] is True
-    assert second.info()["recipe_cache"] == {"dir": str(tmp_path / second.recipe_cache.key / "rank-0"),
+    assert router_view(second)["recipe_cache"] == {"dir": str(tmp_path / second.recipe_cache.key / "rank-0"),
                                              "key": second.recipe_cache.key, "from_cache": True}
 
     changed = start(config(model_dir, tmp_path, MAX_BATCH_SIZE="16"), model_dir)
-    assert changed.recipe_cache.key != first.recipe_cache.key and changed.info()["warmup_from_cache"] is False
+    assert changed.recipe_cache.key != first.recipe_cache.key and router_view(changed)["warmup_from_cache"] is False
 
 
 def test_a_warmup_that_did_not_finish_leaves_the_cache_cold(hpu_fake, model_dir, tmp_path):
@@ -88,7 +95,7 @@ def test_a_warmup_that_did_not_finish_leaves_the_cache_cold(hpu_fake, model_dir,
     warmup = start(cfg, model_dir).warmup()
     next(warmup)  # the pod dies during warmup
     warmup.close()
-    assert start(cfg, model_dir).info()["warmup_from_cache"] is False
+    assert router_view(start(cfg, model_dir))["warmup_from_cache"] is False
 
 
 def test_no_recipe_cache_without_habana_or_without_the_setting(model_dir, tmp_path):

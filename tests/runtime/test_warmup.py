@@ -225,7 +225,7 @@ async def serve_in_process(runner: ModelRunner, cfg, model_dir, sock: str, traff
     from gaudi_runtime.shard.servicer import ShardServicer
 
     server = grpc.aio.server()
-    pb_grpc.add_TextGenerationServiceServicer_to_server(ShardServicer(runner, 0, 1, [f"unix://{sock}"]), server)
+    pb_grpc.add_TextGenerationServiceServicer_to_server(ShardServicer(runner, 0, 1), server)
     server.add_insecure_port(f"unix://{sock}")
     await server.start()
     engine = BatchingEngine(cfg, ShardClient([sock]), RouterTokenizer.load(str(model_dir), cfg))

@@ -11,7 +11,14 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("dtype", "device_type", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "max_position_embeddings", "world_size", "architecture", "details_json")
+    __slots__ = ("dtype", "device_type", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "max_position_embeddings", "world_size", "architecture", "quantization", "kv_cache_dtype", "prefix_caching", "attention", "recipe_cache", "startup_seconds", "weight_bytes", "warmup", "unwarmed_shapes", "buckets", "exponential_bucketing")
+    class BucketsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -21,7 +28,17 @@ class InfoResponse(_message.Message):
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
-    DETAILS_JSON_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
+    UNWARMED_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    EXPONENTIAL_BUCKETING_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     device_type: str
     block_size: int
@@ -31,8 +48,76 @@ class InfoResponse(_message.Message):
     max_position_embeddings: int
     world_size: int
     architecture: str
-    details_json: str
-    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., architecture: _Optional[str] = ..., details_json: _Optional[str] = ...) -> None: ...
+    quantization: str
+    kv_cache_dtype: str
+    prefix_caching: bool
+    attention: str
+    recipe_cache: RecipeCacheInfo
+    startup_seconds: StartupSeconds
+    weight_bytes: int
+    warmup: WarmupSummary
+    unwarmed_shapes: int
+    buckets: _containers.ScalarMap[str, int]
+    exponential_bucketing: bool
+    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., attention: _Optional[str] = ..., recipe_cache: _Optional[_Union[RecipeCacheInfo, _Mapping]] = ..., startup_seconds: _Optional[_Union[StartupSeconds, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., warmup: _Optional[_Union[WarmupSummary, _Mapping]] = ..., unwarmed_shapes: _Optional[int] = ..., buckets: _Optional[_Mapping[str, int]] = ..., exponential_bucketing: _Optional[bool] = ...) -> None: ...
+
+class RecipeCacheInfo(_message.Message):
+    __slots__ = ("dir", "key", "from_cache")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    key: str
+    from_cache: bool
+    def __init__(self, dir: _Optional[str] = ..., key: _Optional[str] = ..., from_cache: _Optional[bool] = ...) -> None: ...
+
+class StartupSeconds(_message.Message):
+    __slots__ = ("download", "load", "warmup")
+    DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
+    download: float
+    load: float
+    warmup: float
+    def __init__(self, download: _Optional[float] = ..., load: _Optional[float] = ..., warmup: _Optional[float] = ...) -> None: ...
+
+class GraphStats(_message.Message):
+    __slots__ = ("graphs", "captures", "replays")
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    CAPTURES_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FIELD_NUMBER: _ClassVar[int]
+    graphs: int
+    captures: int
+    replays: int
+    def __init__(self, graphs: _Optional[int] = ..., captures: _Optional[int] = ..., replays: _Optional[int] = ...) -> None: ...
+
+class WarmupSummary(_message.Message):
+    __slots__ = ("enabled", "shapes", "seconds", "graphs", "from_cache")
+    class ShapesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class GraphsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: GraphStats
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[GraphStats, _Mapping]] = ...) -> None: ...
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    SHAPES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    shapes: _containers.ScalarMap[str, int]
+    seconds: float
+    graphs: _containers.MessageMap[str, GraphStats]
+    from_cache: bool
+    def __init__(self, enabled: _Optional[bool] = ..., shapes: _Optional[_Mapping[str, int]] = ..., seconds: _Optional[float] = ..., graphs: _Optional[_Mapping[str, GraphStats]] = ..., from_cache: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -41,16 +126,6 @@ class HealthRequest(_message.Message):
 class HealthResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
-
-class ServiceDiscoveryRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class ServiceDiscoveryResponse(_message.Message):
-    __slots__ = ("urls",)
-    URLS_FIELD_NUMBER: _ClassVar[int]
-    urls: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ClearCacheRequest(_message.Message):
     __slots__ = ("batch_id", "sequence")
@@ -79,7 +154,7 @@ class WarmupProgress(_message.Message):
     def __init__(self, done: _Optional[int] = ..., total: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class NextTokenChooserParameters(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty", "frequency_penalty", "watermark", "generated_frequency_penalty", "presence_penalty")
+    __slots__ = ("temperature", "top_k", "top_p", "typical_p", "do_sample", "seed", "repetition_penalty", "frequency_penalty", "generated_frequency_penalty", "presence_penalty")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -88,7 +163,6 @@ class NextTokenChooserParameters(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    WATERMARK_FIELD_NUMBER: _ClassVar[int]
     GENERATED_FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
@@ -99,10 +173,9 @@ class NextTokenChooserParameters(_message.Message):
     seed: int
     repetition_penalty: float
     frequency_penalty: float
-    watermark: bool
     generated_frequency_penalty: float
     presence_penalty: float
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., watermark: _Optional[bool] = ..., generated_frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., generated_frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class Request(_message.Message):
     __slots__ = ("id", "input_ids", "parameters", "top_n_tokens", "blocks", "prefill_logprobs", "images", "grammar", "cached_tokens")

@@ -44,11 +44,6 @@ class TextGenerationServiceStub:
                 request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.HealthRequest.SerializeToString,
                 response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.HealthResponse.FromString,
                 _registered_method=True)
-        self.ServiceDiscovery = channel.unary_unary(
-                '/gaudi_serve.generate.v1.TextGenerationService/ServiceDiscovery',
-                request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.ServiceDiscoveryRequest.SerializeToString,
-                response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.ServiceDiscoveryResponse.FromString,
-                _registered_method=True)
         self.ClearCache = channel.unary_unary(
                 '/gaudi_serve.generate.v1.TextGenerationService/ClearCache',
                 request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.ClearCacheRequest.SerializeToString,
@@ -86,12 +81,6 @@ class TextGenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ServiceDiscovery(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,11 +134,6 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.HealthRequest.FromString,
                     response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.HealthResponse.SerializeToString,
-            ),
-            'ServiceDiscovery': grpc.unary_unary_rpc_method_handler(
-                    servicer.ServiceDiscovery,
-                    request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.ServiceDiscoveryRequest.FromString,
-                    response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.ServiceDiscoveryResponse.SerializeToString,
             ),
             'ClearCache': grpc.unary_unary_rpc_method_handler(
                     servicer.ClearCache,
@@ -231,33 +215,6 @@ class TextGenerationService:
             '/gaudi_serve.generate.v1.TextGenerationService/Health',
             gaudi__runtime_dot_proto_dot_generate__pb2.HealthRequest.SerializeToString,
             gaudi__runtime_dot_proto_dot_generate__pb2.HealthResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ServiceDiscovery(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/gaudi_serve.generate.v1.TextGenerationService/ServiceDiscovery',
-            gaudi__runtime_dot_proto_dot_generate__pb2.ServiceDiscoveryRequest.SerializeToString,
-            gaudi__runtime_dot_proto_dot_generate__pb2.ServiceDiscoveryResponse.FromString,
             options,
             channel_credentials,
             insecure,

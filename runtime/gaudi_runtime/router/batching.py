@@ -266,5 +266,5 @@ def prefill_request(state: RequestState) -> pb.Request:
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
             do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,
             frequency_penalty=s.frequency_penalty, generated_frequency_penalty=s.generated_frequency_penalty,
-            presence_penalty=s.presence_penalty, watermark=s.watermark),
+            presence_penalty=s.presence_penalty),
     )

@@ -11,12 +11,12 @@ yields them one by one); a caller that stops reading early cancels the request.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 from gaudi_runtime import progress
 from gaudi_runtime.config import Config
 from gaudi_runtime.proto import generate_pb2 as pb
+from gaudi_runtime.router import shard_info
 from gaudi_runtime.router.batching import BatchingLoop
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.client import ShardClient, ShardError
@@ -69,7 +69,7 @@ class BatchingEngine:
             info = await self.client.info()
             check_context_fits(self.cfg.max_total_tokens, info.max_position_embeddings)
             self.shard_info = info
-            self.warmup_progress["from_cache"] = json.loads(info.details_json or "{}").get("warmup_from_cache")
+            self.warmup_progress["from_cache"] = shard_info.warmup_from_cache(info)
             self.requests.allocator = BlockAllocator(info.num_blocks)
             self.output.eos_ids = set(info.eos_token_ids)
             self.state = "warming_up"
@@ -120,10 +120,10 @@ class BatchingEngine:
             # Where this pod's start went, for the operator (which reads /health, open even with an API key).
             # The finished warmup stays in the answer: until the kubelet's readiness probe passes, the
             # operator still sees a warming pod, one that is done, not one back to loading.
-            details = json.loads(self.shard_info.details_json or "{}") if self.shard_info is not None else {}
+            info = self.shard_info
             return True, {"status": "ok", "warmup": dict(self.warmup_progress),
-                          "startup_seconds": details.get("startup_seconds"),
-                          "warmup_from_cache": details.get("warmup_from_cache")}
+                          "startup_seconds": shard_info.startup_seconds(info) if info is not None else None,
+                          "warmup_from_cache": shard_info.warmup_from_cache(info) if info is not None else None}
         if self.state == "warming_up":
             return False, {"status": "warming_up", "warmup": dict(self.warmup_progress)}
         if self.state == "failed":
@@ -147,12 +147,7 @@ class BatchingEngine:
                 "max_waiting_tokens": self.cfg.max_waiting_tokens,
                 "waiting_served_ratio": self.cfg.waiting_served_ratio,
             })
-            details = json.loads(s.details_json or "{}")
-            info["warmup"] = details.get("warmup")
-            info["weight_bytes_per_shard"] = details.get("weight_bytes")  # rank 0's; every rank holds ~1/N
-            for key in ("quantization", "kv_cache_dtype", "attention", "warmup_from_cache", "recipe_cache",
-                        "startup_seconds"):
-                info[key] = details.get(key)
+            info.update(shard_info.details(s))
         if self.requests.allocator is not None:
             info["kv_blocks_free"] = self.requests.allocator.free_count  # cached blocks no request holds count
             info["kv_blocks_cached"] = self.requests.allocator.cached_count

@@ -240,7 +240,6 @@ def sampling_parameters(p: GenerateParameters, best_of: int, rng: random.Random)
         repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
         frequency_penalty=p.frequency_penalty or 0.0,
         seed=rng.getrandbits(63) if p.seed is None else p.seed,
-        watermark=False,
     )
 
 

@@ -31,7 +31,7 @@ from gaudi_runtime.shard.profiler import make_profiler
 from gaudi_runtime.shard.prompt_images import context_embeds, load_processor, prompt_embeds
 from gaudi_runtime.shard.sampling import SampleOutput
 from gaudi_runtime.shard.step_sampling import prefill_sampler, prompt_logprobs, sample
-from gaudi_runtime.shard.warmup import Warmup, WarmupError, shapes
+from gaudi_runtime.shard.warmup import Warmup, WarmupError
 
 # What the servicer uses: requests in, results out, the error warmup ends with.
 __all__ = ["ModelRunner", "PrefillInput", "StepResult", "WarmupError", "size_kv_cache", "weight_bytes"]
@@ -254,37 +254,6 @@ class ModelRunner:
         steps = {"prefill": self._prefill_fn, "prefill_context": self._prefill_context_fn, "decode": self._decode_fn}
         run = Warmup(self.cfg, self.backend, steps, self.flat_decode, self.recipe_cache)
         for done, total, phase in run.progress():
-            if phase == "done":  # what info() reports is set before the router hears that warmup is over
+            if phase == "done":  # what the Info call reports is set before the router hears that warmup is over
                 self.warmed, self.warmup_summary = run.warmed, run.summary
             yield done, total, phase
-
-    @property
-    def warmup_from_cache(self) -> bool | None:
-        """Whether warmup finds every bucket's compiled graph in the recipe cache (None: no recipe cache)."""
-        return self.recipe_cache.from_cache if self.recipe_cache is not None else None
-
-    def startup_seconds(self) -> dict:
-        warmup = (self.warmup_summary or {}).get("seconds")
-        return {"download": None if self.download_seconds is None else round(self.download_seconds, 3),
-                "load": round(self.load_seconds, 3), "warmup": warmup}
-
-    def info(self) -> dict:
-        return {
-            "quantization": self.cfg.quantize,
-            "kv_cache_dtype": self.cfg.kv_cache_dtype or self.cfg.dtype,
-            "prefix_caching": self.cfg.prefix_caching,
-            "attention": self.attention_name,
-            "warmup_from_cache": self.warmup_from_cache,
-            "recipe_cache": self.recipe_cache.describe() if self.recipe_cache is not None else None,
-            "startup_seconds": self.startup_seconds(),
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "weight_bytes": self.weight_bytes,
-            "kv_blocks": self.num_blocks - 1,
-            "block_size": self.cfg.block_size,
-            "max_batch_total_tokens": (self.num_blocks - 1) * self.cfg.block_size,
-            "warmup": self.warmup_summary,
-            "unwarmed_shapes": self.unwarmed_shapes,
-            "buckets": {**{phase: len(s) for phase, s in shapes(self.cfg, self.flat_decode).items()},
-                        "exponential": self.cfg.exponential_bucketing},
-        }

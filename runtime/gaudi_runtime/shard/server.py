@@ -93,10 +93,9 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
     progress.report("loading")
     runner = ModelRunner(cfg, model_dir, backend, rank, world_size, group, recipe_cache=recipes,
                          download_seconds=download_seconds())
-    urls = [f"unix://{cfg.shard_socket(r)}" for r in range(world_size)]
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
-    servicer = ShardServicer(runner, rank, world_size, urls, threads=adaptive)
+    servicer = ShardServicer(runner, rank, world_size, threads=adaptive)
     pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
     path = cfg.shard_socket(rank)
     if os.path.exists(path):

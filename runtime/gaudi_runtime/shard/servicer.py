@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +14,7 @@ from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
 from gaudi_runtime.shard.call_order import CallOrder
 from gaudi_runtime.shard.grammar import GrammarError
+from gaudi_runtime.shard.info import info_response
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput, StepResult, WarmupError
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def to_params(p: pb.NextTokenChooserParameters) -> SamplingParameters:
         do_sample=p.do_sample, temperature=p.temperature or 1.0, top_k=p.top_k, top_p=p.top_p or 1.0,
         typical_p=p.typical_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
         frequency_penalty=p.frequency_penalty, generated_frequency_penalty=p.generated_frequency_penalty,
-        presence_penalty=p.presence_penalty, seed=p.seed, watermark=p.watermark,
+        presence_penalty=p.presence_penalty, seed=p.seed,
     )
 
 
@@ -50,33 +50,22 @@ def to_generations(step: StepResult, rank: int) -> pb.Generations:
 
 
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
-    def __init__(self, runner: ModelRunner, rank: int, world_size: int, uds_urls: list[str],
+    def __init__(self, runner: ModelRunner, rank: int, world_size: int,
                  threads: AdaptiveThreads | None = None):
         self.runner = runner
         self.threads = threads  # a CPU shard's, adjusted before each pass
         self.rank = rank
         self.world_size = world_size
-        self.uds_urls = uds_urls
         self.order = CallOrder()
         # Grammars compile one at a time beside the serving loop; one that takes too long is given up
         # by the router (--grammar-compile-timeout-s), and later ones queue behind it.
         self.compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
 
     async def Info(self, request, context):
-        r = self.runner
-        m = r.model
-        return pb.InfoResponse(
-            dtype=r.cfg.dtype, device_type=r.device.type, block_size=r.cfg.block_size,
-            num_blocks=r.num_blocks - 1, vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids,
-            max_position_embeddings=m.max_position_embeddings, world_size=self.world_size,
-            architecture=type(m).__name__, details_json=json.dumps(r.info()),
-        )
+        return info_response(self.runner, self.world_size)
 
     async def Health(self, request, context):
         return pb.HealthResponse()
-
-    async def ServiceDiscovery(self, request, context):
-        return pb.ServiceDiscoveryResponse(urls=self.uds_urls)
 
     async def ClearCache(self, request, context):
         async with self.order.turn(request.sequence):
