@@ -25,10 +25,10 @@ from typing import Any
 
 import kopf
 
-from . import download, kube
+from . import kube, prefetch_job
 from .autoscaling import KINDS as AUTOSCALER_KINDS
 from .config import OperatorConfig
-from .download import Download
+from .prefetch_job import Download
 from .render import ISVC_LABEL, MANAGED_BY, Rendered, operator_peer, render
 from .spec import (
     FIELD_MANAGER,
@@ -53,7 +53,7 @@ OPTIONAL_RESOURCES = [("policy", "v1", "poddisruptionbudgets"), ("networking.k8s
 CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "pods"), *OPTIONAL_RESOURCES]
 # The model-cache download Jobs: shared, so they name their owners in ownerReferences, not in a label.
 DOWNLOAD_JOBS = ("batch", "v1", "jobs")
-DOWNLOAD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, download.KEY_LABEL: kopf.PRESENT}
+DOWNLOAD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, prefetch_job.KEY_LABEL: kopf.PRESENT}
 
 
 def _now() -> str:
@@ -133,18 +133,18 @@ async def _prefetch(body: dict[str, Any], spec: InferenceServiceSpec) -> Downloa
     earlier model, revision or claim (the status names it) to its other owners, or deletes it."""
     meta = body["metadata"]
     previous = (body.get("status") or {}).get("download") or {}
-    job = download.render_job(body, spec)
+    job = prefetch_job.render_job(body, spec)
     if previous.get("job") and (job is None or previous["job"] != job["metadata"]["name"]):
         await _leave_job(meta["namespace"], previous["job"], meta["uid"])
     if job is None:
         return None
     live = await _join_job(job)
-    key = job["metadata"]["labels"][download.KEY_LABEL]
-    pods = [p for p in await kube.list_pods(meta["namespace"], f"{download.KEY_LABEL}={key}")
+    key = job["metadata"]["labels"][prefetch_job.KEY_LABEL]
+    pods = [p for p in await kube.list_pods(meta["namespace"], f"{prefetch_job.KEY_LABEL}={key}")
             if any(o.get("uid") == live["metadata"].get("uid") for o in p["metadata"].get("ownerReferences") or [])]
-    log_pod = download.log_pod(live, pods, previous)
-    text = await kube.pod_log(meta["namespace"], log_pod, download.CONTAINER) if log_pod else None
-    return download.observe(live, pods, text, previous)
+    log_pod = prefetch_job.log_pod(live, pods, previous)
+    text = await kube.pod_log(meta["namespace"], log_pod, prefetch_job.CONTAINER) if log_pod else None
+    return prefetch_job.observe(live, pods, text, previous)
 
 
 async def _join_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +158,7 @@ async def _join_job(job: dict[str, Any]) -> dict[str, Any]:
                 return await kube.create(job)
             except kube.Conflict:
                 continue  # created by another owner meanwhile
-        if any(o.get("uid") == mine["uid"] for o in download.owners(live)):
+        if any(o.get("uid") == mine["uid"] for o in prefetch_job.owners(live)):
             return live
         try:
             refs = [*(live["metadata"].get("ownerReferences") or []), mine]
@@ -323,7 +323,7 @@ async def on_child(body: kopf.Body, namespace: str | None, memo: kopf.Memo, **_:
 
 async def on_download_job(body: kopf.Body, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
     """A download Job changed (or went): a pass of each InferenceService that owns it."""
-    for owner in download.owners(dict(body)):
+    for owner in prefetch_job.owners(dict(body)):
         if namespace and owner.get("name"):
             memo.reconciler.trigger(namespace, owner["name"])
 

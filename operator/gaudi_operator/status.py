@@ -20,9 +20,9 @@ from typing import Any, NamedTuple
 from gaudi_runtime.progress import STALL_EXIT_CODE
 
 from .autoscaling import autoscaling_status
-from .download import Download
-from .download import summary as download_summary
 from .estimate import expected_warmup_shapes
+from .prefetch_job import Download
+from .prefetch_job import summary as download_summary
 from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, Rendered, selector_string
 from .spec import InferenceServiceSpec
 
@@ -42,7 +42,7 @@ PROBLEM_ORDER = (
 FATAL_REASONS = frozenset(PROBLEM_ORDER) - {"Unschedulable", "AutoscalerNotInstalled", "StartupStalled"}
 # Without a problem, the Ready condition's reason names how far the pods got.
 PHASE_OF_READY_REASON = {"AllReplicasReady": "Ready", "WarmingUp": "WarmingUp", "Loading": "Loading"}
-# What to do about each reason a download gives for failing (download_report.py in the runtime).
+# What to do about each reason a download gives for failing (download_events.py in the runtime).
 DOWNLOAD_ADVICE = {
     "unauthorized": "the hub refused the token: check the HF token Secret",
     "not_found": "no such model, revision or safetensors weights: check spec.model.id and spec.model.revision",

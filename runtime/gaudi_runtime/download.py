@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 
-from gaudi_runtime import download_report as report
+from gaudi_runtime import download_events as report
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ DOWNLOAD_SECONDS_ENV = "GAUDI_SERVE_DOWNLOAD_SECONDS"
 
 
 class DownloadError(Exception):
-    """A download that cannot complete; `reason` is one of `download_report.EXIT_CODES`."""
+    """A download that cannot complete; `reason` is one of `download_events.EXIT_CODES`."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)

@@ -35,7 +35,7 @@ from pathlib import Path
 from gaudi_runtime import progress, start_http
 from gaudi_runtime.config import Config, ConfigError
 from gaudi_runtime.download import DOWNLOAD_SECONDS_ENV, DownloadError, ensure_snapshot
-from gaudi_runtime.download_report import LogLines
+from gaudi_runtime.download_events import LogLines
 from gaudi_runtime.router.images import check_image_budget
 
 log = logging.getLogger("gaudi_runtime.launcher")

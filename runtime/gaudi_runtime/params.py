@@ -22,3 +22,12 @@ class SamplingParameters:
     # ...and minus penalty once the token has been generated
     presence_penalty: float = 0.0
     seed: int = 0
+
+
+def samples(p: SamplingParameters) -> bool:
+    """Whether a row samples, TGI's token chooser's rule: `do_sample`, or any warper active. A
+    temperature <= 0 (which validation refuses) is greedy rather than a division by zero. The router
+    settles `do_sample` with this rule, and the shard applies the same one to any caller's parameters."""
+    if p.temperature <= 0:
+        return False
+    return bool(p.do_sample or p.temperature != 1.0 or p.top_k != 0 or p.top_p < 1.0 or p.typical_p < 1.0)

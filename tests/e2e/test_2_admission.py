@@ -13,7 +13,7 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis_jsonschema import from_schema
 
-from gaudi_operator import download, kube
+from gaudi_operator import kube, prefetch_job
 from gaudi_operator.render import render
 from gaudi_operator.spec import parse_spec
 from tests.e2e.conftest import Cluster, Release
@@ -107,7 +107,7 @@ def test_any_spec_the_api_server_admits_renders_children_it_accepts(cluster: Clu
         path = kube._path(child["kind"], ns, child["metadata"]["name"])
         code, answer = _dry_run(cluster, "PATCH", path, kube.apply_body(child), "application/apply-patch+yaml")
         assert code < 300, (child["kind"], answer.get("message"), spec)
-    job = download.render_job(stored, spec_)  # created as rendered, never applied
+    job = prefetch_job.render_job(stored, spec_)  # created as rendered, never applied
     if job is not None:
         code, answer = _dry_run(cluster, "POST", kube._path("Job", ns), job, "application/json")
         assert code < 300, ("Job", answer.get("message"), spec)

@@ -58,13 +58,16 @@ class FakeEngine:
     def info(self) -> dict:
         return {"engine": "fake", "kv_blocks": 0}
 
+    async def check_grammars(self, requests: list[ValidRequest]) -> None:
+        pass  # no shards to compile on: every grammar is taken
+
     def queue_size(self) -> int:
         return 0
 
     def _token(self, tid: int, text: str, logprob: float) -> Token:
         return Token(tid, text, logprob, tid in self.tokenizer.special_ids)
 
-    async def generate_batches(self, request: ValidRequest):
+    async def generate_groups(self, request: ValidRequest):
         text = request.inputs
         self.started.append(request)
         if "FAIL:overloaded" in text:

@@ -3,8 +3,10 @@ alone as the kubelet does on a pod deletion: the running stream ends with its fi
 requests get 503 in TGI's shape and /health 503, the launcher exits 0 and leaves no process; past
 --shutdown-grace-seconds, a stream still running ends with an error event instead.
 
-The shard is held with SIGSTOP while the test looks at the draining server, so that the stream is
-still running then, whatever this machine's speed.
+The shard is held with SIGSTOP once the stream has its first tokens, and SIGTERM comes only once the
+router still reports the request running with the shard held: on a loaded machine the shard may have
+made every token before the stop landed, and then the test holds the shard again with a new stream.
+So the stream is running while the test looks at the draining server, whatever this machine's speed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, Launched, alive, children, get_json, launch
@@ -88,15 +91,26 @@ def shard_of(srv: Launched) -> int:
     return shard
 
 
+def running_requests(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        families = text_string_to_metric_families(r.read().decode())
+    return sum(s.value for f in families if f.name == "vllm:num_requests_running" for s in f.samples)
+
+
 def start_draining(srv: Launched) -> tuple[Stream, int, list[int]]:
-    """A stream running, the shard held, then SIGTERM to the launcher alone (as the kubelet signals
+    """A stream running on a held shard, then SIGTERM to the launcher alone (as the kubelet signals
     a container's PID 1, not its process group)."""
     kids = children(srv.proc.pid)
     shard = shard_of(srv)
-    stream = Stream(srv.url, shard).start()
-    assert stream.got_tokens.wait(120) and len(stream.events) >= 2, stream.events
-    os.kill(srv.proc.pid, signal.SIGTERM)
-    return stream, shard, kids
+    for _ in range(5):
+        stream = Stream(srv.url, shard).start()
+        assert stream.got_tokens.wait(120) and len(stream.events) >= 2, stream.events
+        if running_requests(srv.url) >= 1:
+            os.kill(srv.proc.pid, signal.SIGTERM)
+            return stream, shard, kids
+        os.kill(shard, signal.SIGCONT)  # it had finished before the stop: again
+        assert stream.done.wait(120)
+    raise AssertionError("every stream finished before the shard could be held")
 
 
 def health(url: str) -> tuple[int, dict] | None:

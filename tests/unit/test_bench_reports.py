@@ -233,7 +233,7 @@ PROFILE = f"""\
 {SHARD};{LOOP} 6
 {ROUTER};{LOOP};drive (gaudi_runtime/router/sse.py:64);send (gaudi_runtime/router/sse.py:29);_SelectorSocketTransport.write (asyncio/selector_events.py:1057) 8
 {ROUTER};{LOOP};BatchingLoop._answer_decode (gaudi_runtime/router/batching.py:250);OutputProcessor.process (gaudi_runtime/router/output.py:40);IncrementalDetokenizer.add (gaudi_runtime/router/detokenizer.py:48);RouterTokenizer.decode (gaudi_runtime/router/tokenizer.py:141) 3
-{ROUTER};{LOOP};Requests.add (gaudi_runtime/router/requests.py:50);RouterTokenizer.encode (gaudi_runtime/router/tokenizer.py:122);TokenizersBackend._encode_plus (transformers/tokenization_utils_tokenizers.py:9) 1
+{ROUTER};{LOOP};Requests.add (gaudi_runtime/router/live_requests.py:50);RouterTokenizer.encode (gaudi_runtime/router/tokenizer.py:122);TokenizersBackend._encode_plus (transformers/tokenization_utils_tokenizers.py:9) 1
 {ROUTER};Thread._bootstrap (threading.py:1002);Thread.run (threading.py:982) 1
 not a stack line
 """

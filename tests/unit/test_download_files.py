@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from gaudi_runtime.download import DownloadError, check_file, serving_files
-from gaudi_runtime.download_report import EXIT_CODES, JsonLines, Progress
+from gaudi_runtime.download_events import EXIT_CODES, JsonLines, Progress
 
 REPO = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
         "chat_template.jinja", "preprocessor_config.json", "README.md", ".gitattributes", "original/params.json",

@@ -25,7 +25,7 @@ import lupa.lua54
 import pytest
 import yaml
 
-from gaudi_operator.download import Download
+from gaudi_operator.prefetch_job import Download
 from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template, render
 from gaudi_operator.spec import parse_spec
 from gaudi_operator.status import Observed, compute_status, invalid_spec_status

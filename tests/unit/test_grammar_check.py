@@ -10,7 +10,7 @@ import pytest
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.router.client import ShardError
 from gaudi_runtime.router.errors import ValidationError
-from gaudi_runtime.router.grammars import ShardGrammars
+from gaudi_runtime.router.grammar_check import ShardGrammars
 from gaudi_runtime.router.types import GenerationError, GrammarSpec
 
 

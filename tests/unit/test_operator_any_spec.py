@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
-from gaudi_operator import download
+from gaudi_operator import prefetch_job
 from gaudi_operator.render import render
 from gaudi_operator.spec import SpecError, parse_spec
 from tests.unit.test_operator_crd import SCHEMA, _strict, admit
@@ -105,7 +105,7 @@ def _reconciles(obj: dict[str, Any]) -> list[dict[str, Any]]:
         spec = parse_spec(obj["spec"])
     except SpecError as exc:
         raise AssertionError(f"admitted but refused by parse_spec (no admission rule enforces it): {exc}") from None
-    job = download.render_job(obj, spec)  # created as rendered, with prefetch
+    job = prefetch_job.render_job(obj, spec)  # created as rendered, with prefetch
     return render(obj, spec, operator=OPERATOR).children + ([job] if job else [])
 
 

@@ -12,8 +12,8 @@ from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.engine_metrics import EngineMetrics
+from gaudi_runtime.router.live_requests import Requests, RequestState
 from gaudi_runtime.router.output import OutputProcessor
-from gaudi_runtime.router.requests import Requests, RequestState
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.types import FinishReason, StoppingParameters, ValidRequest
 from gaudi_runtime.tools.tiny_model import train_tokenizer

@@ -14,8 +14,8 @@ from gaudi_runtime.config import resolve
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.engine_metrics import EngineMetrics
+from gaudi_runtime.router.live_requests import Requests
 from gaudi_runtime.router.prefix_cache import chain_hashes, image_extras, root_hash
-from gaudi_runtime.router.requests import Requests
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.types import StoppingParameters, ValidRequest
 from gaudi_runtime.tools.tiny_model import train_tokenizer

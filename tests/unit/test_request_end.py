@@ -13,7 +13,7 @@ from gaudi_runtime.config import resolve
 from gaudi_runtime.router import engine as engine_module
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.engine_metrics import EngineMetrics
-from gaudi_runtime.router.requests import Requests
+from gaudi_runtime.router.live_requests import Requests
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.types import FinishReason, GenerationError, StreamEvent, Token
 from gaudi_runtime.tools.tiny_model import train_tokenizer

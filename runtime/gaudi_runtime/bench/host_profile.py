@@ -34,7 +34,7 @@ CATEGORIES: list[tuple[str, str, tuple[str, ...]]] = [
     ("router", "SSE writes", ("router/sse.py", "aiohttp/web_response.py", "aiohttp/http_writer.py",
                               "_SelectorSocketTransport.write")),
     ("router", "gRPC calls + messages", ("router/client.py", "grpc/", "google/protobuf", "generate_pb2")),
-    ("router", "batching loop", ("router/batching.py", "router/scheduler.py", "router/requests.py",
+    ("router", "batching loop", ("router/batching.py", "router/scheduler.py", "router/live_requests.py",
                                  "router/blocks.py", "router/prefix_cache.py", "router/engine_metrics.py")),
     ("router", "output processing (stops, events)", ("router/output.py",)),
     ("router", "metrics", ("prometheus_client",)),

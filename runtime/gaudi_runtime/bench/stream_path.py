@@ -9,7 +9,7 @@ call after call, as the batching loop does with a decode call's answer; a client
 reads every stream to its end. Printed: the router process's CPU time (user + system) per streamed
 token. Then the incremental detokenizer alone: CPU time per token over random vocabulary ids (what
 the random-weight overhead model generates). The stand-in engine serves both the engine interface
-of one event at a time (`generate`) and the one of the events ready together (`generate_batches`),
+of one event at a time (`generate`) and the one of the events ready together (`generate_groups`),
 so this file can be run against an older checkout (`PYTHONPATH=OLD/runtime python
 runtime/gaudi_runtime/bench/stream_path.py`) for a before/after.
 """
@@ -48,6 +48,9 @@ class TickEngine:
     def info(self):
         return {}
 
+    async def check_grammars(self, requests):
+        pass
+
     def queue_size(self):
         return 0
 
@@ -75,7 +78,7 @@ class TickEngine:
             return ev
         return replace(ev, end=GenerationEnd(FinishReason.LENGTH, "x" * state[1], state[1], None))
 
-    async def generate_batches(self, request):
+    async def generate_groups(self, request):
         q: asyncio.Queue = asyncio.Queue()
         self.running[q] = [0, request.stopping.max_new_tokens]
         self._tick.set()
@@ -91,7 +94,7 @@ class TickEngine:
             self.running.pop(q, None)
 
     async def generate(self, request):
-        batches = self.generate_batches(request)
+        batches = self.generate_groups(request)
         try:
             async for batch in batches:
                 for ev in batch:

@@ -34,8 +34,8 @@ from gaudi_runtime.config import Config
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.engine_metrics import EngineMetrics
+from gaudi_runtime.router.live_requests import Requests, RequestState
 from gaudi_runtime.router.output import OutputProcessor
-from gaudi_runtime.router.requests import Requests, RequestState
 from gaudi_runtime.router.scheduler import decode_call_steps, join_min_size, select_prefill
 from gaudi_runtime.router.types import GenerationError
 

@@ -3,7 +3,7 @@
 `start` connects to the shards, reads their info, warms them up, then runs the batching loop
 (router/batching.py) in a task. A failure on the way, or later in the loop, marks the engine
 failed: every request ends with a GenerationError and the router process exits on `failed`.
-`generate_batches` queues a request (router/requests.py) and yields the events the output processor
+`generate_groups` queues a request (router/live_requests.py) and yields the events the output processor
 (router/output.py) puts on its queue, all those queued by the time it reads at once (`generate`
 yields them one by one); a caller that stops reading early cancels the request.
 """
@@ -21,9 +21,10 @@ from gaudi_runtime.router.batching import BatchingLoop
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.engine_metrics import EngineMetrics
+from gaudi_runtime.router.grammar_check import ShardGrammars, check_grammars
+from gaudi_runtime.router.live_requests import Requests
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.output import OutputProcessor
-from gaudi_runtime.router.requests import Requests
 from gaudi_runtime.router.types import GenerationError, OverloadedError, ValidRequest
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class BatchingEngine:
         self.in_flight = 0  # generate() iterators open (--max-concurrent-requests)
         self.requests = Requests(cfg, self.metrics)
         self.output = OutputProcessor(tokenizer, self.requests)
+        self.grammars = None if cfg.disable_grammar_support else ShardGrammars(client, cfg.grammar_compile_timeout_s)
         self.batching = BatchingLoop(cfg, client, self.requests, self.output, self.metrics)
         self._task: asyncio.Task | None = None
 
@@ -130,6 +132,9 @@ class BatchingEngine:
             return False, {"status": "failed", "error": self.failure}
         return False, {"status": "loading"}
 
+    async def check_grammars(self, requests: list[ValidRequest]) -> None:
+        await check_grammars(self.grammars, requests)
+
     def queue_size(self) -> int:
         return len(self.requests.waiting)
 
@@ -155,7 +160,7 @@ class BatchingEngine:
             info["prefix_cache_hits"] = self.metrics.prefix_hits
         return info
 
-    async def generate_batches(self, request: ValidRequest):
+    async def generate_groups(self, request: ValidRequest):
         if self.state == "failed":
             raise GenerationError(f"the shards failed: {self.failure}")
         if self.in_flight >= self.cfg.max_concurrent_requests:
@@ -182,7 +187,7 @@ class BatchingEngine:
 
     async def generate(self, request: ValidRequest):
         """One StreamEvent at a time (the offline LLM, benchmarks)."""
-        batches = self.generate_batches(request)
+        batches = self.generate_groups(request)
         try:
             async for batch in batches:
                 for ev in batch:

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from aiohttp import web
 
 from gaudi_runtime.router.errors import ValidationError
-from gaudi_runtime.router.grammars import check_grammars
 from gaudi_runtime.router.inference import Generation, RequestRecorder, check_health, collect_all
 from gaudi_runtime.router.json_text import dumps
 from gaudi_runtime.router.state import AppState, get_state
@@ -55,7 +54,7 @@ async def admit(state: AppState, rec: RequestRecorder, requests: list[ValidReque
     """Validated requests about to be generated, if the engine can serve now and their grammars
     compile (the compilation counts as validation time)."""
     check_health(state)
-    await check_grammars(state.grammars, requests)
+    await state.engine.check_grammars(requests)
     rec.validated(requests)
 
 

@@ -114,7 +114,7 @@ async def events(state: AppState, request: ValidRequest, rec: RequestRecorder
                  ) -> AsyncIterator[list[StreamEvent]]:
     """The engine's events for one request, in lists of those ready together (a stream writes each
     list at once); the engine's iterator is always closed."""
-    agen = state.engine.generate_batches(request)
+    agen = state.engine.generate_groups(request)
     async with aclosing(agen):
         async for batch in agen:
             for _ in batch:

@@ -19,7 +19,6 @@ from gaudi_runtime.config import Config
 from gaudi_runtime.router.client import ShardClient
 from gaudi_runtime.router.drain import DRAIN, shut_down
 from gaudi_runtime.router.engine import BatchingEngine
-from gaudi_runtime.router.grammars import ShardGrammars
 from gaudi_runtime.router.images import ImagePrompter
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.server import build_app
@@ -58,8 +57,6 @@ async def serve(cfg: Config, model_dir: str) -> int:
     engine = BatchingEngine(cfg, client, tokenizer, metrics)
     app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg))
     app[STATE].tracer = tracer = make_tracer(cfg)
-    if not cfg.disable_grammar_support:
-        app[STATE].grammars = ShardGrammars(client, cfg.grammar_compile_timeout_s)
     log_tool_format(cfg, tokenizer)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()

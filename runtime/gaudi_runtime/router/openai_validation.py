@@ -10,7 +10,6 @@ divided by the length) is a different knob and stays off here.
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import dataclass, replace
 
 from gaudi_runtime.config import Config
@@ -30,12 +29,11 @@ from gaudi_runtime.router.tool_calls import call_grammar, renders_tools, tool_pr
 from gaudi_runtime.router.types import GrammarSpec, ValidRequest
 from gaudi_runtime.router.validation import (
     json_schema_spec,
+    per_choice_requests,
     tokenize_input,
     validate_parameters,
     validate_with_images,
 )
-
-MAX_SEED = 2**64 - 1
 
 
 def generate_parameters(req: OpenAIRequest, max_tokens: int | None, config: Config, **extra) -> GenerateParameters:
@@ -56,18 +54,6 @@ def with_openai_penalties(request: ValidRequest, req: OpenAIRequest) -> ValidReq
     sampling = replace(request.sampling, generated_frequency_penalty=req.frequency_penalty,
                        presence_penalty=req.presence_penalty)
     return replace(request, sampling=sampling)
-
-
-def choices(request: ValidRequest, n: int, seeded: bool, rng: random.Random | None = None) -> list[ValidRequest]:
-    """`n` requests for one prompt, each an ordinary request with a seed of its own: the client's seed
-    plus the choice's index when it gave one (reproducible), else random ones."""
-    if n == 1:
-        return [request]
-    rng = rng or random.Random()
-    seed = request.sampling.seed
-    return [replace(request, sampling=replace(request.sampling,
-                                              seed=(seed + i) & MAX_SEED if seeded else rng.getrandbits(63)))
-            for i in range(n)]
 
 
 # --- constrained output ---------------------------------------------------------------------------
@@ -117,7 +103,7 @@ def completion_requests(req: CompletionRequest, config: Config, tokenizer: Route
     out = []
     for text, ids in prompts(req.prompt, config, tokenizer):
         request = validate_parameters(text, ids, params, config, stream=req.stream, grammar=grammar).request
-        out += choices(with_openai_penalties(request, req), sequences, req.seed is not None)
+        out += per_choice_requests(with_openai_penalties(request, req), sequences, req.seed is not None)
     return out
 
 
@@ -288,4 +274,4 @@ def chat_requests(prompt: str, images, params: GenerateParameters, req: ChatComp
     else:
         ids = tokenize_input(prompt, tokenizer, add_special_tokens=False)
         job = validate_parameters(prompt, ids, params, config, stream=req.stream, grammar=grammar)
-    return choices(with_openai_penalties(job.request, req), req.n, req.seed is not None)
+    return per_choice_requests(with_openai_penalties(job.request, req), req.n, req.seed is not None)

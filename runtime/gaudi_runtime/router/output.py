@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from gaudi_runtime.proto import generate_pb2 as pb
-from gaudi_runtime.router.requests import Requests, RequestState
+from gaudi_runtime.router.live_requests import Requests, RequestState
 from gaudi_runtime.router.types import FinishReason, GenerationEnd, StreamEvent, Token
 
 

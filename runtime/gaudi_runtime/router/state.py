@@ -22,7 +22,6 @@ class AppState:
     started: float = field(default_factory=time.time)
     images: object | None = None  # router.images.ImagePrompter of a vision model, else None
     tracer: object | None = None  # router.tracing.RequestTracer with --otlp-endpoint, else None
-    grammars: object | None = None  # router.grammars.ShardGrammars: the shards compile grammars (None: no check)
 
 
 STATE = web.AppKey("gaudi_serve_state", AppState)

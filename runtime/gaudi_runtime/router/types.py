@@ -95,7 +95,7 @@ class OverloadedError(Exception):
 class Engine(Protocol):
     """What the HTTP layer calls. The batching engine implements it; tests may fake it."""
 
-    def generate_batches(self, request: ValidRequest) -> AsyncIterator[list[StreamEvent]]:
+    def generate_groups(self, request: ValidRequest) -> AsyncIterator[list[StreamEvent]]:
         """Yield one StreamEvent per generated token, in order, the last one with `end` set;
         each item is a list of the events ready together (the tokens of one decode call), which
         a stream sends in one write.
@@ -112,6 +112,11 @@ class Engine(Protocol):
 
     def info(self) -> dict:
         """Engine fields for /info (KV blocks, buckets, ...)."""
+        ...
+
+    async def check_grammars(self, requests: list[ValidRequest]) -> None:
+        """Returns once every grammar of `requests` is compiled where the requests will run; raises
+        ValidationError naming the field a grammar came from when it cannot compile (or not in time)."""
         ...
 
     def queue_size(self) -> int: ...

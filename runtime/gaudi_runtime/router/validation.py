@@ -15,9 +15,10 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gaudi_runtime.config import Config
-from gaudi_runtime.params import SamplingParameters
+from gaudi_runtime.params import SamplingParameters, samples
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.request_models import (
+    MAX_SEED,
     MAX_U32,
     GenerateParameters,
     GenerateRequest,
@@ -186,7 +187,8 @@ def json_schema_spec(schema: object, where: str, field: str | None = None) -> Gr
 
 
 def _sampling_requested(p: GenerateParameters) -> bool:
-    """TGI's rule: any sampling knob that was given means "sampling"."""
+    """TGI's validation rule for best_of: any sampling knob given, even at its neutral value, counts as
+    asking for sampling (the token chooser's own rule is `params.samples`)."""
     return p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
 
 
@@ -227,12 +229,10 @@ def fit_input(input_ids: list[int], truncate: int | None, max_new_tokens: int | 
 
 
 def sampling_parameters(p: GenerateParameters, best_of: int, rng: random.Random) -> SamplingParameters:
-    """What the shard's token chooser needs; sampling is on as TGI's chooser has it (do_sample or
-    any active warper), and a request without a seed gets a random one."""
-    sample = p.do_sample or (p.temperature is not None and p.temperature != 1.0) or bool(p.top_k) or (
-        p.top_p is not None and p.top_p < 1.0) or (p.typical_p is not None and p.typical_p < 1.0) or best_of > 1
-    return SamplingParameters(
-        do_sample=sample,
+    """What the shard's token chooser needs, `do_sample` settled by `params.samples` (best_of > 1
+    samples); a request without a seed gets a random one."""
+    chosen = SamplingParameters(
+        do_sample=p.do_sample or best_of > 1,
         temperature=1.0 if p.temperature is None else p.temperature,
         top_k=p.top_k or 0,
         top_p=1.0 if p.top_p is None else p.top_p,
@@ -241,12 +241,23 @@ def sampling_parameters(p: GenerateParameters, best_of: int, rng: random.Random)
         frequency_penalty=p.frequency_penalty or 0.0,
         seed=rng.getrandbits(63) if p.seed is None else p.seed,
     )
+    return replace(chosen, do_sample=samples(chosen))
+
+
+def per_choice_requests(request: ValidRequest, n: int, seeded: bool,
+                        rng: random.Random | None = None) -> list[ValidRequest]:
+    """`n` sequences for one prompt (TGI's best_of candidates, OpenAI's n choices), each an ordinary
+    request with a seed of its own: the client's seed plus the index when it gave one (reproducible),
+    else random ones."""
+    if n == 1:
+        return [request]
+    rng = rng or random.Random()
+    seed = request.sampling.seed
+    return [replace(request, sampling=replace(request.sampling,
+                                              seed=(seed + i) & MAX_SEED if seeded else rng.getrandbits(63)))
+            for i in range(n)]
 
 
 def best_of_requests(job: GenerateJob, rng: random.Random | None = None) -> list[ValidRequest]:
-    """One request per best_of candidate, each with its own random seed."""
-    if job.best_of == 1:
-        return [job.request]
-    rng = rng or random.Random()
-    return [replace(job.request, sampling=replace(job.request.sampling, seed=rng.getrandbits(63)))
-            for _ in range(job.best_of)]
+    """One request per best_of candidate (validation refuses a client seed with best_of > 1)."""
+    return per_choice_requests(job.request, job.best_of, seeded=False, rng=rng)

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from gaudi_runtime.device import cpu_sampling
-from gaudi_runtime.params import SamplingParameters
+from gaudi_runtime.params import SamplingParameters, samples
 from gaudi_runtime.shard.grammar import GrammarRows, allowed_tokens
 
 __all__ = ["BatchSampler", "SampleOutput", "gumbel_noise", "splitmix64"]
@@ -140,13 +140,6 @@ class SampleOutput:
     # gets n entries: the caller keeps the first top_n_tokens[i] of row i.
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
-
-
-def _samples(p: SamplingParameters) -> bool:
-    """TGI: any active warper turns sampling on for that row. temperature <= 0 means greedy."""
-    if p.temperature <= 0:
-        return False
-    return bool(p.do_sample or p.temperature != 1.0 or p.top_k != 0 or p.top_p < 1.0 or p.typical_p < 1.0)
 
 
 def _uses_penalty(p: SamplingParameters) -> bool:
@@ -280,7 +273,7 @@ class BatchSampler:
         self.generated_counts = (
             state.generated_counts if any(_uses_generated_penalty(p) for p in params) else None
         )
-        sample = [_samples(p) for p in params]
+        sample = [samples(p) for p in params]
         self.do_sample = sample
         self.any_sample = any(sample)
         self.all_sample = len(params) > 0 and all(sample)

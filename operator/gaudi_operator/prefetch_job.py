@@ -7,7 +7,7 @@ last owner. The Job's template is never changed once created (a Job's pod templa
 so it is the first InferenceService's: its image, hub token Secret and variables.
 
 The Job's pod runs `gaudi-serve download --progress json` with the claim mounted read-write; its
-JSON lines (`download_report.py` in the runtime) are the interface read here: the last line of the
+JSON lines (`download_events.py` in the runtime) are the interface read here: the last line of the
 pod's log while it runs (bytes done / total), its exit code and the error line of its termination
 message when it failed (the container's terminationMessagePolicy puts the log's tail there). The
 exit codes also drive the Job's podFailurePolicy: a failure that no retry can heal fails the Job
@@ -29,7 +29,7 @@ HUB_CACHE = f"{DATA_DIR}/hub"
 JOB_PREFIX = "gaudi-serve-download-"
 KEY_LABEL = "gaudiserve.io/model-download"
 BACKOFF_LIMIT = 6
-# `gaudi-serve download`'s exit code of each failure (runtime: download_report.EXIT_CODES).
+# `gaudi-serve download`'s exit code of each failure (runtime: download_events.EXIT_CODES).
 EXIT_REASONS = {1: "error", 3: "unauthorized", 4: "not_found", 5: "no_space", 6: "not_cached", 7: "corrupt",
                 8: "unreachable", 143: "interrupted"}
 # Failures a retry cannot heal: the Job fails at the first (podFailurePolicy FailJob).
