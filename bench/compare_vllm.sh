@@ -9,7 +9,7 @@
 #       bfloat16), for a CPU without avx512_bf16 where both would emulate bf16; the offline workloads
 #       stay bfloat16-only (../shared/bench/vllm_offline.py fixes vLLM's dtype)
 #
-# Workloads (WORKLOADS, default all of "overhead offline online long multiturn base"):
+# Workloads (WORKLOADS, default all of "overhead offline online long multiturn mixed base"):
 # - offline: 64 prompts x 128 random tokens -> 128 new tokens, EOS ignored, the reference `small` model.
 # - online: streaming /v1/completions, 128 in / 128 out, 64 requests at concurrency 16 and C1_REQUESTS
 #   (default 16) at concurrency 1. Both servers get the same requests (`ignore_eos`).
@@ -28,6 +28,12 @@
 #   swung by 25%) requests at each of OV_CONCURRENCY (default "48 64"), a seed per concurrency so no
 #   prompt is cached from an earlier step, after an unreported step of short requests at the widest.
 #   OV_THREADS=N runs ours again with N torch threads (OMP_NUM_THREADS=N, label ours-threadsN).
+# - mixed: chat streams among long prompts (`python -m gaudi_runtime.bench.mixed`): MIXED_STREAMS
+#   (default 8) chat users stream 64 in / 128 out one request after another while a LONG_IN-token
+#   prompt (16 out) arrives every MIXED_EVERY (default 1.5) seconds, for MIXED_SECONDS (default 60).
+#   Reports the chat streams' gaps between tokens (p50, p99, max), chat tokens/s and the long prompts'
+#   TTFT p50. vLLM runs with MIXED_VLLM_ARGS (default `--max-num-batched-tokens 256`: its chunked
+#   prefill at a small token budget, what keeps its chat smooth), ours with its defaults.
 # - base: the `base` model of ../shared/bench/make_bench_model.py (~150M parameters), offline as above
 #   and online at concurrency 16.
 set -euo pipefail
@@ -52,7 +58,11 @@ ours_env=${OURS_ENV:-EXPONENTIAL_BUCKETING=true}
 mt_ours_args=${MT_OURS_ARGS:---max-input-tokens 2048 --max-total-tokens 2304 --max-batch-size 16}
 mt_users=${MT_USERS:-4}
 mt_requests=${MT_REQUESTS:-32}
-workloads=${WORKLOADS:-overhead offline online long multiturn base}
+workloads=${WORKLOADS:-overhead offline online long multiturn mixed base}
+mixed_streams=${MIXED_STREAMS:-8}
+mixed_every=${MIXED_EVERY:-1.5}
+mixed_seconds=${MIXED_SECONDS:-60}
+mixed_vllm_args=${MIXED_VLLM_ARGS:---max-num-batched-tokens 256}
 [ "${MULTITURN_ONLY:-0}" != 1 ] || workloads=multiturn
 [ "${OVERHEAD_ONLY:-0}" != 1 ] || workloads=overhead
 long_in=${LONG_IN:-1536}
@@ -114,9 +124,9 @@ multiturn() {  # $1: engine label; the multi-turn workload against $url, report 
   tail -n 8 "$log/multiturn-$1.txt" >&2
 }
 
-start_vllm() {  # $1: log file; $2: model directory
+start_vllm() {  # $1: log file; $2: model directory; $3...: extra arguments
   VLLM_CPU_KVCACHE_SPACE=4 setsid "$vllm/bin/python" -m vllm.entrypoints.openai.api_server --model "$2" \
-    --dtype "$dtype" --max-model-len 4096 --host 127.0.0.1 --port "$port" >"$1" 2>&1 &
+    --dtype "$dtype" --max-model-len 4096 --host 127.0.0.1 --port "$port" "${@:3}" >"$1" 2>&1 &
   server=$!
   wait_ready /health "$1"
 }
@@ -157,6 +167,25 @@ online() {  # $1: engine label; runs both concurrencies against $url; $2: model 
 long_prompts() {  # $1: engine label; the long-prompt workload against $url
   "$ours/python" "$peer/online_load.py" "$url" "$model" "$long_requests" "$long_concurrency" "$long_in" 128 \
     | sed "s/^RESULT /RESULT engine=$1 mode=long /"
+}
+
+mixed_load() {  # $1: engine label; the mixed workload against $url
+  "$ours/python" -m gaudi_runtime.bench.mixed --url "$url" --model "$model" --tokenizer "$model" \
+    --chat-streams "$mixed_streams" --long-prompt "$long_in" --long-every "$mixed_every" \
+    --duration "$mixed_seconds" | sed "s/^RESULT /RESULT engine=$1 mode=mixed /"
+}
+
+run_mixed() {
+  echo "== run $run: mixed chat and long prompts, vLLM ($mixed_vllm_args) then gaudi-serve" >&2
+  # shellcheck disable=SC2086  # MIXED_VLLM_ARGS is a list
+  start_vllm "$log/vllm-mixed-server.log" "$model" $mixed_vllm_args
+  mixed_load vllm | tee -a "$log/results.txt"
+  stop_server
+  # shellcheck disable=SC2086  # MT_OURS_ARGS is a list
+  start_ours "$log/ours-mixed-server.log" $mt_ours_args
+  mixed_load ours | tee -a "$log/results.txt"
+  metrics mixed
+  stop_server
 }
 
 metrics() {  # $1: label; our server's unwarmed shapes and failed requests, into the results
@@ -243,6 +272,7 @@ for run in $(seq 1 "$runs"); do
   fi
   run_vllm_server_workloads
   run_ours_server_workloads
+  ! wants mixed || run_mixed
   ! wants base || run_base
 done
 
@@ -288,7 +318,11 @@ rows = [("offline tok/s", "offline", "tok/s", "higher"), ("c16 tok/s", "c16", "t
         ("long tok/s", "long", "tok/s", "higher"), ("long TTFT p50 ms", "long", "ttft_p50_ms", "lower"),
         ("long ITL p50 ms", "long", "itl_p50_ms", "lower"),
         ("base offline tok/s", "base-offline", "tok/s", "higher"), ("base c16 tok/s", "base-c16", "tok/s", "higher"),
-        ("base c16 TTFT ms", "base-c16", "ttft_p50_ms", "lower")]
+        ("base c16 TTFT ms", "base-c16", "ttft_p50_ms", "lower"),
+        ("mixed chat gap p99", "mixed", "chat_gap_p99_ms", "lower"),
+        ("mixed chat gap max", "mixed", "chat_gap_max_ms", "lower"),
+        ("mixed chat tok/s", "mixed", "chat_tokens_per_s", "higher"),
+        ("mixed long TTFT", "mixed", "long_ttft_p50_ms", "lower")]
 print(f"{'run':>3}  {'metric':<18} {'vLLM':>9} {'ours':>9} {'ours/vLLM':>9}  target")
 for run in range(1, runs + 1):
     res = {}

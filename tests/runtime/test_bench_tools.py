@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from gaudi_runtime import cli
+from gaudi_runtime.bench import mixed
 from tests.runtime.launched import launch
 
 pytestmark = pytest.mark.slow
@@ -145,6 +146,19 @@ def test_loadtest_sweep_finds_saturation_then_plots_rates(server, tiny_model_dir
         assert all(2 <= x["prompt_tokens"] <= 33 for x in s["records"])
         check_step(s)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_mixed_workload_reports_chat_gaps_and_long_prompt_ttft(server, tiny_model_dir, capsys):
+    """Chat streams keep streaming while long prompts arrive: the gaps, the chat rate and the long
+    prompts' TTFT all come from tokens that arrived inside the window."""
+    mixed.main(["--url", server.url, "--model", tiny_model_dir, "--tokenizer", tiny_model_dir,
+                "--chat-streams", "2", "--chat-prompt", "8", "--chat-output", "16", "--long-prompt", "16",
+                "--long-output", "4", "--long-every", "0.5", "--duration", "4", "--warmup", "0.5"])
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("RESULT ")]
+    r = {k: float(v) for k, v in (f.split("=") for f in line.split()[1:])}
+    assert r["long_requests"] >= 2 and r["long_ttft_p50_ms"] > 0
+    assert 0 <= r["chat_gap_p50_ms"] <= r["chat_gap_p99_ms"] <= r["chat_gap_max_ms"] and r["chat_gap_max_ms"] > 0
+    assert r["chat_tokens_per_s"] > 0
 
 
 def test_loadtest_counts_connection_errors(tmp_path):
