@@ -4,13 +4,23 @@ decoder reads it is tests/runtime/test_kv_events.py's job)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 
 from gaudi_runtime.config import ConfigError, kv_events_config, resolve
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.engine_metrics import EngineMetrics
-from gaudi_runtime.router.kv_events import KVEventBatch, binds, removed, stored
+from gaudi_runtime.router.kv_events import (
+    AllBlocksCleared,
+    KVEventBatch,
+    KvEvents,
+    ZmqPublisher,
+    binds,
+    removed,
+    stored,
+)
 from gaudi_runtime.router.prefix_cache import chain_hashes
 from gaudi_runtime.router.requests import Requests
 from tests.unit.test_prefix_cache import BS, finish, take_one, tokens, valid
@@ -108,3 +118,32 @@ def test_a_batch_is_an_array_and_each_event_a_map_tagged_with_its_class():
                          "token_ids": [1, 2], "block_size": 2, "lora_id": None, "medium": "GPU",
                          "lora_name": None, "group_idx": 0}
     assert events[1] == {"type": "BlockRemoved", "block_hashes": [b"h"], "medium": "GPU", "group_idx": 0}
+
+
+class Batches:
+    """A publisher that keeps what it is given (ZmqPublisher's interface)."""
+
+    def __init__(self):
+        self.batches = []
+
+    def publish(self, batch):
+        self.batches.append(batch)
+
+
+async def test_the_events_of_one_loop_turn_go_out_as_one_batch():
+    publisher = Batches()
+    sink = KvEvents(publisher)
+    sink.add(stored([b"a"], None, [1], 1))
+    sink.add(removed([b"b"]))
+    assert publisher.batches == []  # sent once this turn of the loop is over
+    await asyncio.sleep(0)
+    sink.add(AllBlocksCleared())
+    await asyncio.sleep(0)
+    assert [b.events for b in publisher.batches] == [[stored([b"a"], None, [1], 1), removed([b"b"])],
+                                                     [AllBlocksCleared()]]
+    assert all(b.data_parallel_rank == 0 and b.ts > 0 for b in publisher.batches)
+
+
+def test_an_endpoint_that_cannot_be_opened_fails_naming_the_flag():
+    with pytest.raises(ValueError, match="--kv-events-config: cannot open tcp://\\*:notaport"):
+        ZmqPublisher("tcp://*:notaport")
