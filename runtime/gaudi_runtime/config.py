@@ -86,6 +86,10 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--tokenizer-config-path", None, str, None, "A tokenizer_config.json whose chat_template replaces the model's."),
     ("--recipe-cache-dir", None, str, None, "Gaudi: keep Habana's compiled graph recipes under this writable "
      "directory (PT_HPU_RECIPE_CACHE_CONFIG), keyed by what changes them, so that a restart warms up from it."),
+    ("--kv-events-config", None, str, None, "Publish KV-cache events as vLLM does, for a prefix-cache-aware "
+     "router: a JSON object with vLLM's KVEventsConfig fields, e.g. "
+     "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' "
+     "(docs/operations.md, \"Model-server protocol\")."),
     ("--otlp-endpoint", None, str, None, "OTLP/HTTP collector (e.g. http://collector:4318) receiving request traces."),
     ("--otlp-service-name", None, str, "text-generation-inference.router", "service.name of the exported traces."),
     ("--disable-grammar-support", None, _bool, False, "Refuse constrained generation: grammar, response_format, "
@@ -217,6 +221,7 @@ class Config:
     tokenizer_config_path: str | None = None
     recipe_cache_dir: str | None = None
     recipe_cache_size_mb: int = 16384
+    kv_events_config: dict | None = None  # vLLM's KVEventsConfig, every field filled; None: no events
     otlp_endpoint: str | None = None
     otlp_service_name: str = "text-generation-inference.router"
     disable_grammar_support: bool = False
@@ -318,11 +323,51 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     _derive_knobs(v)
     _derive_structured_output(v)
     _derive_request_limits(v)
+    v["kv_events_config"] = kv_events_config(v["kv_events_config"])
     origins = v["cors_allow_origin"]
     v["cors_allow_origin"] = [o.strip() for o in origins.split(",") if o.strip()] if origins else []
     v["model_name"] = v["model_name"] or v["model_id"]
     v["log_level"] = str(v["log_level"]).lower()
     return Config(**v)
+
+
+# vLLM's KVEventsConfig: field -> (default, type). `publisher` defaults to "zmq" when events are on.
+KV_EVENTS_FIELDS: dict[str, tuple[object, type]] = {
+    "enable_kv_cache_events": (False, bool), "publisher": (None, str), "endpoint": ("tcp://*:5557", str),
+    "replay_endpoint": (None, str), "buffer_steps": (10_000, int), "hwm": (100_000, int),
+    "max_queue_size": (100_000, int), "topic": ("", str),
+}
+
+
+def kv_events_config(raw: str | dict | None) -> dict | None:
+    """--kv-events-config as vLLM reads it: a JSON object of KVEventsConfig fields, the rest defaulted;
+    None when the flag is unset or events are off (publisher "null")."""
+    if raw is None or raw == "":
+        return None
+    try:
+        given = json.loads(raw) if isinstance(raw, str) else raw
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--kv-events-config: not JSON ({e})") from None
+    if not isinstance(given, dict):
+        raise ConfigError("--kv-events-config: expected a JSON object")
+    unknown = sorted(set(given) - set(KV_EVENTS_FIELDS))
+    if unknown:
+        raise ConfigError(f"--kv-events-config: unknown field(s) {', '.join(unknown)}")
+    out = {name: given.get(name, default) for name, (default, _) in KV_EVENTS_FIELDS.items()}
+    for name, (_, typ) in KV_EVENTS_FIELDS.items():
+        value = out[name]
+        if value is not None and (not isinstance(value, typ) or (typ is int and isinstance(value, bool))):
+            raise ConfigError(f"--kv-events-config: {name} must be a {typ.__name__}, got {value!r}")
+    if out["publisher"] is None:
+        out["publisher"] = "zmq" if out["enable_kv_cache_events"] else "null"
+    if out["publisher"] not in ("zmq", "null"):
+        raise ConfigError(f"--kv-events-config: publisher {out['publisher']!r}: choose zmq or null")
+    for name in ("buffer_steps", "hwm", "max_queue_size"):
+        if out[name] < 1:
+            raise ConfigError(f"--kv-events-config: {name} must be positive")
+    if not out["enable_kv_cache_events"] or out["publisher"] == "null":
+        return None
+    return out
 
 
 # Tool-call formats the router parses (and constrains, for tool_choice required or named).

@@ -17,6 +17,8 @@ from gaudi_runtime.config import resolve
 from gaudi_runtime.router.server import build_app, get_metrics
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from tests.runtime.fake_engine import FakeEngine, ServerThread
+from tests.runtime.vllm_events import FIXTURE as VLLM_FIXTURE
+from tests.runtime.vllm_events import VllmDecoder, VllmInstall
 
 SERVER_ENV = {
     "MAX_INPUT_TOKENS": "64",
@@ -29,6 +31,37 @@ SERVER_ENV = {
     "DEVICE": "cpu",
     "DTYPE": "float32",
 }
+
+
+_VLLM: dict[str, VllmInstall] = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Install vLLM's KV-event classes (once per machine) in the background as soon as a selected
+    test needs them, so the download overlaps the tests before it."""
+    if session.config.option.collectonly or _VLLM:
+        return
+    if any(VLLM_FIXTURE in getattr(item, "fixturenames", ()) for item in session.items):
+        _VLLM["install"] = VllmInstall().start()
+
+
+@pytest.fixture(scope="session")
+def vllm_classes() -> str:
+    """A PYTHONPATH entry under which `vllm.distributed.kv_events` imports (hack/vllm-kv-events.sh).
+    Without it the test fails, never skips: it is how the events are checked against vLLM."""
+    install = _VLLM.setdefault("install", VllmInstall().start())
+    try:
+        return install.wait()
+    except RuntimeError as e:
+        pytest.fail(str(e))
+
+
+@pytest.fixture(scope="session")
+def vllm_decoder(vllm_classes):
+    """vLLM's KVEventBatch decoder, in a process of its own (tests/runtime/vllm_decode.py)."""
+    decoder = VllmDecoder(vllm_classes)
+    yield decoder
+    decoder.close()
 
 
 @pytest.fixture(scope="session")

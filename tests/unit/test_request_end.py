@@ -23,8 +23,8 @@ from tests.unit.scripted_shards import TOKEN, ScriptedShards, collect, make_engi
 class CheckedAllocator(BlockAllocator):
     """Counts what is handed out and given back, and records any block given back while free."""
 
-    def __init__(self, num_blocks: int):
-        super().__init__(num_blocks)
+    def __init__(self, num_blocks: int, **kw):
+        super().__init__(num_blocks, **kw)
         self.held: set[int] = set()
         self.double_frees: list[int] = []
         self.allocations = self.frees = 0
@@ -52,8 +52,8 @@ def allocators(monkeypatch) -> list[CheckedAllocator]:
     """The engine's block allocator, checked (appended when the engine starts)."""
     made: list[CheckedAllocator] = []
 
-    def checked(num_blocks: int) -> CheckedAllocator:
-        made.append(CheckedAllocator(num_blocks))
+    def checked(num_blocks: int, **kw) -> CheckedAllocator:
+        made.append(CheckedAllocator(num_blocks, **kw))
         return made[-1]
 
     monkeypatch.setattr(engine_module, "BlockAllocator", checked)

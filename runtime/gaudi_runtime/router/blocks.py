@@ -10,13 +10,15 @@ registered go straight back to the free list, as they always did.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class BlockAllocator:
     """Hands out block ids 1..num_blocks; block 0 is the shards' padding block."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_removed: Callable[[list[bytes]], None] | None = None):
         self.num_blocks = num_blocks
+        self._on_removed = on_removed  # told the hashes that no block holds any more (KV-cache events)
         self._free = list(range(num_blocks, 0, -1))  # blocks holding nothing anyone may look up
         self._refs: dict[int, int] = {}  # held block -> how many requests hold it
         self._hash_of: dict[int, bytes] = {}  # registered block -> its hash
@@ -41,10 +43,14 @@ class BlockAllocator:
         plain = min(n, len(self._free))
         taken = self._free[len(self._free) - plain:][::-1]
         del self._free[len(self._free) - plain:]
+        evicted = []
         for _ in range(n - plain):
             block, _ = self._evictable.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]
+            evicted.append(self._hash_of.pop(block))
+            del self._by_hash[evicted[-1]]
             taken.append(block)
+        if evicted and self._on_removed is not None:
+            self._on_removed(evicted)
         for block in taken:
             self._refs[block] = 1
         return taken
@@ -101,3 +107,5 @@ class BlockAllocator:
         block_hash = self._hash_of.pop(block, None)
         if block_hash is not None:
             del self._by_hash[block_hash]
+            if self._on_removed is not None:
+                self._on_removed([block_hash])

@@ -22,6 +22,7 @@ from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.grammar_check import ShardGrammars, check_grammars
+from gaudi_runtime.router.kv_events import AllBlocksCleared, make_kv_events
 from gaudi_runtime.router.live_requests import Requests
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.output import OutputProcessor
@@ -57,6 +58,7 @@ class BatchingEngine:
         self.shard_info: pb.InfoResponse | None = None
         self.in_flight = 0  # generate() iterators open (--max-concurrent-requests)
         self.requests = Requests(cfg, self.metrics)
+        self.kv_events = self.requests.prefix.events = make_kv_events(cfg.kv_events_config)
         self.output = OutputProcessor(tokenizer, self.requests)
         self.grammars = None if cfg.disable_grammar_support else ShardGrammars(client, cfg.grammar_compile_timeout_s)
         self.batching = BatchingLoop(cfg, client, self.requests, self.output, self.metrics)
@@ -72,7 +74,7 @@ class BatchingEngine:
             check_context_fits(self.cfg.max_total_tokens, info.max_position_embeddings)
             self.shard_info = info
             self.warmup_progress["from_cache"] = shard_info.warmup_from_cache(info)
-            self.requests.allocator = BlockAllocator(info.num_blocks)
+            self.requests.allocator = BlockAllocator(info.num_blocks, on_removed=self.requests.prefix.removed)
             self.output.eos_ids = set(info.eos_token_ids)
             self.state = "warming_up"
             progress.report("warming_up")
@@ -81,7 +83,9 @@ class BatchingEngine:
             self.state = "ready"
             progress.report(progress.READY)  # the launcher's watchdog stands down
             self.metrics.serving = True
+            self.metrics.cache_config(info.block_size, info.num_blocks, self.cfg)
             self.requests.report_load()  # the load gauges appear, at zero
+            self._cache_cleared()  # whatever a picker knew of an earlier process at this address is gone
             log.info("ready: %d KV blocks of %d tokens", info.num_blocks, info.block_size)
         except (ShardError, OSError, ValueError) as e:
             self.fail(str(e))
@@ -109,11 +113,19 @@ class BatchingEngine:
         self.state, self.failure = "failed", why
         self.failed.set()
         self.requests.end_all(GenerationError(why))
+        self._cache_cleared()  # the shards' KV cache is gone with them
+
+    def _cache_cleared(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.add(AllBlocksCleared())
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
         await self.client.close()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+            await asyncio.to_thread(self.kv_events.publisher.close)  # sends what is queued, for up to a second
 
     # ---- Engine protocol -----------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from gaudi_runtime.config import Config
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.router.metrics import Metrics
 
@@ -37,6 +38,11 @@ class EngineMetrics:
         self._m.tgi_queue_size.set(waiting)
         if self.serving:
             self._m.set_load(waiting, running, kv_usage)
+
+    def cache_config(self, block_size: int, num_blocks: int, cfg: Config) -> None:
+        """The KV cache as the shards sized it (`vllm:cache_config_info`), once known."""
+        if self._m is not None:
+            self._m.set_cache_config(cache_config_labels(block_size, num_blocks, cfg))
 
     def batch_size(self, running: int, max_tokens: int) -> None:
         """The running batch: its requests, and the tokens they may hold (prompts + max_new_tokens)."""
@@ -87,3 +93,13 @@ class EngineMetrics:
         if count > self.unwarmed_shapes and self._m is not None:
             self._m.gaudi_serve_unwarmed_shapes_total.inc(count - self.unwarmed_shapes)
         self.unwarmed_shapes = count
+
+
+def cache_config_labels(block_size: int, num_blocks: int, cfg: Config) -> dict[str, str]:
+    """vLLM's CacheConfig fields that mean something here, as vLLM renders them (str() of the value).
+
+    `num_gpu_blocks` counts the blocks requests may hold (block 0, the shards' padding block, is not
+    one); `engine` is vLLM's engine index, always 0 for our single scheduler."""
+    return {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
+            "cache_dtype": cfg.kv_cache_dtype or "auto", "enable_prefix_caching": str(cfg.prefix_caching),
+            "gpu_memory_utilization": str(cfg.memory_fraction), "engine": "0"}

@@ -7,9 +7,14 @@ batch ones (`tgi_queue_size`, `tgi_batch_current_size`, ...) and, through
 `Metrics.set_load`, the load gauges under vLLM's names that autoscalers and
 the Gateway API Inference Extension's endpoint picker read
 (`vllm:num_requests_waiting`, `vllm:num_requests_running`,
-`vllm:kv_cache_usage_perc`, labelled `model_name`). Those have no sample until
-the engine is ready: a pod still loading or warming up shows no load figure
-that would move an autoscaler.
+`vllm:kv_cache_usage_perc`, labelled `model_name`), and `vllm:cache_config_info`
+(1, labelled with the KV cache's block size and block count). Those have no
+sample until the engine is ready: a pod still loading or warming up shows no
+load figure that would move an autoscaler.
+
+`vllm:lora_requests_info` (labels `max_lora`, `waiting_lora_adapters`,
+`running_lora_adapters`) belongs beside them once adapters are served: set from
+`Requests.report_load`, as the load gauges are.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # The load gauges under vLLM's names (see `Metrics.set_load`).
 LOAD_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+# Its labels (engine_metrics.cache_config_labels gives their values): a subset of vLLM's CacheConfig fields.
+CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching",
+                       "gpu_memory_utilization", "engine")
 
 
 class Counter:
@@ -158,6 +167,13 @@ class Metrics:
                                                registry=r)
         self.vllm_kv_cache_usage_perc = Gauge(kv, "Fraction of the KV-cache blocks in use (1 means 100 percent)",
                                               ("model_name",), registry=r)
+        self.vllm_cache_config_info = Gauge(CACHE_CONFIG_INFO, "Information of the LLMEngine CacheConfig",
+                                            CACHE_CONFIG_LABELS, registry=r)
+
+    def set_cache_config(self, labels: dict[str, str]) -> None:
+        """vLLM's info metric: a gauge at 1 whose labels carry the KV cache's configuration."""
+        self.vllm_cache_config_info.clear()
+        self.vllm_cache_config_info.labels(**labels).set(1)
 
     def set_load(self, waiting: int, running: int, kv_usage: float) -> None:
         """The engine's load now: requests waiting, requests running, fraction of KV blocks in use."""

@@ -19,6 +19,10 @@ Rules that keep every block's contents what its hash says:
   write the positions after: the token that ended it, or tokens computed past it and dropped);
 - a request that ends with an error registers nothing and forgets what it registered.
 
+With --kv-events-config, each run of consecutive blocks registered is announced (`BlockStored`, with
+the hash of the block before it and its tokens), and each hash the allocator drops (evicted, or
+forgotten) too (`BlockRemoved`): router/kv_events.py.
+
 Requests that want their prompt's log-probabilities (`decoder_input_details`) look nothing up, so
 every prompt token is computed for them; their blocks are still registered for others.
 """
@@ -31,6 +35,7 @@ from array import array
 from gaudi_runtime.config import Config
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.engine_metrics import EngineMetrics
+from gaudi_runtime.router.kv_events import KvEvents, removed, stored
 
 
 def root_hash(cfg: Config) -> bytes:
@@ -75,6 +80,12 @@ class PrefixCache:
         self.block_size = cfg.block_size
         self.root = root_hash(cfg)
         self.metrics = metrics
+        self.events: KvEvents | None = None  # where registrations and removals are announced
+
+    def removed(self, hashes: list[bytes]) -> None:
+        """The allocator dropped these hashes (its `on_removed`)."""
+        if self.events is not None:
+            self.events.add(removed(hashes))
 
     def prompt_hashes(self, state) -> list[bytes]:
         """The hashes of the full blocks of `state`'s prompt (computed once)."""
@@ -114,8 +125,7 @@ class PrefixCache:
         if not self.enabled:
             return
         hashes = self.prompt_hashes(state)
-        for i in range(hit_blocks, len(hashes)):
-            allocator.register(state.blocks[i], hashes[i])
+        self._register(allocator, state.blocks, hashes, state.req.input_ids, hit_blocks)
         if not state.req.decoder_input_details:
             self.metrics.prefix_lookup(len(state.req.input_ids), state.cached_tokens)
         self.metrics.cached_blocks(allocator.cached_count)
@@ -141,7 +151,27 @@ class PrefixCache:
         prompt = state.req.input_ids
         hashes = self.prompt_hashes(state)
         first = len(hashes)
-        tokens = prompt[first * self.block_size:] + state.output_ids[:fed]
+        tokens = prompt + state.output_ids[:fed]
         parent = hashes[-1] if hashes else self.root
-        for i, h in enumerate(chain_hashes(tokens, self.block_size, parent, self._extras(state), first)):
-            allocator.register(state.blocks[first + i], h)
+        new = chain_hashes(tokens[first * self.block_size:], self.block_size, parent, self._extras(state), first)
+        self._register(allocator, state.blocks, hashes + new, tokens, first)
+
+    def _register(self, allocator: BlockAllocator, blocks: list[int], hashes: list[bytes], tokens: list[int],
+                  first: int) -> None:
+        """Register `blocks[i]` under `hashes[i]` from block `first` on (`tokens`: the sequence's, from
+        its start), announcing each run of consecutive blocks registered."""
+        run: list[int] = []
+        for i in range(first, len(hashes)):
+            if allocator.register(blocks[i], hashes[i]):
+                run.append(i)
+                continue
+            self._announce(run, hashes, tokens)
+            run = []
+        self._announce(run, hashes, tokens)
+
+    def _announce(self, run: list[int], hashes: list[bytes], tokens: list[int]) -> None:
+        if self.events is None or not run:
+            return
+        bs, i, j = self.block_size, run[0], run[-1] + 1
+        parent = hashes[i - 1] if i else None  # the root is no block: a first block has no parent
+        self.events.add(stored(hashes[i:j], parent, tokens[i * bs:j * bs], bs))
