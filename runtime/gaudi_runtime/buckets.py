@@ -150,10 +150,16 @@ def context_block_bucket(blocks: int, cfg: Config) -> int:
     return bucket(blocks, block_step(cfg), context_block_cap(cfg), exponential=True)
 
 
+def chunks_prompts(cfg: Config) -> bool:
+    """Whether a prompt may be longer than one prefill's budget, and so be prefilled in chunks."""
+    return cfg.max_input_tokens > cfg.max_batch_prefill_tokens
+
+
 def prefill_context_buckets(cfg: Config) -> list[tuple[int, int, int]]:
-    """Every (batch, seq, context blocks) shape a prefill with cached blocks may run on (none without
-    prefix caching). Rows and new tokens are bucketed as in any prefill."""
-    if not cfg.prefix_caching:
+    """Every (batch, seq, context blocks) shape a prefill with cached blocks may run on: a prefix-cache
+    hit's, or a chunk's after a long prompt's first (none without either). Rows and new tokens are
+    bucketed as in any prefill."""
+    if not (cfg.prefix_caching or chunks_prompts(cfg)):
         return []
     widths = bucket_values(block_step(cfg), context_block_cap(cfg), exponential=True)
     return [(rows, seq, w) for rows, seq in prefill_buckets(cfg) for w in widths]

@@ -42,7 +42,10 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--max-input-length", None, int, None, "Old name of --max-input-tokens."),
     ("--max-total-tokens", None, int, 2048, "Longest prompt + generation in tokens."),
     ("--max-batch-size", None, int, None, "Most requests in one batch (default: the bucket limits)."),
-    ("--max-batch-prefill-tokens", None, int, None, "Most prompt tokens in one prefill (default: max-input-tokens + 50)."),
+    ("--max-batch-prefill-tokens", None, int, None, "Most prompt tokens one prefill computes (vLLM's "
+     "--max-num-batched-tokens, less the decodes): a longer prompt is prefilled in chunks of at most this many "
+     "tokens (whole KV blocks), each between two decode steps of the running requests, so that they never "
+     "wait for a whole long prompt (default: max-input-tokens + 50, no chunking). At least --block-size."),
     ("--max-batch-total-tokens", None, int, None, "KV-cache budget in tokens (default: sized from the device)."),
     ("--max-waiting-tokens", None, int, 20, "Decode steps before waiting requests are forced into the batch."),
     ("--waiting-served-ratio", None, float, 0.0, "Waiting/running ratio that allows a prefill to interrupt decoding (0: a waiting "
@@ -407,11 +410,6 @@ def _derive_token_limits(v: dict[str, object]) -> None:
         )
     if v["max_batch_prefill_tokens"] is None:
         v["max_batch_prefill_tokens"] = v["max_input_tokens"] + 50
-    if v["max_batch_prefill_tokens"] < v["max_input_tokens"]:
-        raise ConfigError(
-            f"--max-batch-prefill-tokens ({v['max_batch_prefill_tokens']}) must be >= "
-            f"--max-input-tokens ({v['max_input_tokens']})"
-        )
     bt = v["max_batch_total_tokens"]
     if bt is not None and bt < total:
         raise ConfigError(f"--max-batch-total-tokens ({bt}) must be >= --max-total-tokens ({total})")
@@ -465,6 +463,9 @@ def _derive_device(v: dict[str, object]) -> None:
         v["block_size"] = 128 if v["device"] == "hpu" else 16
     if v["block_size"] < 1:
         raise ConfigError("--block-size must be positive")
+    if v["max_batch_prefill_tokens"] < v["block_size"]:
+        raise ConfigError(f"--max-batch-prefill-tokens ({v['max_batch_prefill_tokens']}) must be >= --block-size "
+                          f"({v['block_size']}): a prompt is prefilled in chunks of whole blocks")
 
 
 def _derive_shards(v: dict[str, object], device_count: Callable[[str], int]) -> None:

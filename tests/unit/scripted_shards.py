@@ -56,6 +56,9 @@ class ScriptedShards:
         # Each decode call: the requests it names, decodes unanswered when it was made, its steps, and
         # how many requests waited for a prefill then.
         self.decodes: list[tuple[list[int], int, int, int]] = []
+        # Every call in the order made: ("prefill", {request: (cached tokens, prompt tokens sent)}),
+        # ("decode", request ids) or ("clear", batch id).
+        self.calls: list[tuple[str, object]] = []
         self.engine: BatchingEngine | None = None
         self.unanswered = 0
         self._turns = itertools.count()
@@ -132,6 +135,7 @@ class ScriptedShards:
     def prefill(self, batch: pb.Batch):
         ids = [r.id for r in batch.requests]
         prompts = {r.id: (list(r.input_ids), list(r.blocks), r.cached_tokens) for r in batch.requests}
+        self.calls.append(("prefill", {rid: (cached, len(prompt)) for rid, (prompt, _, cached) in prompts.items()}))
 
         def answer():
             for rid, (prompt, blocks, cached) in prompts.items():
@@ -149,6 +153,7 @@ class ScriptedShards:
     def decode(self, batches: list[pb.CachedBatch], steps: int = 1):
         ids = [rid for b in batches for rid in b.request_ids]
         self.decodes.append((ids, self.unanswered, steps, self.engine.queue_size()))
+        self.calls.append(("decode", ids))
         self.unanswered += 1
 
         def answer():
@@ -163,16 +168,17 @@ class ScriptedShards:
         return self._in_turn(self._turn(), answer)
 
     def clear(self, batch_id=None):
+        self.calls.append(("clear", batch_id))
         return self._in_turn(self._turn(), lambda: None)
 
 
-def request(max_new_tokens: int, stop: tuple[str, ...] = ()) -> ValidRequest:
-    return ValidRequest(input_ids=[5, 6, 7], inputs="abc", sampling=SamplingParameters(),
+def request(max_new_tokens: int, stop: tuple[str, ...] = (), prompt: list[int] | None = None) -> ValidRequest:
+    return ValidRequest(input_ids=prompt or [5, 6, 7], inputs="abc", sampling=SamplingParameters(),
                         stopping=StoppingParameters(max_new_tokens=max_new_tokens, stop_sequences=stop))
 
 
-def make_engine(shards: ScriptedShards, tokenizer, decode_steps: int = 4) -> BatchingEngine:
-    engine = BatchingEngine(resolve(None, {"MODEL_ID": "unused", "DECODE_STEPS": str(decode_steps)}), shards,
+def make_engine(shards: ScriptedShards, tokenizer, decode_steps: int = 4, **env: str) -> BatchingEngine:
+    engine = BatchingEngine(resolve(None, {"MODEL_ID": "unused", "DECODE_STEPS": str(decode_steps), **env}), shards,
                             tokenizer)
     shards.engine = engine
     return engine

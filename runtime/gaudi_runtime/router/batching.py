@@ -18,6 +18,13 @@ costs (gRPC, messages, this loop, one write per stream) are paid once for severa
 request for more tokens than it may still generate, so every write stays in the request's own KV
 blocks; once a request waits, calls run one step, so its prefill is held back by no more than the
 calls already made.
+
+A prompt longer than --max-batch-prefill-tokens is prefilled in chunks (`RunningBatch.chunking`): each
+chunk is a prefill over the blocks the chunks before it wrote, made between two one-step decode calls
+of the running requests, its batch dropped at once (its token is not the prompt's); the last chunk is an
+ordinary prefill whose batch joins the decodes. So a running request waits for at most one chunk (and
+one joining prefill) between two of its tokens, never for a whole long prompt. Chunks count in the
+pipeline as decode calls do.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class Call:
     rpc: asyncio.Future
     answer: Coroutine | None = None  # awaits `rpc` and streams its tokens; None: nothing to stream
     steps: int = 0  # decode steps it runs (0: not a decode)
+    chunk: bool = False  # a chunk of a long prompt: it takes a place in the pipeline as a decode does
 
     async def handled(self):
         return await (self.answer if self.answer is not None else self.rpc)
@@ -70,9 +78,10 @@ class RunningBatch:
     request_ids: list[int] = field(default_factory=list)  # as the last call made named them
     inflight: deque[Call] = field(default_factory=deque)  # in call order
     waiting_steps: int = 0  # decode steps handled since a prefill last joined
+    chunking: RequestState | None = None  # the request whose prompt is being prefilled in chunks
 
     def decodes_in_flight(self) -> int:
-        return sum(c.steps > 0 for c in self.inflight)
+        return sum(c.steps > 0 or c.chunk for c in self.inflight)
 
 
 class BatchingLoop:
@@ -121,18 +130,22 @@ class BatchingLoop:
         """Make the next decode call, over the running requests and those a prefill adds now; False:
         nothing to decode."""
         ids = [rid for rid in batch.request_ids if self._sendable(rid)]
-        joined = None
+        chunked = batch.chunking is not None
+        joined = [self._next_chunk(batch)] if chunked else []
         if self.requests.waiting:
-            prefilled, joined = await self._join(len(ids), batch.waiting_steps, batch.inflight)
+            prefilled, join = await self._join(len(ids), batch)
+            joined.append(join)
             if prefilled:
                 batch.waiting_steps = 0
                 ids = [rid for rid in ids if self._sendable(rid)]  # some may have ended while it was awaited
-        parts = ([pb.CachedBatch(id=batch.id, request_ids=ids)] if ids else []) + ([joined] if joined else [])
+        joined = [b for b in joined if b is not None]
+        parts = ([pb.CachedBatch(id=batch.id, request_ids=ids)] if ids else []) + joined
         if not parts:
-            return False
+            return chunked or batch.chunking is not None  # a chunk was made: the next one may follow it
         if not ids and batch.id is not None:  # none of the old batch runs on: the joined one replaces it
             batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(batch.id))))
-        steps = self._steps(ids) if ids and joined is None and not self.requests.waiting else 1
+        quiet = not joined and not self.requests.waiting and batch.chunking is None
+        steps = self._steps(ids) if ids and quiet else 1
         batch.id, batch.request_ids = parts[0].id, [rid for b in parts for rid in b.request_ids]
         max_tokens = 0
         for rid in batch.request_ids:  # all live: nothing ran since they were checked
@@ -158,16 +171,20 @@ class BatchingLoop:
         left = min(s.req.stopping.max_new_tokens - s.sent for s in states)
         return decode_call_steps(self.cfg.decode_steps, left, self._step_ms)
 
-    async def _join(self, running: int, waiting_steps: int,
-                    inflight: deque[Call]) -> tuple[bool, pb.CachedBatch | None]:
-        """Prefill the waiting requests that may join `running` decodes now.
+    async def _join(self, running: int, batch: RunningBatch) -> tuple[bool, pb.CachedBatch | None]:
+        """Prefill the waiting requests that may join `running` decodes now (a long prompt: its first
+        chunk, unless one is being chunked already).
 
         Returns whether a prefill was made, and the batch the next decode call should add. The
         prefill's answer is awaited in `inflight`'s order, so the decode naming its batch is made at
         once and the shards go straight from one to the other.
         """
+        inflight = batch.inflight
         oldest = (time.monotonic() - self.requests.waiting[0].enqueued) * 1000
-        taken = self._take_waiting(running, join_min_size(running, waiting_steps, oldest, self.cfg))
+        min_size = join_min_size(running, batch.waiting_steps, oldest, self.cfg)
+        taken = self._take_waiting(running, min_size, chunks=batch.chunking is None)
+        if len(taken) == 1 and taken[0].prefilled < len(taken[0].req.input_ids):
+            return True, self._first_chunk(batch, taken[0])
         encoded = self._encoded(taken)
         if not encoded:
             return bool(taken), None
@@ -187,11 +204,51 @@ class BatchingLoop:
             return True, None
         return True, pb.CachedBatch(id=batch_id, request_ids=running_ids)
 
-    def _take_waiting(self, running: int, min_size: int | None) -> list[RequestState]:
+    def _take_waiting(self, running: int, min_size: int | None, chunks: bool) -> list[RequestState]:
         """The requests the next prefill takes (TGI's rules), their KV blocks reserved."""
         view = self.requests.waiting_view(max(0, self.cfg.max_batch_size - running))
         return self.requests.take(select_prefill(view, running, self.requests.allocator.free_count, self.cfg,
-                                                 min_size))
+                                                 min_size, chunks))
+
+    def _first_chunk(self, batch: RunningBatch, state: RequestState) -> None:
+        """Make the first chunk of `state`'s long prompt (`take` registered its blocks); the others
+        follow, one per decode call, from `_next_chunk`."""
+        try:
+            request = prefill_request(state, state.cached_tokens, state.prefilled)
+        except ValueError as e:
+            log.error("request %d cannot be sent to the shards: %s", state.id, e)
+            self.requests.end(state, GenerationError(f"the request cannot be sent to the shards: {e}"))
+            return None
+        batch.chunking = state
+        self._make_chunk(batch, state, request)
+        return None
+
+    def _next_chunk(self, batch: RunningBatch) -> pb.CachedBatch | None:
+        """Make the next chunk of the prompt being chunked; the last one's batch joins the decodes."""
+        state = batch.chunking
+        if state.ended:  # cancelled between two chunks
+            batch.chunking = None
+            return None
+        start, end = state.prefilled, self.requests.next_prefill_end(state)
+        self.requests.prefill_made(state, end)
+        request = prefill_request(state, start, end)  # encodable: its first chunk was
+        if end < len(state.req.input_ids):
+            self._make_chunk(batch, state, request)
+            return None
+        batch.chunking = None
+        batch_id, call = self._make_prefill([(state, request)])
+        batch.inflight.append(call)
+        if self._sendable(state.id):
+            return pb.CachedBatch(id=batch_id, request_ids=[state.id])
+        batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(batch_id))))
+        return None
+
+    def _make_chunk(self, batch: RunningBatch, state: RequestState, request: pb.Request) -> None:
+        """A chunk that is not the prompt's last: its KV is kept, its batch dropped at once."""
+        batch_id = next(self._batch_ids)
+        rpc = asyncio.ensure_future(self.client.prefill(pb.Batch(id=batch_id, requests=[request])))
+        batch.inflight.append(Call(rpc, self._answer_chunk(state, rpc, time.monotonic()), chunk=True))
+        batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(batch_id))))
 
     def _encoded(self, taken: list[RequestState]) -> list[tuple[RequestState, pb.Request]]:
         """Each request in the shards' protocol; one holding a value the protocol cannot carry ends
@@ -233,6 +290,15 @@ class BatchingLoop:
         self.metrics.prefill_answered(made, resp, len(chosen))
         return self.output.process(resp.generations)
 
+    async def _answer_chunk(self, state: RequestState, rpc: Awaitable[pb.PrefillResponse], made: float) -> None:
+        try:
+            resp = await rpc
+        except ShardError as e:
+            self._end_with_error([state.id], e)
+            raise
+        self.metrics.prefill_answered(made, resp, 1)
+        self.metrics.prefill_chunk()
+
     async def _answer_decode(self, batches: list[pb.CachedBatch], rpc: Awaitable[pb.DecodeResponse],
                              made: float) -> None:
         try:
@@ -255,12 +321,15 @@ class BatchingLoop:
                 self.requests.end(state, GenerationError(str(error)))
 
 
-def prefill_request(state: RequestState) -> pb.Request:
-    """The shards' view of a request: its prompt, its reserved blocks, how to sample it."""
+def prefill_request(state: RequestState, start: int | None = None, end: int | None = None) -> pb.Request:
+    """The shards' view of a request: its prompt (up to `end`, a chunk's; the KV of its first `start`
+    tokens in the cache: by default the cached blocks it was taken with), its reserved blocks, how to
+    sample it."""
     r, s = state.req, state.req.sampling
     return pb.Request(
-        id=state.id, input_ids=r.input_ids, top_n_tokens=r.top_n_tokens, blocks=state.blocks,
-        prefill_logprobs=r.decoder_input_details, images=r.images, cached_tokens=state.cached_tokens,
+        id=state.id, input_ids=r.input_ids if end is None else r.input_ids[:end], top_n_tokens=r.top_n_tokens,
+        blocks=state.blocks, prefill_logprobs=r.decoder_input_details, images=r.images,
+        cached_tokens=state.cached_tokens if start is None else start,
         grammar=pb.Grammar(type=r.grammar.kind, value=r.grammar.value) if r.grammar is not None else None,
         parameters=pb.NextTokenChooserParameters(
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,

@@ -170,6 +170,7 @@ class BatchingEngine:
             info["kv_blocks_cached"] = self.requests.allocator.cached_count
             info["prefix_cache_queries"] = self.metrics.prefix_queries
             info["prefix_cache_hits"] = self.metrics.prefix_hits
+            info["prefill_chunks"] = self.metrics.prefill_chunks
         return info
 
     async def generate_groups(self, request: ValidRequest):

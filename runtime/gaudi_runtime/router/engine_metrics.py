@@ -22,6 +22,7 @@ class EngineMetrics:
         self.unwarmed_shapes = 0  # forward passes the shards ran on a shape warmup did not cover
         self._last_decode_answer = 0.0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (also kept without a registry)
+        self.prefill_chunks = 0  # chunks of long prompts prefilled before their last one
         self.prefix_hits = 0
         self.serving = False  # the load gauges are published from the moment the engine is ready
 
@@ -75,6 +76,12 @@ class EngineMetrics:
         m.tgi_batch_inference_success.labels(method=method).inc()
         m.tgi_batch_inference_duration.labels(method=method).observe(seconds)
         m.tgi_batch_forward_duration.labels(method=method).observe(forward_ns / 1e9)
+
+    def prefill_chunk(self) -> None:
+        """A chunk of a long prompt (not its last) was prefilled."""
+        self.prefill_chunks += 1
+        if self._m is not None:
+            self._m.gaudi_serve_prefill_chunks_total.inc()
 
     def prefix_lookup(self, queried: int, found: int) -> None:
         """A prompt of `queried` tokens was looked up in the prefix cache; `found` were cached."""

@@ -26,8 +26,15 @@ from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.detokenizer import IncrementalDetokenizer, StopSequenceMatcher
 from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.prefix_cache import PrefixCache
-from gaudi_runtime.router.scheduler import Waiting, blocks_needed
+from gaudi_runtime.router.scheduler import Waiting, blocks_needed, chunk_end
 from gaudi_runtime.router.types import StreamEvent, Token, ValidRequest
+
+
+def chunkable(req: ValidRequest) -> bool:
+    """Whether a long prompt may be prefilled in chunks: not one with images (a chunk must not cut an
+    image's tokens) nor one that wants its prompt's log-probabilities (each chunk would lack the next
+    chunk's first token)."""
+    return not req.images and not req.decoder_input_details
 
 
 @dataclass(eq=False)
@@ -43,6 +50,7 @@ class RequestState:
     started: float | None = None  # when a prefill took it; None while it waits
     blocks: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens its first blocks held already when it was taken (prefix cache)
+    prefilled: int = 0  # prompt tokens whose prefill calls are made (a prompt prefilled in chunks: so far)
     block_hashes: list[bytes] | None = None  # of its prompt's full blocks, once computed
     output_ids: list[int] = field(default_factory=list)  # tokens streamed
     generated: int = 0  # tokens streamed
@@ -82,7 +90,8 @@ class Requests:
         view = []
         for state in itertools.islice(self.waiting, limit):
             cached, held = self.prefix.waiting_view(self.allocator, state)
-            view.append(Waiting(len(state.req.input_ids), state.req.stopping.max_new_tokens, cached, held))
+            view.append(Waiting(len(state.req.input_ids), state.req.stopping.max_new_tokens, cached, held,
+                                chunkable(state.req)))
         return view
 
     def take(self, count: int) -> list[RequestState]:
@@ -97,17 +106,29 @@ class Requests:
             stopping = state.req.stopping
             self.prefix.fill(self.allocator, state,
                              blocks_needed(len(state.req.input_ids), stopping.max_new_tokens, self.cfg))
+            state.prefilled = state.cached_tokens
+            self.prefill_made(state, self.next_prefill_end(state))
             state.started = now
             state.sent = 1  # the prefill computes the first token
         self.report_load()
         return chosen
+
+    def next_prefill_end(self, state: RequestState) -> int:
+        """Where the next prefill of `state`'s prompt ends: the prompt's end, or its next chunk's."""
+        n = len(state.req.input_ids)
+        return chunk_end(state.prefilled, n, self.cfg) if chunkable(state.req) else n
+
+    def prefill_made(self, state: RequestState, end: int) -> None:
+        """A prefill of `state`'s prompt up to `end` is being made: its full blocks may serve others."""
+        self.prefix.register_prompt(self.allocator, state, state.prefilled, end)
+        state.prefilled = end
 
     def requeue(self, states: list[RequestState]) -> None:
         """Put taken requests whose prefill was not made back at the head of the queue, in order; their
         blocks go back, and the ones they were to fill are forgotten (nothing was written)."""
         for state in reversed(states):
             self.prefix.release(self.allocator, state, failed=True)
-            state.blocks, state.cached_tokens, state.started, state.sent = [], 0, None, 0
+            state.blocks, state.cached_tokens, state.prefilled, state.started, state.sent = [], 0, 0, None, 0
             self.waiting.appendleft(state)
         self.report_load()
 

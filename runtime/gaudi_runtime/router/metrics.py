@@ -189,6 +189,9 @@ class Metrics:
         self.gaudi_serve_unwarmed_shapes_total = Counter(
             "gaudi_serve_unwarmed_shapes_total", "Forward passes on a shape warmup did not cover (should stay 0)",
             registry=c)
+        self.gaudi_serve_prefill_chunks_total = Counter(
+            "gaudi_serve_prefill_chunks_total", "Chunks of long prompts prefilled before their last one "
+            "(--max-batch-prefill-tokens)", registry=c)
         self.gaudi_serve_prefix_cache_queries_total = Counter(
             "gaudi_serve_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", registry=c)
         self.gaudi_serve_prefix_cache_hits_total = Counter(

@@ -11,9 +11,10 @@ Rules that keep every block's contents what its hash says:
 - a partly filled block is never registered, and a request never takes a hit on the block holding
   its last prompt token, so at least one prompt token is computed (it gives the first new token)
   and no request ever writes into a block it shares;
-- a prompt's full blocks are registered when its prefill is made; a later request's prefill that
-  reads them is made after it, so the shards run it after the write (shard/call_order.py), and one
-  in the same prefill reads them after they are written (each layer writes before it attends);
+- a prompt's full blocks are registered when its prefill is made (a prompt prefilled in chunks: each
+  chunk's when that chunk's prefill is made); a later request's prefill that reads them is made after
+  it, so the shards run it after the write (shard/call_order.py), and one in the same prefill reads
+  them after they are written (each layer writes before it attends);
 - generated tokens' blocks are registered when the request ends, and only the blocks whose every
   position holds a token the request streamed and fed back (a call made before the end may still
   write the positions after: the token that ended it, or tokens computed past it and dropped);
@@ -116,18 +117,23 @@ class PrefixCache:
 
     def fill(self, allocator: BlockAllocator, state, total: int) -> None:
         """Complete `state`'s `total` blocks: hits on blocks an earlier request of the same prefill
-        registered, then fresh ones; register its prompt's full blocks."""
+        registered, then fresh ones. Its prompt's blocks are registered by `register_prompt`."""
         more = self.hits(allocator, state, skip=len(state.blocks))
         allocator.acquire(more)
         hit_blocks = len(state.blocks) + len(more)
         state.cached_tokens = hit_blocks * self.block_size
         state.blocks = state.blocks + more + allocator.allocate(total - hit_blocks)
+        if self.enabled and not state.req.decoder_input_details:
+            self.metrics.prefix_lookup(len(state.req.input_ids), state.cached_tokens)
+
+    def register_prompt(self, allocator: BlockAllocator, state, start: int, end: int) -> None:
+        """Register the full blocks of `state`'s prompt tokens [start, end) once the prefill that writes
+        them is made (`start` a block boundary; a block `end` cuts is not full yet and waits)."""
         if not self.enabled:
             return
         hashes = self.prompt_hashes(state)
-        self._register(allocator, state.blocks, hashes, state.req.input_ids, hit_blocks)
-        if not state.req.decoder_input_details:
-            self.metrics.prefix_lookup(len(state.req.input_ids), state.cached_tokens)
+        last = min(len(hashes), end // self.block_size)
+        self._register(allocator, state.blocks, hashes[:last], state.req.input_ids, start // self.block_size)
         self.metrics.cached_blocks(allocator.cached_count)
 
     def release(self, allocator: BlockAllocator, state, failed: bool) -> None:

@@ -17,6 +17,7 @@ class Waiting:
     max_new_tokens: int
     cached_tokens: int = 0  # prompt tokens cached blocks hold (prefix cache): the prefill computes the rest
     held_blocks: int = 0  # of those blocks, the ones other requests hold: they cost no free block
+    chunkable: bool = True  # False: prefilled whole, however long (images, prompt log-probabilities)
 
 
 # A decode call's steps are bounded so the call lasts about this long: a prompt arriving meanwhile waits
@@ -31,6 +32,25 @@ def decode_call_steps(max_steps: int, steps_left: int, step_ms: float | None) ->
     none measured yet)."""
     fit = max_steps if not step_ms else max(1, int(DECODE_CALL_BUDGET_MS // step_ms))
     return max(1, min(max_steps, steps_left, fit))
+
+
+def chunk_tokens(cfg: Config) -> int:
+    """Prompt tokens one chunk of a long prompt computes: --max-batch-prefill-tokens in whole blocks, so
+    that every chunk after the first starts on a block boundary (a prefill over cached blocks)."""
+    return cfg.max_batch_prefill_tokens // cfg.block_size * cfg.block_size
+
+
+def chunk_end(done: int, prompt_len: int, cfg: Config) -> int:
+    """Where the next chunk of a prompt whose first `done` tokens are in the KV cache ends: the prompt's
+    end when the rest fits --max-batch-prefill-tokens (the last chunk), else one chunk further."""
+    if prompt_len - done <= cfg.max_batch_prefill_tokens:
+        return prompt_len
+    return done + chunk_tokens(cfg)
+
+
+def needs_chunks(w: Waiting, cfg: Config) -> bool:
+    """Whether a request's prompt is prefilled in chunks: what it computes exceeds one prefill's budget."""
+    return w.chunkable and w.input_len - w.cached_tokens > cfg.max_batch_prefill_tokens
 
 
 def blocks_needed(input_len: int, max_new_tokens: int, cfg: Config) -> int:
@@ -50,19 +70,25 @@ def join_min_size(running: int, waiting_steps: int, oldest_wait_ms: float, cfg: 
 
 
 def select_prefill(waiting: list[Waiting], running: int, free_blocks: int, cfg: Config,
-                   min_size: int | None = None) -> int:
+                   min_size: int | None = None, chunks: bool = True) -> int:
     """How many requests from the head of the queue (FIFO) the next prefill takes.
 
     Limits: --max-batch-size over running + new, the padded prefill shape within
     --max-batch-prefill-tokens (prompt tokens to compute: cached ones are not), and
     the free KV blocks (cached blocks no request holds count as free: taking one
     costs a block as a fresh one does). Stops at the first request that does not
-    fit, so that no request is overtaken forever.
+    fit, so that no request is overtaken forever. A prompt prefilled in chunks
+    goes alone: its first chunk fills the prefill; with `chunks` False (one is
+    being chunked already) it waits at the head of the queue.
     """
     room = cfg.max_batch_size - running
     taken, longest, blocks = 0, 0, 0
     for w in waiting:
         if taken >= room:
+            break
+        if needs_chunks(w, cfg):
+            alone = chunks and taken == 0 and blocks_needed(w.input_len, w.max_new_tokens, cfg) - w.held_blocks <= free_blocks
+            taken = 1 if alone else taken
             break
         longest_next = max(longest, w.input_len - w.cached_tokens)
         seq = buckets.prefill_seq_bucket(longest_next, cfg)
