@@ -5,7 +5,7 @@ object, render its children, apply them, observe what the cluster made of them,
 report the status. With spec.model.cache.prefetch the model-cache download Job comes
 first (download.py): the Deployment waits for it. Triggers: create/update/resume of an
 InferenceService, any event of a child (Deployment, Service, PodDisruptionBudget,
-NetworkPolicy, autoscaler) or pod carrying our labels, of a download Job (its owners' passes),
+NetworkPolicy, autoscaler, InferencePool, HTTPRoute) or pod carrying our labels, of a download Job (its owners' passes),
 and a resync timer that also polls warmup progress of warming pods and a download's progress.
 Runs for the same object are serialized; a trigger arriving during a run causes
 one more run after it, never a pile-up.
@@ -29,6 +29,7 @@ from . import download, kube
 from .autoscaling import KINDS as AUTOSCALER_KINDS
 from .config import OperatorConfig
 from .download import Download
+from .gateway import KINDS as GATEWAY_KINDS
 from .render import ISVC_LABEL, MANAGED_BY, Rendered, operator_peer, render
 from .spec import (
     FIELD_MANAGER,
@@ -48,8 +49,14 @@ CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, ISVC_LABEL: kopf.PRE
 WARNING_PHASES = ("Degraded", "Failed")
 # Every kind the operator renders, and the pods: their events trigger a pass of the owner.
 # The kinds a spec may or may not want (render.OPTIONAL_KINDS).
+# The InferencePool and HTTPRoute among them: a route's status, written by the Gateway's controller, is reported.
 OPTIONAL_RESOURCES = [("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies"),
-                      ("autoscaling", "v2", "horizontalpodautoscalers"), ("keda.sh", "v1alpha1", "scaledobjects")]
+                      ("autoscaling", "v2", "horizontalpodautoscalers"), ("keda.sh", "v1alpha1", "scaledobjects"),
+                      ("inference.networking.k8s.io", "v1", "inferencepools"),
+                      ("gateway.networking.k8s.io", "v1", "httproutes")]
+# Kinds whose API a cluster may not serve (CRDs of KEDA, of the Gateway API and its inference extension):
+# reported in the status, not retried as errors.
+MAYBE_UNSERVED = frozenset({*AUTOSCALER_KINDS.values(), *GATEWAY_KINDS})
 CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "pods"), *OPTIONAL_RESOURCES]
 # The model-cache download Jobs: shared, so they name their owners in ownerReferences, not in a label.
 DOWNLOAD_JOBS = ("batch", "v1", "jobs")
@@ -93,8 +100,8 @@ async def _apply(rendered: Rendered, namespace: str, name: str,
     """Delete the optional children this spec does not want (of the `existing` kinds, when known),
     server-side apply the others.
 
-    Returns kind -> live object, and the autoscaler kinds the cluster does not serve (KEDA's
-    ScaledObject without KEDA). Deleting first lets a new autoscaler take over the scale
+    Returns kind -> live object, and the kinds the cluster does not serve (KEDA's ScaledObject
+    without KEDA, the InferencePool and HTTPRoute without the Gateway API's CRDs). Deleting first lets a new autoscaler take over the scale
     subresource from the old one (KEDA refuses a target that an HPA already scales).
     """
     for kind in rendered.unwanted:
@@ -105,7 +112,7 @@ async def _apply(rendered: Rendered, namespace: str, name: str,
         try:
             live[child["kind"]] = await kube.apply(child)
         except kube.NotFound:
-            if child["kind"] not in AUTOSCALER_KINDS.values():
+            if child["kind"] not in MAYBE_UNSERVED:
                 raise
             unserved.append(child["kind"])
     return live, tuple(unserved)
@@ -125,7 +132,7 @@ async def _observe(body: dict[str, Any], rendered: Rendered, live: dict[str, dic
         startup = {**health, "pod": latest["metadata"]["name"]} if health else None
     autoscaler = next((live[k] for k in AUTOSCALER_KINDS.values() if k in live), None)
     return Observed(deployment=live.get("Deployment"), pods=pods, warmup=warmup, autoscaler=autoscaler,
-                    unserved=unserved, download=fetched, startup=startup)
+                    unserved=unserved, download=fetched, startup=startup, route=live.get("HTTPRoute"))
 
 
 async def _prefetch(body: dict[str, Any], spec: InferenceServiceSpec) -> Download | None:

@@ -2,8 +2,8 @@
 
 `render(body, spec)` returns a `Rendered`: the Deployment, the Service,
 when replicas > 1 the PodDisruptionBudget, with spec.networkPolicy the
-NetworkPolicy and with spec.autoscaling its autoscaler (autoscaling.py), each
-a plain dict ready for
+NetworkPolicy, with spec.autoscaling its autoscaler (autoscaling.py) and with
+spec.gateway an InferencePool and HTTPRoute (gateway.py), each a plain dict ready for
 server-side apply, plus the facts the status reports about them (template
 hash, selector, URL), so nothing downstream renders again. Only the fields the
 operator owns are set, so other field managers (HPA through the scale
@@ -22,6 +22,7 @@ from typing import Any
 import kopf
 
 from .autoscaling import render_autoscaler
+from .gateway import render_gateway
 from .spec import (
     API_KEY_ENV,
     PRESTOP_SECONDS,
@@ -45,7 +46,8 @@ RECIPE_DIR = "/recipe-cache"
 RECIPE_SUBPATH = "recipes"
 QUANT_DIR = "/etc/gaudi-serve/quant"
 # Kinds a spec may or may not want; the reconcile deletes the ones a render left out.
-OPTIONAL_KINDS = ("PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler", "ScaledObject")
+OPTIONAL_KINDS = ("PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler", "ScaledObject", "InferencePool",
+                  "HTTPRoute")
 # The label the API server puts on every namespace, holding its name.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
@@ -443,6 +445,7 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
     if spec.network_policy is not None:
         children.append(render_network_policy(body, spec, operator))
     children += render_autoscaler(_metadata(body), spec)
+    children += render_gateway(_metadata(body), spec, selector_labels(meta["name"]))
     # Controller reference: garbage collection removes the children with their owner, and
     # blockOwnerDeletion keeps a foreground delete waiting for them.
     kopf.append_owner_reference(children, owner=body, controller=True, block_owner_deletion=True)

@@ -122,9 +122,10 @@ def _pod(f: FakeKube, ready: bool, name: str = "llama-0") -> dict[str, Any]:
 async def test_status_patched_only_on_change_and_events_only_on_phase_change(fake: FakeKube) -> None:
     await handlers.reconcile("ml", "llama", CONFIG)
     assert [c["kind"] for c in fake.applied] == ["Deployment", "Service"]
-    # None of the optional kinds is wanted at 1 replica without networkPolicy or autoscaling.
+    # None of the optional kinds is wanted at 1 replica without networkPolicy, autoscaling or gateway.
     assert fake.deleted == [(k, "ml", "llama") for k in ("PodDisruptionBudget", "NetworkPolicy",
-                                                         "HorizontalPodAutoscaler", "ScaledObject")]
+                                                         "HorizontalPodAutoscaler", "ScaledObject",
+                                                         "InferencePool", "HTTPRoute")]
     assert len(fake.status_patches) == 1 and fake.body["status"]["phase"] == "Pending"
     assert [e[1] for e in fake.events] == ["Pending"]
 
@@ -370,7 +371,7 @@ async def test_autoscaler_applied_after_the_old_one_is_deleted_and_its_status_re
     await handlers.reconcile("ml", "llama", CONFIG)
     assert [c["kind"] for c in fake.applied] == ["Deployment", "Service", "PodDisruptionBudget",
                                                  "HorizontalPodAutoscaler"]
-    assert fake.deleted == [("NetworkPolicy", "ml", "llama"), ("ScaledObject", "ml", "llama")]
+    assert fake.deleted == [(k, "ml", "llama") for k in ("NetworkPolicy", "ScaledObject", "InferencePool", "HTTPRoute")]
     assert fake.body["status"]["autoscaling"] == {
         "engine": "hpa", "autoscaler": "HorizontalPodAutoscaler/llama", "minReplicas": 1, "maxReplicas": 3,
         "desiredReplicas": 2, "lastScaleTime": "2026-01-01T00:00:00Z"}
@@ -394,6 +395,52 @@ async def test_keda_engine_without_keda_installed_is_reported_not_retried_foreve
     assert degraded["reason"] == "AutoscalerNotInstalled" and "ScaledObject" in degraded["message"]
     assert status["autoscaling"] == {"engine": "keda", "minReplicas": 1, "maxReplicas": 2}
     assert ("HorizontalPodAutoscaler", "ml", "llama") in fake.deleted
+
+
+GATEWAY = {"endpointPicker": {"service": {"name": "epp"}}, "route": {"gateway": {"name": "gw", "namespace": "edge"}}}
+
+
+async def test_gateway_without_its_apis_is_reported_and_the_service_still_applied(
+        fake: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fake.body is not None
+    fake.body["spec"] = {"model": {"id": "m"}, "gateway": GATEWAY}
+    apply = fake.apply
+
+    async def no_gateway_api(obj: dict[str, Any]) -> dict[str, Any]:
+        if obj["kind"] in ("InferencePool", "HTTPRoute"):
+            raise kube.NotFound(f"/apis/.../{obj['kind']}")
+        return await apply(obj)
+    monkeypatch.setattr(kube, "apply", no_gateway_api)
+    status = await handlers.reconcile("ml", "llama", CONFIG)
+    assert status is not None and status["phase"] == "Degraded"
+    assert [c["kind"] for c in fake.applied] == ["Deployment", "Service"]
+    routed = next(c for c in status["conditions"] if c["type"] == "Routed")
+    assert (routed["status"], routed["reason"]) == ("False", "GatewayAPINotInstalled")
+    assert "inferencepools.inference.networking.k8s.io" in routed["message"]
+    assert "httproutes.gateway.networking.k8s.io" in routed["message"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "GatewayAPINotInstalled"
+
+
+async def test_the_routes_status_from_the_apply_reaches_the_status(fake: FakeKube,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fake.body is not None
+    fake.body["spec"] = {"model": {"id": "m"}, "gateway": GATEWAY}
+    parents = [{"parentRef": {"name": "gw", "namespace": "edge"}, "controllerName": "example.net/gw",
+                "conditions": [{"type": "Accepted", "status": "True", "reason": "Accepted", "message": ""},
+                               {"type": "ResolvedRefs", "status": "True", "reason": "ResolvedRefs", "message": ""}]}]
+    apply = fake.apply
+
+    async def with_route_status(obj: dict[str, Any]) -> dict[str, Any]:
+        live = await apply(obj)
+        return {**live, "status": {"parents": parents}} if obj["kind"] == "HTTPRoute" else live
+    monkeypatch.setattr(kube, "apply", with_route_status)
+    status = await handlers.reconcile("ml", "llama", CONFIG)
+    assert status is not None
+    assert [c["kind"] for c in fake.applied][-2:] == ["InferencePool", "HTTPRoute"]
+    routed = next(c for c in status["conditions"] if c["type"] == "Routed")
+    assert (routed["status"], routed["reason"]) == ("True", "RouteAccepted")
+    assert status["gateway"]["parents"][0]["gateway"] == "edge/gw"
 
 
 async def test_reconciler_coalesces_triggers(fake: FakeKube) -> None:

@@ -76,7 +76,8 @@ any: true
   verbs: ["patch"]
 # Children, applied server-side (create is needed when an apply creates the object); only the
 # optional ones are ever deleted (the PodDisruptionBudget at one replica, the NetworkPolicy when
-# the spec drops it, the autoscaler that spec.autoscaling no longer asks for). The rest goes by
+# the spec drops it, the autoscaler that spec.autoscaling no longer asks for, the pool and route of
+# spec.gateway). The rest goes by
 # garbage collection. No Secrets: a spec's Secret references (hubTokenSecretRef, apiKeySecretRef)
 # are resolved by the kubelet, never read by the operator.
 # Exactly what the operator uses: tests/e2e/test_8_rbac.py checks it against the audit log.
@@ -99,6 +100,14 @@ any: true
   verbs: ["list", "watch", "create", "patch", "delete"]
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+# spec.gateway: an InferencePool and an HTTPRoute (where the Gateway API and its inference extension are
+# installed); the route's status, which the Gateway's controller writes, comes back with each apply.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
   verbs: ["list", "watch", "create", "patch", "delete"]
 # Pods: observed (watched) for status and warmup progress, never changed.
 - apiGroups: [""]
