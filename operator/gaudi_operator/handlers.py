@@ -30,6 +30,7 @@ from .autoscaling import KINDS as AUTOSCALER_KINDS
 from .config import OperatorConfig
 from .download import Download
 from .gateway import KINDS as GATEWAY_KINDS
+from .gateway import named_in_status
 from .render import ISVC_LABEL, MANAGED_BY, Rendered, operator_peer, render
 from .spec import (
     FIELD_MANAGER,
@@ -85,7 +86,8 @@ async def reconcile(namespace: str, name: str, config: OperatorConfig,
         rendered = render(body, spec, cluster_domain=config.cluster_domain,
                           operator=operator_peer(config.namespace, config.pod_labels),
                           downloaded=fetched is None or fetched.state == "Complete")
-        existing = None if optional is None else set(optional.get((namespace, name), ()))
+        existing = None if optional is None else set(optional.get((namespace, name), ())) | named_in_status(
+            body.get("status"))
         live, unserved = await _apply(rendered, namespace, name, existing)
     except kube.Invalid as exc:
         # Admitted, but a child is not: content the CRD hands through verbatim (podTemplate,

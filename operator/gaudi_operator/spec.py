@@ -332,6 +332,7 @@ NAMESPACE_NAME = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 ROUTE_PATH_MESSAGE = ("spec.gateway.route.path must be an absolute path starting with '/', without '//', '/./', "
                       "'/../', '%2f', '%2F' or '#', not ending in '/.' or '/..'")
 _BAD_PATH_PARTS = ("//", "/./", "/../", "%2f", "%2F", "#")
+ROUTE_PATH = r"^(?:[-A-Za-z0-9/._~!$&'()*+,;=:@]|[%][0-9a-fA-F]{2})+$"
 
 
 class PickerService(_Model):
@@ -351,7 +352,7 @@ class GatewayParent(_Model):
 
 class GatewayRoute(_Model):
     gateway: GatewayParent
-    path: str = Field("/", min_length=1, max_length=1024)
+    path: str = Field("/", min_length=1, max_length=1024, pattern=ROUTE_PATH)
 
     @model_validator(mode="after")
     def _path(self) -> GatewayRoute:

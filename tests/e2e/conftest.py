@@ -34,6 +34,9 @@ RELEASE, RELEASE_NS = ("gso-e2e", "gaudi-serve-e2e") if EXTERNAL else ("gso", "g
 CHART = ROOT / "charts" / "gaudi-serve-operator"
 GAUDI_NODES = 3  # 8 cards each
 NODE_READY_TIMEOUT = 60
+GATEWAY_CRDS = ROOT / "tests" / "e2e" / "crds"
+GATEWAY_CRD_NAMES = ("gatewayclasses.gateway.networking.k8s.io", "gateways.gateway.networking.k8s.io",
+                     "httproutes.gateway.networking.k8s.io", "inferencepools.inference.networking.k8s.io")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -98,6 +101,7 @@ class Cluster:
     namespaces: list[str] = field(default_factory=list)
     kubelet_logs: KubeletLogs | None = None  # the nodes' log endpoint, which kwok leaves to the tests
     autoscaling: Path | None = None  # hack/autoscaling-tools.sh's directory (simulated cluster only)
+    gateway_api: Path | None = None  # hack/gateway-crds.sh's directory (simulated cluster only)
 
     def add_node(self, name: str, gaudi: int) -> None:
         assert self.cp is not None
@@ -114,6 +118,23 @@ class Cluster:
         self.kubectl("apply", "--server-side", *(f"--filename={c}" for c in crds))
         self.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                      *(f"crd/{c.stem.split('_', 1)[1]}.{c.stem.split('_', 1)[0]}" for c in crds))
+
+    def gateway_crds(self) -> list[Path]:
+        """The Gateway API's CRDs (from its Go module, hack/gateway-crds.sh) and the InferencePool's
+        (tests/e2e/crds: its module is not served here, docs/e2e.md)."""
+        assert self.gateway_api is not None
+        return [*sorted((self.gateway_api / "crds").glob("*.yaml")), GATEWAY_CRDS / "inferencepool-v1.yaml"]
+
+    def install_gateway_crds(self) -> None:
+        """As in a cluster with the Gateway API and its inference extension installed."""
+        crds = self.gateway_crds()
+        self.kubectl("apply", "--server-side", *(f"--filename={c}" for c in crds))
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                     *(f"crd/{n}" for n in GATEWAY_CRD_NAMES))
+
+    def remove_gateway_crds(self) -> None:
+        """As in a cluster without them: deleted with every object of their kinds."""
+        self.kubectl("delete", "crd", "--ignore-not-found", "--wait=true", *GATEWAY_CRD_NAMES)
 
     def node_ready(self, name: str) -> bool:
         node = self.kube.core.read_node(name)
@@ -171,11 +192,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         kube = Kube(cp.admin_kubeconfig)
         logs = KubeletLogs(cp.kubelet_port, cp.pki / "kubelet.crt", cp.pki / "kubelet.key")
         c = Cluster(cp, Kubectl(cp.bin("kubectl"), cp.admin_kubeconfig), kube, binaries.helm, workdir,
-                    cp.admin_kubeconfig, autoscaling=binaries.autoscaling, kubelet_logs=logs)
+                    cp.admin_kubeconfig, autoscaling=binaries.autoscaling, kubelet_logs=logs,
+                    gateway_api=binaries.gateway_api)
         for i in range(GAUDI_NODES):
             c.add_node(f"gaudi-{i}", 8)
         c.add_node("cpu-0", 0)
         c.install_keda_crds()
+        c.install_gateway_crds()
         yield c
     finally:
         if logs is not None:

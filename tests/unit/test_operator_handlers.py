@@ -443,6 +443,19 @@ async def test_the_routes_status_from_the_apply_reaches_the_status(fake: FakeKub
     assert status["gateway"]["parents"][0]["gateway"] == "edge/gw"
 
 
+async def test_the_pool_and_route_the_status_named_are_deleted_with_spec_gateway_even_unindexed(
+        fake: FakeKube) -> None:
+    """A CRD installed after the operator started may never be watched, so never in the index."""
+    assert fake.body is not None
+    fake.body["status"] = {"gateway": {"inferencePool": "llama", "httpRoute": "llama"}}
+    await handlers.reconcile("ml", "llama", CONFIG, optional={})
+    assert fake.deleted == [("InferencePool", "ml", "llama"), ("HTTPRoute", "ml", "llama")]
+    assert "gateway" not in fake.body["status"]
+    fake.deleted.clear()
+    await handlers.reconcile("ml", "llama", CONFIG, optional={})
+    assert fake.deleted == []
+
+
 async def test_reconciler_coalesces_triggers(fake: FakeKube) -> None:
     calls = 0
     gate = asyncio.Event()
