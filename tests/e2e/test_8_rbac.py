@@ -79,12 +79,27 @@ def _download_paths(cluster: Cluster, ns: str) -> None:
     wait_for(lambda: not _jobs(cluster, ns), 60, "the download Jobs gone with their owners")
 
 
+def _gateway_paths(cluster: Cluster, ns: str) -> None:
+    """spec.gateway (the Gateway API's CRDs are installed with the cluster): an InferencePool and an
+    HTTPRoute applied, then deleted with the field."""
+    kubectl = cluster.kubectl
+    gateway = {"endpointPicker": {"service": {"name": "rbac-epp"}}, "route": {"gateway": {"name": "gw"}}}
+    kubectl.apply(isvc_manifest("rbac", ns, shards=1, replicas=1, gateway=gateway))
+    for wanted in (True, False):
+        for kind in ("inferencepool", "httproute"):
+            wait_for(lambda k=kind, w=wanted: (kubectl("get", k, "rbac", "-n", ns, check=False).returncode == 0) == w,
+                     30, f"the {kind} {'applied' if wanted else 'deleted'}")
+        if wanted:
+            kubectl.apply(isvc_manifest("rbac", ns, shards=1, replicas=1))
+
+
 def test_the_chart_grants_what_the_operator_uses_and_no_more(cluster: Cluster, release: Release,
                                                              operator: OperatorProcess, ns: str) -> None:
     kube, kubectl = cluster.kube, cluster.kubectl
     # Every path: create (children applied), 2 replicas (PDB) with a NetworkPolicy, scale to 1 and
     # drop the NetworkPolicy (both deleted), an HPA, a KEDA ScaledObject in its place (HPA deleted),
-    # no autoscaling (ScaledObject deleted), delete; a shared download Job's life (_download_paths).
+    # no autoscaling (ScaledObject deleted), an InferencePool and HTTPRoute (spec.gateway) applied and
+    # deleted, delete; a shared download Job's life (_download_paths).
     kubectl.apply(isvc_manifest("rbac", ns, shards=1, replicas=2, networkPolicy={}))
     wait_for(lambda: kube.status(ns, "rbac").get("phase") == "Ready", 60, "rbac Ready")
     assert kube.children(ns, "rbac")["poddisruptionbudgets"] == ["rbac"]
@@ -103,6 +118,7 @@ def test_the_chart_grants_what_the_operator_uses_and_no_more(cluster: Cluster, r
             wanted = other == kind
             wait_for(lambda o=other, w=wanted: (kubectl("get", o, "rbac", "-n", ns, check=False).returncode == 0) == w,
                      30, f"{kind or 'no autoscaler'} in place")
+    _gateway_paths(cluster, ns)
     kubectl("delete", "gisvc", "rbac", "-n", ns, "--wait=true")
     wait_for(lambda: not kube.pods(ns, "rbac"), 60, "the pods gone")
     _download_paths(cluster, ns)
