@@ -5,8 +5,8 @@ object, render its children, apply them, observe what the cluster made of them,
 report the status. With spec.model.cache.prefetch the model-cache download Job comes
 first (download.py): the Deployment waits for it. Triggers: create/update/resume of an
 InferenceService, any event of a child (Deployment, Service, PodDisruptionBudget,
-NetworkPolicy, autoscaler, InferencePool, HTTPRoute) or pod carrying our labels, of a download Job (its owners' passes),
-and a resync timer that also polls warmup progress of warming pods and a download's progress.
+NetworkPolicy, autoscaler, InferencePool, HTTPRoute) or pod carrying our labels, of a
+download Job (its owners' passes), and a resync timer that also polls warmup progress of warming pods and a download's progress.
 Runs for the same object are serialized; a trigger arriving during a run causes
 one more run after it, never a pile-up.
 
@@ -103,8 +103,9 @@ async def _apply(rendered: Rendered, namespace: str, name: str,
     server-side apply the others.
 
     Returns kind -> live object, and the kinds the cluster does not serve (KEDA's ScaledObject
-    without KEDA, the InferencePool and HTTPRoute without the Gateway API's CRDs). Deleting first lets a new autoscaler take over the scale
-    subresource from the old one (KEDA refuses a target that an HPA already scales).
+    without KEDA, the InferencePool and HTTPRoute without the Gateway API's CRDs). Deleting first
+    lets a new autoscaler take over the scale subresource from the old one (KEDA refuses a target
+    that an HPA already scales).
     """
     for kind in rendered.unwanted:
         if existing is None or kind in existing:
