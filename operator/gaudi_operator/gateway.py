@@ -3,8 +3,8 @@
 The Gateway API Inference Extension puts an endpoint picker between a gateway and the pods: the
 gateway asks it which pod of an InferencePool serves each request, and it answers from the pods'
 queue, KV-cache and LoRA metrics instead of round-robin. The operator renders the pool (this
-service's pods, the runtime's port, the picker the user runs) and, optionally, an HTTPRoute from a
-named Gateway to it. Both APIs are CRDs a cluster may not have: a kind the API server does not serve
+service's pods, the runtime's port, the picker the user runs or its own, picker.py) and,
+optionally, an HTTPRoute from a named Gateway to it. Both APIs are CRDs a cluster may not have: a kind the API server does not serve
 is reported (as a ScaledObject without KEDA is), and the pods keep serving through their Service.
 """
 
@@ -25,7 +25,8 @@ CRDS = {"InferencePool": (f"inferencepools.{POOL_GROUP}", "the Gateway API Infer
 # The route conditions a Gateway's controller writes per parent (GEP-1364), in the order reported.
 ROUTE_CONDITIONS = ("Accepted", "ResolvedRefs")
 
-__all__ = ["CRDS", "KINDS", "Routed", "gateway_status", "named_in_status", "render_gateway", "routed"]
+__all__ = ["CRDS", "KINDS", "NO_PICKER_MESSAGE", "Routed", "gateway_status", "named_in_status", "render_gateway",
+           "routed"]
 
 
 class Routed(NamedTuple):
@@ -36,10 +37,11 @@ class Routed(NamedTuple):
     message: str
 
 
-def render_pool(meta: dict[str, Any], spec: InferenceServiceSpec, selector: dict[str, str]) -> dict[str, Any]:
-    """Every pod of the service, on the runtime's port; the picker tells the gateway which one."""
+def render_pool(meta: dict[str, Any], spec: InferenceServiceSpec, selector: dict[str, str],
+                picker: tuple[str, int]) -> dict[str, Any]:
+    """Every pod of the service, on the runtime's port; the picker (its Service's name and port)
+    tells the gateway which one."""
     assert spec.gateway is not None
-    picker = spec.gateway.endpoint_picker
     return {
         "apiVersion": POOL_API,
         "kind": "InferencePool",
@@ -47,8 +49,8 @@ def render_pool(meta: dict[str, Any], spec: InferenceServiceSpec, selector: dict
         "spec": {
             "selector": {"matchLabels": dict(selector)},
             "targetPorts": [{"number": RUNTIME_PORT}],
-            "endpointPickerRef": {"group": "", "kind": "Service", "name": picker.service.name,
-                                  "port": {"number": picker.service.port}, "failureMode": picker.failure_mode},
+            "endpointPickerRef": {"group": "", "kind": "Service", "name": picker[0], "port": {"number": picker[1]},
+                                  "failureMode": spec.gateway.endpoint_picker.failure_mode},
         },
     }
 
@@ -80,12 +82,14 @@ def render_route(meta: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, 
     }
 
 
-def render_gateway(meta: dict[str, Any], spec: InferenceServiceSpec, selector: dict[str, str]) -> list[dict[str, Any]]:
-    """The pool and, with spec.gateway.route, the route (none without spec.gateway); `meta` is the
-    children's metadata, `selector` the pods' labels the Deployment selects."""
-    if spec.gateway is None:
+def render_gateway(meta: dict[str, Any], spec: InferenceServiceSpec, selector: dict[str, str],
+                   picker: tuple[str, int] | None) -> list[dict[str, Any]]:
+    """The pool and, with spec.gateway.route, the route (none without spec.gateway, or without a picker
+    to refer to: picker.picker_ref); `meta` is the children's metadata, `selector` the pods' labels
+    the Deployment selects."""
+    if spec.gateway is None or picker is None:
         return []
-    out = [render_pool(dict(meta), spec, selector)]
+    out = [render_pool(dict(meta), spec, selector, picker)]
     if spec.gateway.route is not None:
         out.append(render_route(dict(meta), spec))
     return out
@@ -118,12 +122,15 @@ def route_parents(route: dict[str, Any] | None, spec: InferenceServiceSpec, name
     return out
 
 
-def gateway_status(spec: InferenceServiceSpec, name: str, namespace: str,
-                   route: dict[str, Any] | None) -> dict[str, Any] | None:
-    """status.gateway: the pool, the route and what the Gateway's controller says of the route."""
-    if spec.gateway is None:
+def gateway_status(spec: InferenceServiceSpec, name: str, namespace: str, route: dict[str, Any] | None,
+                   picker: str | None = None, managed: bool = False) -> dict[str, Any] | None:
+    """status.gateway: the pool, its picker (`managed`: run by the operator), the route and what the
+    Gateway's controller says of the route. No pool without a picker (`picker` None)."""
+    if spec.gateway is None or picker is None:
         return None
-    out: dict[str, Any] = {"inferencePool": name}
+    out: dict[str, Any] = {"inferencePool": name, "endpointPicker": picker}
+    if managed:
+        out["endpointPickerManaged"] = True
     if spec.gateway.route is not None:
         out["httpRoute"] = name
         parents = route_parents(route, spec, namespace)
@@ -160,16 +167,24 @@ def _route_verdict(parents: list[dict[str, Any]], gateway: str, name: str) -> Ro
     return Routed(True, "RouteAccepted", f"HTTPRoute {name}: {said}")
 
 
+NO_PICKER_MESSAGE = ("spec.gateway.endpointPicker.service is unset and this operator has no picker image to run "
+                     "one from (its chart's value gateway.endpointPicker.image): set that, or name the Service of "
+                     "a picker you run; no InferencePool until then, the pods serve through their Service")
+
+
 def routed(spec: InferenceServiceSpec, name: str, namespace: str, unserved: tuple[str, ...],
-           route: dict[str, Any] | None) -> Routed | None:
-    """Whether requests reach the pool through the gateway, as far as the cluster tells (None: no spec.gateway)."""
+           route: dict[str, Any] | None, picker: str | None = None) -> Routed | None:
+    """Whether requests reach the pool through the gateway, as far as the cluster tells (None: no
+    spec.gateway); `picker` is the picker Service the pool refers to, None when there is none."""
     g = spec.gateway
     if g is None:
         return None
+    if picker is None:
+        return Routed(False, "EndpointPickerNotConfigured", NO_PICKER_MESSAGE)
     missing = missing_apis(unserved)
     if missing:
         return Routed(False, "GatewayAPINotInstalled", f"{missing}; the pods still serve through their Service")
-    picker = f"picker Service {g.endpoint_picker.service.name}:{g.endpoint_picker.service.port}"
+    picker = f"picker Service {picker}"
     if g.route is None:
         return Routed(True, "InferencePoolApplied", f"InferencePool {name} ({picker}); no HTTPRoute rendered "
                                                     "(spec.gateway.route unset): route to the pool with one of your own")

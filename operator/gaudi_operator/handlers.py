@@ -31,6 +31,7 @@ from .config import OperatorConfig
 from .download import Download
 from .gateway import KINDS as GATEWAY_KINDS
 from .gateway import named_in_status
+from .picker import PickerConfig, stale_picker
 from .render import ISVC_LABEL, MANAGED_BY, Rendered, operator_peer, render
 from .spec import (
     FIELD_MANAGER,
@@ -85,9 +86,11 @@ async def reconcile(namespace: str, name: str, config: OperatorConfig,
         fetched = await _prefetch(body, spec)
         rendered = render(body, spec, cluster_domain=config.cluster_domain,
                           operator=operator_peer(config.namespace, config.pod_labels),
-                          downloaded=fetched is None or fetched.state == "Complete")
+                          downloaded=fetched is None or fetched.state == "Complete", picker=_picker(config))
         existing = None if optional is None else set(optional.get((namespace, name), ())) | named_in_status(
             body.get("status"))
+        for kind, stale in stale_picker(body.get("status"), name, rendered.picker_managed):
+            await kube.delete(kind, namespace, stale)
         live, unserved = await _apply(rendered, namespace, name, existing)
     except kube.Invalid as exc:
         # Admitted, but a child is not: content the CRD hands through verbatim (podTemplate,
@@ -113,12 +116,19 @@ async def _apply(rendered: Rendered, namespace: str, name: str,
     live, unserved = {}, []
     for child in rendered.children:
         try:
-            live[child["kind"]] = await kube.apply(child)
+            applied = await kube.apply(child)
         except kube.NotFound:
             if child["kind"] not in MAYBE_UNSERVED:
                 raise
             unserved.append(child["kind"])
+            continue
+        if child["metadata"]["name"] == name:  # not the picker's objects (<name>-epp)
+            live[child["kind"]] = applied
     return live, tuple(unserved)
+
+
+def _picker(config: OperatorConfig) -> PickerConfig:
+    return PickerConfig(config.picker_image, tuple(config.picker_args.split()), config.picker_cluster_role)
 
 
 async def _observe(body: dict[str, Any], rendered: Rendered, live: dict[str, dict[str, Any]],

@@ -37,6 +37,8 @@ _KINDS = {
     "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
     "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
     "HTTPRoute": ("/apis/gateway.networking.k8s.io/v1", "httproutes"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "Pod": ("/api/v1", "pods"),
     "Event": ("/api/v1", "events"),
     "InferenceService": (f"/apis/{GROUP}/{VERSION}", PLURAL),

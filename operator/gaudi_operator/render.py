@@ -23,6 +23,7 @@ import kopf
 
 from .autoscaling import render_autoscaler
 from .gateway import render_gateway
+from .picker import PickerConfig, picker_ref, render_picker
 from .spec import (
     API_KEY_ENV,
     PRESTOP_SECONDS,
@@ -66,6 +67,8 @@ class Rendered:
     template_hash: str  # label of the pods that run the current template
     selector: str  # label selector of the pods, for the scale subresource
     url: str  # the Service's in-cluster address
+    picker: str | None = None  # with spec.gateway: the picker Service the pool refers to (name:port)
+    picker_managed: bool = False  # the operator runs that picker (picker.py)
 
 
 def labels(name: str) -> dict[str, str]:
@@ -425,7 +428,7 @@ def render_network_policy(body: dict[str, Any], spec: InferenceServiceSpec,
 
 def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
            cluster_domain: str = "cluster.local", operator: dict[str, Any] | None = None,
-           downloaded: bool = True) -> Rendered:
+           downloaded: bool = True, picker: PickerConfig | None = None) -> Rendered:
     """All children of an InferenceService `body`.
 
     `body` needs apiVersion, kind and metadata name, namespace and uid: the children's
@@ -433,6 +436,7 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
     operator's pods (`operator_peer`), admitted by a NetworkPolicy for the warmup poll.
     `downloaded` False (the model-cache download is not over) leaves the Deployment out: it is
     neither created nor changed, so a first start waits and pods of an earlier template keep serving.
+    `picker`: the picker the operator runs for a spec.gateway that names none (the chart's image).
     """
     spec = spec or parse_spec(body.get("spec"))
     meta = body["metadata"]
@@ -445,7 +449,10 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
     if spec.network_policy is not None:
         children.append(render_network_policy(body, spec, operator))
     children += render_autoscaler(_metadata(body), spec)
-    children += render_gateway(_metadata(body), spec, selector_labels(meta["name"]))
+    picker = picker or PickerConfig()
+    ref = picker_ref(spec, meta["name"], picker)
+    own_picker = render_picker(_metadata(body), spec, picker)
+    children += own_picker + render_gateway(_metadata(body), spec, selector_labels(meta["name"]), ref)
     # Controller reference: garbage collection removes the children with their owner, and
     # blockOwnerDeletion keeps a foreground delete waiting for them.
     kopf.append_owner_reference(children, owner=body, controller=True, block_owner_deletion=True)
@@ -456,4 +463,6 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
         template_hash=deployment["spec"]["template"]["metadata"]["labels"][TEMPLATE_HASH_LABEL],
         selector=selector_string(meta["name"]),
         url=service_url(meta["name"], meta["namespace"], spec, cluster_domain),
+        picker=f"{ref[0]}:{ref[1]}" if ref else None,
+        picker_managed=bool(own_picker),
     )

@@ -341,7 +341,7 @@ class PickerService(_Model):
 
 
 class EndpointPicker(_Model):
-    service: PickerService
+    service: PickerService | None = None  # unset: the operator runs one (the chart's picker image)
     failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
 
 
@@ -365,7 +365,7 @@ class GatewayRoute(_Model):
 class Gateway(_Model):
     """An InferencePool of this service's pods behind an endpoint picker, and optionally an HTTPRoute to it."""
 
-    endpoint_picker: EndpointPicker
+    endpoint_picker: EndpointPicker = EndpointPicker()
     route: GatewayRoute | None = None
 
 

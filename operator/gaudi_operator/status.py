@@ -24,7 +24,7 @@ from .download import Download
 from .download import summary as download_summary
 from .estimate import expected_warmup_shapes
 from .gateway import KINDS as GATEWAY_KINDS
-from .gateway import gateway_status, missing_apis, routed
+from .gateway import NO_PICKER_MESSAGE, gateway_status, missing_apis, routed
 from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, Rendered, selector_string
 from .spec import InferenceServiceSpec
 
@@ -38,12 +38,12 @@ CONTAINER_CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError"
 PROBLEM_ORDER = (
     "InvalidSpec", "ModelDownloadFailed", "WarmupOutOfMemory", "StartupStalled", "OOMKilled", "CrashLoopBackOff",
     *CONTAINER_CONFIG_REASONS, *IMAGE_PULL_REASONS, "PodFailed", "ProgressDeadlineExceeded", "AutoscalerNotInstalled",
-    "GatewayAPINotInstalled", "Unschedulable",
+    "GatewayAPINotInstalled", "EndpointPickerNotConfigured", "Unschedulable",
 )
 # Problems that leave a pod unable to ever serve without a change by the user.
 # A stalled start is restarted and may well get through the next time (a hung collective, a stuck mount).
 FATAL_REASONS = frozenset(PROBLEM_ORDER) - {"Unschedulable", "AutoscalerNotInstalled", "GatewayAPINotInstalled",
-                                            "StartupStalled"}
+                                            "EndpointPickerNotConfigured", "StartupStalled"}
 # Without a problem, the Ready condition's reason names how far the pods got.
 PHASE_OF_READY_REASON = {"AllReplicasReady": "Ready", "WarmingUp": "WarmingUp", "Loading": "Loading"}
 # What to do about each reason a download gives for failing (download_report.py in the runtime).
@@ -270,7 +270,9 @@ def _download_problem(download: Download | None, spec: InferenceServiceSpec) -> 
     return Problem(problem.reason, f"download {problem.message}") if problem else None
 
 
-def observe_fleet(spec: InferenceServiceSpec, template_hash: str, observed: Observed) -> Fleet:
+def observe_fleet(spec: InferenceServiceSpec, template_hash: str, observed: Observed, no_picker: bool = False) -> Fleet:
+    """The pods counted once, and every problem, most telling first; `no_picker`: spec.gateway has no
+    picker to refer its pool to."""
     states = [pod_state(p, template_hash, spec.shards, observed.warmup.get((p.get("metadata") or {}).get("name", "")))
               for p in observed.pods]
     active = [s for s in states if not s.terminating]
@@ -288,6 +290,8 @@ def observe_fleet(spec: InferenceServiceSpec, template_hash: str, observed: Obse
     if gateway_missing := missing_apis(observed.unserved):
         problems.append(Problem("GatewayAPINotInstalled", f"spec.gateway: {gateway_missing}; the pods still serve "
                                                           "through their Service"))
+    if no_picker:
+        problems.append(Problem("EndpointPickerNotConfigured", NO_PICKER_MESSAGE))
     problems.sort(key=lambda p: PROBLEM_ORDER.index(p.reason))
     old = any(not s.updated for s in active)
     return Fleet(desired=spec.replicas, active=active, problems=problems,
@@ -424,7 +428,7 @@ def _stamp(body: dict[str, Any], conditions: dict[str, Condition], now: str) -> 
 def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: Rendered, observed: Observed,
                    *, now: str) -> dict[str, Any]:
     """The status of an InferenceService whose children were rendered as `rendered` and observed as `observed`."""
-    fleet = observe_fleet(spec, rendered.template_hash, observed)
+    fleet = observe_fleet(spec, rendered.template_hash, observed, spec.gateway is not None and rendered.picker is None)
     warm = _warmup_progress(fleet)
     summary = _summary(fleet, warm, spec)
     conditions = {"Ready": _ready(fleet, summary), "Progressing": _progressing(fleet, summary),
@@ -432,7 +436,8 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: R
     if observed.download is not None:
         conditions["Downloaded"] = _downloaded(observed.download, spec)
     meta = body.get("metadata") or {}
-    route = routed(spec, meta.get("name", ""), meta.get("namespace", ""), observed.unserved, observed.route)
+    route = routed(spec, meta.get("name", ""), meta.get("namespace", ""), observed.unserved, observed.route,
+                   rendered.picker)
     if route is not None:
         conditions["Routed"] = Condition(*route)
     status: dict[str, Any] = {
@@ -455,7 +460,8 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: R
     if observed.download is not None:
         status["download"] = observed.download.as_status()
         status["downloadSummary"] = download_summary(observed.download)
-    gateway = gateway_status(spec, meta.get("name", ""), meta.get("namespace", ""), observed.route)
+    gateway = gateway_status(spec, meta.get("name", ""), meta.get("namespace", ""), observed.route,
+                             rendered.picker, rendered.picker_managed)
     if gateway:
         status["gateway"] = gateway
     startup = _startup(observed.startup) or (body.get("status") or {}).get("startup")

@@ -9,17 +9,20 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
 from gaudi_operator.gateway import gateway_status, routed
-from gaudi_operator.render import OPTIONAL_KINDS, render
+from gaudi_operator.picker import PickerConfig, stale_picker
+from gaudi_operator.render import ISVC_LABEL, OPTIONAL_KINDS, render
 from gaudi_operator.spec import PRESTOP_SECONDS, RUNTIME_PORT, parse_spec
 from gaudi_operator.status import Observed, compute_status
 from tests.unit.test_operator_crd import _cel, _default, _strict, admit, manifest
 from tests.unit.test_operator_render import body, children
 
 ROOT = Path(__file__).resolve().parents[2]
+K8S_VERSION = "1.37.0"
 POOL_CRD = yaml.safe_load((ROOT / "tests" / "e2e" / "crds" / "inferencepool-v1.yaml").read_text())
 POOL_SCHEMA = POOL_CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 PICKER = {"service": {"name": "llama-epp"}}
@@ -157,7 +160,7 @@ def test_missing_apis_are_named_and_the_service_is_degraded_never_failed(
 def test_a_pool_without_a_route_is_reported_as_applied() -> None:
     ok, reason, message = _routed(_status())
     assert (ok, reason) == ("True", "InferencePoolApplied") and "llama-epp:9002" in message
-    assert _status()["gateway"] == {"inferencePool": "llama"}
+    assert _status()["gateway"] == {"inferencePool": "llama", "endpointPicker": "llama-epp:9002"}
 
 
 def test_a_route_no_controller_wrote_about_is_pending() -> None:
@@ -174,7 +177,8 @@ def test_the_routes_conditions_are_reported_as_its_controller_wrote_them() -> No
     assert (ok, reason) == ("False", "RouteRefsNotResolved")
     assert "Accepted=True (Accepted)" in message
     assert "ResolvedRefs=False (InvalidKind: InferencePool is not a supported backend kind)" in message
-    assert status["gateway"] == {"inferencePool": "llama", "httpRoute": "llama", "parents": [{
+    assert status["gateway"] == {"inferencePool": "llama", "endpointPicker": "llama-epp:9002", "httpRoute": "llama",
+                                 "parents": [{
         "gateway": "gateway-system/inference-gateway", "controllerName": "example.net/gateway", "conditions": [
             {"type": "Accepted", "status": "True", "reason": "Accepted", "message": ""},
             {"type": "ResolvedRefs", "status": "False", "reason": "InvalidKind",
@@ -212,3 +216,62 @@ def test_a_draining_pod_leaves_the_pool_before_it_stops_taking_requests() -> Non
     assert c["lifecycle"]["preStop"] == {"sleep": {"seconds": PRESTOP_SECONDS}} and PRESTOP_SECONDS > 0
     grace = int(c["args"][c["args"].index("--shutdown-grace-seconds") + 1])
     assert PRESTOP_SECONDS + grace < pod["terminationGracePeriodSeconds"]
+
+
+OWN = PickerConfig(image="registry.example/epp:v1", args=("--v=3",), cluster_role="gso-endpoint-picker")
+
+
+def test_without_a_named_picker_the_operator_runs_one_from_the_charts_image() -> None:
+    b = body(replicas=2, gateway={"route": ROUTE})
+    r = render(b, picker=OWN)
+    kids = {(c["kind"], c["metadata"]["name"]): c for c in r.children}
+    sa, rb = kids[("ServiceAccount", "llama-epp")], kids[("RoleBinding", "llama-epp")]
+    dep, svc, pool = kids[("Deployment", "llama-epp")], kids[("Service", "llama-epp")], kids[("InferencePool", "llama")]
+    assert rb["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "gso-endpoint-picker"}
+    assert rb["subjects"] == [{"kind": "ServiceAccount", "name": "llama-epp", "namespace": "ml"}]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert pod["serviceAccountName"] == sa["metadata"]["name"] and c["image"] == OWN.image
+    assert c["args"] == ["--pool-name", "llama", "--pool-namespace", "ml", "--grpc-port", "9002",
+                         "--grpc-health-port", "9003", "--v=3"]
+    assert svc["spec"]["selector"] == dep["spec"]["template"]["metadata"]["labels"]
+    assert pool["spec"]["endpointPickerRef"]["name"] == "llama-epp"
+    assert pool["spec"]["endpointPickerRef"]["port"] == {"number": svc["spec"]["ports"][0]["port"]}
+    # The picker's pods are neither in the pool nor counted as the service's replicas.
+    picker_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert ISVC_LABEL not in picker_labels
+    assert not all(picker_labels.get(k) == v for k, v in pool["spec"]["selector"]["matchLabels"].items())
+    for obj in (sa, rb, dep, svc):
+        assert obj["metadata"]["ownerReferences"][0]["name"] == "llama"
+        assert obj["metadata"]["labels"][ISVC_LABEL] == "llama"  # its events trigger a pass of its owner
+        kubernetes_validate.validate(copy.deepcopy(obj), K8S_VERSION, strict=True)
+    assert (r.picker, r.picker_managed) == ("llama-epp:9002", True)
+    status = compute_status(b, parse_spec(b["spec"]), r, Observed(), now="t")
+    assert status["gateway"]["endpointPickerManaged"] is True
+
+
+def test_a_named_picker_is_used_even_when_the_operator_could_run_one() -> None:
+    r = render(body(gateway={"endpointPicker": PICKER}), picker=OWN)
+    assert [c["kind"] for c in r.children if c["metadata"]["name"] == "llama-epp"] == []
+    assert (r.picker, r.picker_managed) == ("llama-epp:9002", False)
+
+
+def test_without_a_picker_image_there_is_no_pool_and_the_status_says_why() -> None:
+    b = body(gateway={"route": ROUTE})
+    r = render(b)
+    assert {"InferencePool", "HTTPRoute"} <= set(r.unwanted) and r.picker is None
+    status = compute_status(b, parse_spec(b["spec"]), r, Observed(), now="t")
+    routed_ = next(c for c in status["conditions"] if c["type"] == "Routed")
+    assert (routed_["status"], routed_["reason"]) == ("False", "EndpointPickerNotConfigured")
+    assert "gateway.endpointPicker.image" in routed_["message"] and "spec.gateway.endpointPicker.service" in \
+        routed_["message"]
+    assert next(c for c in status["conditions"] if c["type"] == "Degraded")["reason"] == "EndpointPickerNotConfigured"
+    assert status["phase"] != "Failed" and "gateway" not in status
+
+
+def test_the_operators_picker_is_deleted_when_no_longer_wanted() -> None:
+    ran = {"gateway": {"inferencePool": "llama", "endpointPicker": "llama-epp:9002", "endpointPickerManaged": True}}
+    assert stale_picker(ran, "llama", wanted=True) == []
+    assert stale_picker(ran, "llama", wanted=False) == [(k, "llama-epp") for k in
+                                                        ("ServiceAccount", "RoleBinding", "Deployment", "Service")]
+    assert stale_picker({"gateway": {"endpointPicker": "mine:9002"}}, "llama", wanted=False) == []

@@ -456,6 +456,25 @@ async def test_the_pool_and_route_the_status_named_are_deleted_with_spec_gateway
     assert fake.deleted == []
 
 
+async def test_the_operators_own_picker_is_applied_then_deleted_with_the_need_for_it(fake: FakeKube) -> None:
+    assert fake.body is not None
+    config = OperatorConfig(picker_image="registry.example/epp:v1", picker_cluster_role="gso-endpoint-picker")
+    fake.body["spec"] = {"model": {"id": "m"}, "replicas": 1, "gateway": {}}
+    status = await handlers.reconcile("ml", "llama", config)
+    assert status is not None
+    assert [(c["kind"], c["metadata"]["name"]) for c in fake.applied] == [
+        ("Deployment", "llama"), ("Service", "llama"), ("ServiceAccount", "llama-epp"), ("RoleBinding", "llama-epp"),
+        ("Deployment", "llama-epp"), ("Service", "llama-epp"), ("InferencePool", "llama")]
+    assert status["gateway"] == {"inferencePool": "llama", "endpointPicker": "llama-epp:9002",
+                                 "endpointPickerManaged": True}
+    fake.deleted.clear()
+    fake.body["spec"]["gateway"] = {"endpointPicker": {"service": {"name": "mine"}}}
+    await handlers.reconcile("ml", "llama", config)
+    assert [d for d in fake.deleted if d[2] == "llama-epp"] == [
+        (k, "ml", "llama-epp") for k in ("ServiceAccount", "RoleBinding", "Deployment", "Service")]
+    assert fake.body["status"]["gateway"]["endpointPicker"] == "mine:9002"
+
+
 async def test_reconciler_coalesces_triggers(fake: FakeKube) -> None:
     calls = 0
     gate = asyncio.Event()

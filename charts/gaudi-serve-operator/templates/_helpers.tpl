@@ -65,6 +65,11 @@ any: true
 {{- end -}}
 
 {{/* Namespaced rules: everything the operator reads and writes inside a watched namespace. */}}
+{{/* The ClusterRole the RoleBinding of each picker the operator runs refers to. */}}
+{{- define "gso.pickerClusterRole" -}}
+{{- printf "%s-endpoint-picker" (include "gso.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "gso.namespacedRules" -}}
 # InferenceServices: read and watch; patch for Kopf's bookkeeping annotations.
 - apiGroups: ["gaudiserve.io"]
@@ -109,6 +114,27 @@ any: true
 - apiGroups: ["gateway.networking.k8s.io"]
   resources: ["httproutes"]
   verbs: ["list", "watch", "create", "patch", "delete"]
+{{- if .Values.gateway.endpointPicker.image }}
+# The endpoint pickers it runs (gateway.endpointPicker.image): a ServiceAccount, a RoleBinding to
+# the chart's picker ClusterRole (binding it needs `bind` on that one role, not its rights), a
+# Deployment and a Service, each named <service>-epp, deleted when the spec no longer wants them.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["rolebindings"]
+  verbs: ["create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["clusterroles"]
+  verbs: ["bind"]
+  resourceNames: [{{ include "gso.pickerClusterRole" . | quote }}]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["delete"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["delete"]
+{{- end }}
 # Pods: observed (watched) for status and warmup progress, never changed.
 - apiGroups: [""]
   resources: ["pods"]
