@@ -147,3 +147,42 @@ def test_a_fleet_behind_a_gateway(cluster: Cluster, operator: OperatorProcess, n
         cluster.install_gateway_crds()
         operator.stop()
         operator.start()
+
+
+def test_without_a_named_picker_the_operator_runs_one(cluster: Cluster, operator: OperatorProcess, ns: str,
+                                                      cleanup: list[str]) -> None:
+    """The chart's picker image set (the session's release): a spec.gateway naming no picker Service gets
+    the operator's own, <name>-epp, whose RoleBinding the API server admits from the operator's token
+    (it may bind the chart's picker ClusterRole without holding that role's rights)."""
+    kube, kubectl, name = cluster.kube, cluster.kubectl, "own-picker"
+    cleanup.append(name)
+    kubectl.apply(isvc_manifest(name, ns, shards=1, gateway={}))
+    objects = ("serviceaccount", "rolebinding", "deployment", "service")
+
+    def picker() -> dict[str, Any] | None:
+        out = {k: kubectl("get", k, f"{name}-epp", "-n", ns, "-o", "json", check=False) for k in objects}
+        return {k: json.loads(o.stdout) for k, o in out.items()} if all(o.returncode == 0 for o in out.values()) \
+            else None
+    live = wait_for(picker, 60, "the picker's ServiceAccount, RoleBinding, Deployment and Service")
+    isvc = kube.isvc(ns, name)
+    assert isvc is not None
+    for obj in live.values():
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
+    assert live["rolebinding"]["roleRef"]["name"].endswith("-endpoint-picker")
+    pod = live["deployment"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == f"{name}-epp"
+    assert pod["containers"][0]["args"][:4] == ["--pool-name", name, "--pool-namespace", ns]
+    pool = wait_for(lambda: (p := kubectl("get", "inferencepool", name, "-n", ns, "-o", "json", check=False))
+                    .returncode == 0 and json.loads(p.stdout), 30, "the InferencePool")
+    assert pool["spec"]["endpointPickerRef"]["name"] == f"{name}-epp"
+    # The picker's pod runs (kwok), outside the pool and outside the service's replicas.
+    wait_for(lambda: kubectl.json("get", "pods", "-n", ns, "-l", f"gaudiserve.io/endpoint-picker={name}")["items"],
+             60, "the picker's pod")
+    status = wait_for(lambda: (s := kube.status(ns, name)).get("readyReplicas") == 1 and s, 60, "one ready replica")
+    assert status["replicas"] == 1 and status["gateway"]["endpointPickerManaged"] is True
+    assert condition(status, "Routed")["reason"] == "InferencePoolApplied"
+
+    kubectl.apply(isvc_manifest(name, ns, shards=1, gateway={"endpointPicker": {"service": {"name": "mine"}}}))
+    wait_for(lambda: all(kubectl("get", k, f"{name}-epp", "-n", ns, check=False).returncode != 0 for k in objects),
+             30, "the operator's picker deleted once the spec names one")
+    assert kubectl.json("get", "inferencepool", name, "-n", ns)["spec"]["endpointPickerRef"]["name"] == "mine"
