@@ -3,9 +3,10 @@
 `render(body, spec)` returns a `Rendered`: the Deployment, the Service,
 when replicas > 1 the PodDisruptionBudget, with spec.networkPolicy the
 NetworkPolicy, with spec.autoscaling its autoscaler (autoscaling.py) and with
-spec.gateway an InferencePool and HTTPRoute (gateway.py), each a plain dict ready for
-server-side apply, plus the facts the status reports about them (template
-hash, selector, URL), so nothing downstream renders again. Only the fields the
+spec.gateway an InferencePool and HTTPRoute (gateway.py) and, when it names no picker,
+the operator's own (picker.py), each a plain dict ready for server-side apply, plus
+the facts the status reports about them (template hash, selector, URL), so nothing
+downstream renders again. Only the fields the
 operator owns are set, so other field managers (HPA through the scale
 subresource, GitOps tools, admission webhooks) keep theirs. The model-cache
 download Job is not a child of one InferenceService: download.py renders it.
