@@ -115,6 +115,8 @@ async def _apply(rendered: Rendered, namespace: str, name: str,
             await kube.delete(kind, namespace, name)
     live, unserved = {}, []
     for child in rendered.children:
+        if child["metadata"]["name"] != name and "InferencePool" in unserved:
+            continue  # the operator's picker (<name>-epp) would serve a pool the cluster cannot hold
         try:
             applied = await kube.apply(child)
         except kube.NotFound:

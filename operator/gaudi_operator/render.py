@@ -453,7 +453,8 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
     picker = picker or PickerConfig()
     ref = picker_ref(spec, meta["name"], picker)
     own_picker = render_picker(_metadata(body), spec, picker)
-    children += own_picker + render_gateway(_metadata(body), spec, selector_labels(meta["name"]), ref)
+    # The pool before its picker: where the cluster does not serve the pool, the picker is left out.
+    children += render_gateway(_metadata(body), spec, selector_labels(meta["name"]), ref) + own_picker
     # Controller reference: garbage collection removes the children with their owner, and
     # blockOwnerDeletion keeps a foreground delete waiting for them.
     kopf.append_owner_reference(children, owner=body, controller=True, block_owner_deletion=True)

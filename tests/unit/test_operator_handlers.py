@@ -463,8 +463,8 @@ async def test_the_operators_own_picker_is_applied_then_deleted_with_the_need_fo
     status = await handlers.reconcile("ml", "llama", config)
     assert status is not None
     assert [(c["kind"], c["metadata"]["name"]) for c in fake.applied] == [
-        ("Deployment", "llama"), ("Service", "llama"), ("ServiceAccount", "llama-epp"), ("RoleBinding", "llama-epp"),
-        ("Deployment", "llama-epp"), ("Service", "llama-epp"), ("InferencePool", "llama")]
+        ("Deployment", "llama"), ("Service", "llama"), ("InferencePool", "llama"), ("ServiceAccount", "llama-epp"),
+        ("RoleBinding", "llama-epp"), ("Deployment", "llama-epp"), ("Service", "llama-epp")]
     assert status["gateway"] == {"inferencePool": "llama", "endpointPicker": "llama-epp:9002",
                                  "endpointPickerManaged": True}
     fake.deleted.clear()
@@ -473,6 +473,24 @@ async def test_the_operators_own_picker_is_applied_then_deleted_with_the_need_fo
     assert [d for d in fake.deleted if d[2] == "llama-epp"] == [
         (k, "ml", "llama-epp") for k in ("ServiceAccount", "RoleBinding", "Deployment", "Service")]
     assert fake.body["status"]["gateway"]["endpointPicker"] == "mine:9002"
+
+
+async def test_no_picker_is_run_for_a_pool_the_cluster_does_not_serve(fake: FakeKube,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fake.body is not None
+    config = OperatorConfig(picker_image="registry.example/epp:v1", picker_cluster_role="gso-endpoint-picker")
+    fake.body["spec"] = {"model": {"id": "m"}, "replicas": 1, "gateway": {}}
+    apply = fake.apply
+
+    async def no_pool_api(obj: dict[str, Any]) -> dict[str, Any]:
+        if obj["kind"] == "InferencePool":
+            raise kube.NotFound("/apis/inference.networking.k8s.io/v1/namespaces/ml/inferencepools/llama")
+        return await apply(obj)
+    monkeypatch.setattr(kube, "apply", no_pool_api)
+    status = await handlers.reconcile("ml", "llama", config)
+    assert status is not None
+    assert [c["metadata"]["name"] for c in fake.applied] == ["llama", "llama"]  # the Deployment and the Service
+    assert next(c for c in status["conditions"] if c["type"] == "Routed")["reason"] == "GatewayAPINotInstalled"
 
 
 async def test_reconciler_coalesces_triggers(fake: FakeKube) -> None:
