@@ -32,6 +32,11 @@ class OperatorConfig:
     # them for the warmup poll. The chart sets both (the namespace through the downward API).
     namespace: str = field(default="", metadata=_env("GAUDI_OPERATOR_NAMESPACE"))
     pod_labels: str = field(default="", metadata=_env("GAUDI_OPERATOR_POD_LABELS"))
+    # The endpoint picker the operator runs for a spec.gateway that names none: its image, extra
+    # arguments (whitespace-separated) and the ClusterRole its RoleBinding grants (the chart's).
+    picker_image: str = field(default="", metadata=_env("GAUDI_OPERATOR_EPP_IMAGE"))
+    picker_args: str = field(default="", metadata=_env("GAUDI_OPERATOR_EPP_ARGS"))
+    picker_cluster_role: str = field(default="", metadata=_env("GAUDI_OPERATOR_EPP_CLUSTER_ROLE"))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:

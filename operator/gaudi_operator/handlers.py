@@ -5,8 +5,8 @@ object, render its children, apply them, observe what the cluster made of them,
 report the status. With spec.model.cache.prefetch the model-cache download Job comes
 first (download.py): the Deployment waits for it. Triggers: create/update/resume of an
 InferenceService, any event of a child (Deployment, Service, PodDisruptionBudget,
-NetworkPolicy, autoscaler) or pod carrying our labels, of a download Job (its owners' passes),
-and a resync timer that also polls warmup progress of warming pods and a download's progress.
+NetworkPolicy, autoscaler, InferencePool, HTTPRoute) or pod carrying our labels, of a
+download Job (its owners' passes), and a resync timer that also polls warmup progress of warming pods and a download's progress.
 Runs for the same object are serialized; a trigger arriving during a run causes
 one more run after it, never a pile-up.
 
@@ -28,6 +28,9 @@ import kopf
 from . import kube, prefetch_job
 from .autoscaling import KINDS as AUTOSCALER_KINDS
 from .config import OperatorConfig
+from .gateway import KINDS as GATEWAY_KINDS
+from .gateway import named_in_status
+from .picker import PickerConfig, stale_picker
 from .prefetch_job import Download
 from .render import ISVC_LABEL, MANAGED_BY, Rendered, operator_peer, render
 from .spec import (
@@ -48,8 +51,14 @@ CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY, ISVC_LABEL: kopf.PRE
 WARNING_PHASES = ("Degraded", "Failed")
 # Every kind the operator renders, and the pods: their events trigger a pass of the owner.
 # The kinds a spec may or may not want (render.OPTIONAL_KINDS).
+# The InferencePool and HTTPRoute among them: a route's status, written by the Gateway's controller, is reported.
 OPTIONAL_RESOURCES = [("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies"),
-                      ("autoscaling", "v2", "horizontalpodautoscalers"), ("keda.sh", "v1alpha1", "scaledobjects")]
+                      ("autoscaling", "v2", "horizontalpodautoscalers"), ("keda.sh", "v1alpha1", "scaledobjects"),
+                      ("inference.networking.k8s.io", "v1", "inferencepools"),
+                      ("gateway.networking.k8s.io", "v1", "httproutes")]
+# Kinds whose API a cluster may not serve (CRDs of KEDA, of the Gateway API and its inference extension):
+# reported in the status, not retried as errors.
+MAYBE_UNSERVED = frozenset({*AUTOSCALER_KINDS.values(), *GATEWAY_KINDS})
 CHILD_RESOURCES = [("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "pods"), *OPTIONAL_RESOURCES]
 # The model-cache download Jobs: shared, so they name their owners in ownerReferences, not in a label.
 DOWNLOAD_JOBS = ("batch", "v1", "jobs")
@@ -77,8 +86,11 @@ async def reconcile(namespace: str, name: str, config: OperatorConfig,
         fetched = await _prefetch(body, spec)
         rendered = render(body, spec, cluster_domain=config.cluster_domain,
                           operator=operator_peer(config.namespace, config.pod_labels),
-                          downloaded=fetched is None or fetched.state == "Complete")
-        existing = None if optional is None else set(optional.get((namespace, name), ()))
+                          downloaded=fetched is None or fetched.state == "Complete", picker=_picker(config))
+        existing = None if optional is None else set(optional.get((namespace, name), ())) | named_in_status(
+            body.get("status"))
+        for kind, stale in stale_picker(body.get("status"), name, rendered.picker_managed):
+            await kube.delete(kind, namespace, stale)
         live, unserved = await _apply(rendered, namespace, name, existing)
     except kube.Invalid as exc:
         # Admitted, but a child is not: content the CRD hands through verbatim (podTemplate,
@@ -93,22 +105,32 @@ async def _apply(rendered: Rendered, namespace: str, name: str,
     """Delete the optional children this spec does not want (of the `existing` kinds, when known),
     server-side apply the others.
 
-    Returns kind -> live object, and the autoscaler kinds the cluster does not serve (KEDA's
-    ScaledObject without KEDA). Deleting first lets a new autoscaler take over the scale
-    subresource from the old one (KEDA refuses a target that an HPA already scales).
+    Returns kind -> live object, and the kinds the cluster does not serve (KEDA's ScaledObject
+    without KEDA, the InferencePool and HTTPRoute without the Gateway API's CRDs). Deleting first
+    lets a new autoscaler take over the scale subresource from the old one (KEDA refuses a target
+    that an HPA already scales).
     """
     for kind in rendered.unwanted:
         if existing is None or kind in existing:
             await kube.delete(kind, namespace, name)
     live, unserved = {}, []
     for child in rendered.children:
+        if child["metadata"]["name"] != name and "InferencePool" in unserved:
+            continue  # the operator's picker (<name>-epp) would serve a pool the cluster cannot hold
         try:
-            live[child["kind"]] = await kube.apply(child)
+            applied = await kube.apply(child)
         except kube.NotFound:
-            if child["kind"] not in AUTOSCALER_KINDS.values():
+            if child["kind"] not in MAYBE_UNSERVED:
                 raise
             unserved.append(child["kind"])
+            continue
+        if child["metadata"]["name"] == name:  # not the picker's objects (<name>-epp)
+            live[child["kind"]] = applied
     return live, tuple(unserved)
+
+
+def _picker(config: OperatorConfig) -> PickerConfig:
+    return PickerConfig(config.picker_image, tuple(config.picker_args.split()), config.picker_cluster_role)
 
 
 async def _observe(body: dict[str, Any], rendered: Rendered, live: dict[str, dict[str, Any]],
@@ -125,7 +147,7 @@ async def _observe(body: dict[str, Any], rendered: Rendered, live: dict[str, dic
         startup = {**health, "pod": latest["metadata"]["name"]} if health else None
     autoscaler = next((live[k] for k in AUTOSCALER_KINDS.values() if k in live), None)
     return Observed(deployment=live.get("Deployment"), pods=pods, warmup=warmup, autoscaler=autoscaler,
-                    unserved=unserved, download=fetched, startup=startup)
+                    unserved=unserved, download=fetched, startup=startup, route=live.get("HTTPRoute"))
 
 
 async def _prefetch(body: dict[str, Any], spec: InferenceServiceSpec) -> Download | None:

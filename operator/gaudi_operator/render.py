@@ -2,10 +2,11 @@
 
 `render(body, spec)` returns a `Rendered`: the Deployment, the Service,
 when replicas > 1 the PodDisruptionBudget, with spec.networkPolicy the
-NetworkPolicy and with spec.autoscaling its autoscaler (autoscaling.py), each
-a plain dict ready for
-server-side apply, plus the facts the status reports about them (template
-hash, selector, URL), so nothing downstream renders again. Only the fields the
+NetworkPolicy, with spec.autoscaling its autoscaler (autoscaling.py) and with
+spec.gateway an InferencePool and HTTPRoute (gateway.py) and, when it names no picker,
+the operator's own (picker.py), each a plain dict ready for server-side apply, plus
+the facts the status reports about them (template hash, selector, URL), so nothing
+downstream renders again. Only the fields the
 operator owns are set, so other field managers (HPA through the scale
 subresource, GitOps tools, admission webhooks) keep theirs. The model-cache
 download Job is not a child of one InferenceService: download.py renders it.
@@ -22,6 +23,8 @@ from typing import Any
 import kopf
 
 from .autoscaling import render_autoscaler
+from .gateway import render_gateway
+from .picker import PickerConfig, picker_ref, render_picker
 from .spec import (
     API_KEY_ENV,
     PRESTOP_SECONDS,
@@ -45,7 +48,8 @@ RECIPE_DIR = "/recipe-cache"
 RECIPE_SUBPATH = "recipes"
 QUANT_DIR = "/etc/gaudi-serve/quant"
 # Kinds a spec may or may not want; the reconcile deletes the ones a render left out.
-OPTIONAL_KINDS = ("PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler", "ScaledObject")
+OPTIONAL_KINDS = ("PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler", "ScaledObject", "InferencePool",
+                  "HTTPRoute")
 # The label the API server puts on every namespace, holding its name.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
@@ -64,6 +68,8 @@ class Rendered:
     template_hash: str  # label of the pods that run the current template
     selector: str  # label selector of the pods, for the scale subresource
     url: str  # the Service's in-cluster address
+    picker: str | None = None  # with spec.gateway: the picker Service the pool refers to (name:port)
+    picker_managed: bool = False  # the operator runs that picker (picker.py)
 
 
 def labels(name: str) -> dict[str, str]:
@@ -423,7 +429,7 @@ def render_network_policy(body: dict[str, Any], spec: InferenceServiceSpec,
 
 def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
            cluster_domain: str = "cluster.local", operator: dict[str, Any] | None = None,
-           downloaded: bool = True) -> Rendered:
+           downloaded: bool = True, picker: PickerConfig | None = None) -> Rendered:
     """All children of an InferenceService `body`.
 
     `body` needs apiVersion, kind and metadata name, namespace and uid: the children's
@@ -431,6 +437,7 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
     operator's pods (`operator_peer`), admitted by a NetworkPolicy for the warmup poll.
     `downloaded` False (the model-cache download is not over) leaves the Deployment out: it is
     neither created nor changed, so a first start waits and pods of an earlier template keep serving.
+    `picker`: the picker the operator runs for a spec.gateway that names none (the chart's image).
     """
     spec = spec or parse_spec(body.get("spec"))
     meta = body["metadata"]
@@ -443,6 +450,11 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
     if spec.network_policy is not None:
         children.append(render_network_policy(body, spec, operator))
     children += render_autoscaler(_metadata(body), spec)
+    picker = picker or PickerConfig()
+    ref = picker_ref(spec, meta["name"], picker)
+    own_picker = render_picker(_metadata(body), spec, picker)
+    # The pool before its picker: where the cluster does not serve the pool, the picker is left out.
+    children += render_gateway(_metadata(body), spec, selector_labels(meta["name"]), ref) + own_picker
     # Controller reference: garbage collection removes the children with their owner, and
     # blockOwnerDeletion keeps a foreground delete waiting for them.
     kopf.append_owner_reference(children, owner=body, controller=True, block_owner_deletion=True)
@@ -453,4 +465,6 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
         template_hash=deployment["spec"]["template"]["metadata"]["labels"][TEMPLATE_HASH_LABEL],
         selector=selector_string(meta["name"]),
         url=service_url(meta["name"], meta["namespace"], spec, cluster_domain),
+        picker=f"{ref[0]}:{ref[1]}" if ref else None,
+        picker_managed=bool(own_picker),
     )

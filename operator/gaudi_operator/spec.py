@@ -323,6 +323,52 @@ class Autoscaling(_Model):
         return self
 
 
+# ---- spec.gateway ------------------------------------------------------------
+
+# A Service's name (DNS-1035 label) and a namespace's (DNS-1123 label): what the Gateway API refers to.
+SERVICE_NAME = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
+NAMESPACE_NAME = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+# The Gateway API refuses these in a PathPrefix match (its HTTPRoute CRD's rules, same meaning).
+ROUTE_PATH_MESSAGE = ("spec.gateway.route.path must be an absolute path starting with '/', without '//', '/./', "
+                      "'/../', '%2f', '%2F' or '#', not ending in '/.' or '/..'")
+_BAD_PATH_PARTS = ("//", "/./", "/../", "%2f", "%2F", "#")
+ROUTE_PATH = r"^(?:[-A-Za-z0-9/._~!$&'()*+,;=:@]|[%][0-9a-fA-F]{2})+$"
+
+
+class PickerService(_Model):
+    name: Annotated[str, StringConstraints(max_length=63, pattern=SERVICE_NAME)]
+    port: int = Field(9002, ge=1, le=65535)  # the upstream picker's ext-proc (gRPC) port
+
+
+class EndpointPicker(_Model):
+    service: PickerService | None = None  # unset: the operator runs one (the chart's picker image)
+    failure_mode: Literal["FailOpen", "FailClose"] = "FailClose"
+
+
+class GatewayParent(_Model):
+    name: ObjectName
+    namespace: Annotated[str, StringConstraints(max_length=63, pattern=NAMESPACE_NAME)] | None = None
+
+
+class GatewayRoute(_Model):
+    gateway: GatewayParent
+    path: str = Field("/", min_length=1, max_length=1024, pattern=ROUTE_PATH)
+
+    @model_validator(mode="after")
+    def _path(self) -> GatewayRoute:
+        p = self.path
+        if not p.startswith("/") or any(b in p for b in _BAD_PATH_PARTS) or p.endswith(("/.", "/..")):
+            raise ValueError(ROUTE_PATH_MESSAGE)
+        return self
+
+
+class Gateway(_Model):
+    """An InferencePool of this service's pods behind an endpoint picker, and optionally an HTTPRoute to it."""
+
+    endpoint_picker: EndpointPicker = EndpointPicker()
+    route: GatewayRoute | None = None
+
+
 class InferenceServiceSpec(_Model):
     model: ModelSource
     replicas: int = Field(1, ge=0)
@@ -347,6 +393,7 @@ class InferenceServiceSpec(_Model):
     probes: Probes = Probes()
     pod_template: PodTemplate = PodTemplate()
     autoscaling: Autoscaling | None = None
+    gateway: Gateway | None = None
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceServiceSpec:

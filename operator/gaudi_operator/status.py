@@ -21,6 +21,8 @@ from gaudi_runtime.progress import STALL_EXIT_CODE
 
 from .autoscaling import autoscaling_status
 from .estimate import expected_warmup_shapes
+from .gateway import KINDS as GATEWAY_KINDS
+from .gateway import NO_PICKER_MESSAGE, gateway_status, missing_apis, routed
 from .prefetch_job import Download
 from .prefetch_job import summary as download_summary
 from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, Rendered, selector_string
@@ -28,18 +30,20 @@ from .spec import InferenceServiceSpec
 
 MANAGED_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "selector",
                 "url", "readySummary", "warmupSummary", "warmup", "conditions", "autoscaling", "download",
-                "downloadSummary", "startup")
+                "downloadSummary", "startup", "gateway")
 
 IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 CONTAINER_CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
 # Most telling first: this is the order in which a problem is chosen for the conditions.
 PROBLEM_ORDER = (
     "InvalidSpec", "ModelDownloadFailed", "WarmupOutOfMemory", "StartupStalled", "OOMKilled", "CrashLoopBackOff",
-    *CONTAINER_CONFIG_REASONS, *IMAGE_PULL_REASONS, "PodFailed", "ProgressDeadlineExceeded", "AutoscalerNotInstalled", "Unschedulable",
+    *CONTAINER_CONFIG_REASONS, *IMAGE_PULL_REASONS, "PodFailed", "ProgressDeadlineExceeded", "AutoscalerNotInstalled",
+    "GatewayAPINotInstalled", "EndpointPickerNotConfigured", "Unschedulable",
 )
 # Problems that leave a pod unable to ever serve without a change by the user.
 # A stalled start is restarted and may well get through the next time (a hung collective, a stuck mount).
-FATAL_REASONS = frozenset(PROBLEM_ORDER) - {"Unschedulable", "AutoscalerNotInstalled", "StartupStalled"}
+FATAL_REASONS = frozenset(PROBLEM_ORDER) - {"Unschedulable", "AutoscalerNotInstalled", "GatewayAPINotInstalled",
+                                            "EndpointPickerNotConfigured", "StartupStalled"}
 # Without a problem, the Ready condition's reason names how far the pods got.
 PHASE_OF_READY_REASON = {"AllReplicasReady": "Ready", "WarmingUp": "WarmingUp", "Loading": "Loading"}
 # What to do about each reason a download gives for failing (download_events.py in the runtime).
@@ -76,7 +80,8 @@ class Observed:
 
     `warmup` maps pod name -> the `warmup` object of that pod's /health answer; `autoscaler` is
     the live HorizontalPodAutoscaler or ScaledObject; `unserved` the kinds the cluster refused
-    because it does not serve them (a ScaledObject without KEDA installed); `download` is the
+    because it does not serve them (a ScaledObject without KEDA installed, an InferencePool or HTTPRoute
+    without the Gateway API's CRDs); `route` the live HTTPRoute of spec.gateway.route; `download` is the
     model-cache download (spec.model.cache.prefetch); `startup` the /health answer of the newest
     ready pod (`latest_ready_pod`), with its name under "pod", when it was read in this pass.
     """
@@ -88,6 +93,7 @@ class Observed:
     unserved: tuple[str, ...] = ()
     download: Download | None = None
     startup: dict[str, Any] | None = None
+    route: dict[str, Any] | None = None
 
 
 class Condition(NamedTuple):
@@ -264,7 +270,9 @@ def _download_problem(download: Download | None, spec: InferenceServiceSpec) -> 
     return Problem(problem.reason, f"download {problem.message}") if problem else None
 
 
-def observe_fleet(spec: InferenceServiceSpec, template_hash: str, observed: Observed) -> Fleet:
+def observe_fleet(spec: InferenceServiceSpec, template_hash: str, observed: Observed, no_picker: bool = False) -> Fleet:
+    """The pods counted once, and every problem, most telling first; `no_picker`: spec.gateway has no
+    picker to refer its pool to."""
     states = [pod_state(p, template_hash, spec.shards, observed.warmup.get((p.get("metadata") or {}).get("name", "")))
               for p in observed.pods]
     active = [s for s in states if not s.terminating]
@@ -278,7 +286,12 @@ def observe_fleet(spec: InferenceServiceSpec, template_hash: str, observed: Obse
             problems.append(problem)
     problems += [Problem("AutoscalerNotInstalled", f"this cluster does not serve {kind}: install its autoscaler "
                                                    "(KEDA for engine keda), or change spec.autoscaling.engine")
-                 for kind in observed.unserved]
+                 for kind in observed.unserved if kind not in GATEWAY_KINDS]
+    if gateway_missing := missing_apis(observed.unserved):
+        problems.append(Problem("GatewayAPINotInstalled", f"spec.gateway: {gateway_missing}; the pods still serve "
+                                                          "through their Service"))
+    if no_picker:
+        problems.append(Problem("EndpointPickerNotConfigured", NO_PICKER_MESSAGE))
     problems.sort(key=lambda p: PROBLEM_ORDER.index(p.reason))
     old = any(not s.updated for s in active)
     return Fleet(desired=spec.replicas, active=active, problems=problems,
@@ -415,13 +428,18 @@ def _stamp(body: dict[str, Any], conditions: dict[str, Condition], now: str) -> 
 def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: Rendered, observed: Observed,
                    *, now: str) -> dict[str, Any]:
     """The status of an InferenceService whose children were rendered as `rendered` and observed as `observed`."""
-    fleet = observe_fleet(spec, rendered.template_hash, observed)
+    fleet = observe_fleet(spec, rendered.template_hash, observed, spec.gateway is not None and rendered.picker is None)
     warm = _warmup_progress(fleet)
     summary = _summary(fleet, warm, spec)
     conditions = {"Ready": _ready(fleet, summary), "Progressing": _progressing(fleet, summary),
                   "Degraded": _degraded(fleet)}
     if observed.download is not None:
         conditions["Downloaded"] = _downloaded(observed.download, spec)
+    meta = body.get("metadata") or {}
+    route = routed(spec, meta.get("name", ""), meta.get("namespace", ""), observed.unserved, observed.route,
+                   rendered.picker)
+    if route is not None:
+        conditions["Routed"] = Condition(*route)
     status: dict[str, Any] = {
         "observedGeneration": (body.get("metadata") or {}).get("generation"),
         "selector": rendered.selector,
@@ -442,6 +460,10 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: R
     if observed.download is not None:
         status["download"] = observed.download.as_status()
         status["downloadSummary"] = download_summary(observed.download)
+    gateway = gateway_status(spec, meta.get("name", ""), meta.get("namespace", ""), observed.route,
+                             rendered.picker, rendered.picker_managed)
+    if gateway:
+        status["gateway"] = gateway
     startup = _startup(observed.startup) or (body.get("status") or {}).get("startup")
     if startup:
         status["startup"] = startup

@@ -34,6 +34,11 @@ RELEASE, RELEASE_NS = ("gso-e2e", "gaudi-serve-e2e") if EXTERNAL else ("gso", "g
 CHART = ROOT / "charts" / "gaudi-serve-operator"
 GAUDI_NODES = 3  # 8 cards each
 NODE_READY_TIMEOUT = 60
+# The endpoint picker the operator runs (scenario 8a): kwok never pulls it.
+PICKER_IMAGE = "registry.example/gateway-api-inference-extension/epp:v1"
+GATEWAY_CRDS = ROOT / "tests" / "e2e" / "crds"
+GATEWAY_CRD_NAMES = ("gatewayclasses.gateway.networking.k8s.io", "gateways.gateway.networking.k8s.io",
+                     "httproutes.gateway.networking.k8s.io", "inferencepools.inference.networking.k8s.io")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -98,6 +103,7 @@ class Cluster:
     namespaces: list[str] = field(default_factory=list)
     kubelet_logs: KubeletLogs | None = None  # the nodes' log endpoint, which kwok leaves to the tests
     autoscaling: Path | None = None  # hack/autoscaling-tools.sh's directory (simulated cluster only)
+    gateway_api: Path | None = None  # hack/gateway-crds.sh's directory (simulated cluster only)
 
     def add_node(self, name: str, gaudi: int) -> None:
         assert self.cp is not None
@@ -112,8 +118,31 @@ class Cluster:
         assert self.autoscaling is not None
         crds = sorted((self.autoscaling / "keda-crds").glob("*.yaml"))
         self.kubectl("apply", "--server-side", *(f"--filename={c}" for c in crds))
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                     *(f"crd/{c.stem.split('_', 1)[1]}.{c.stem.split('_', 1)[0]}" for c in crds))
+        self.wait_established([f"{c.stem.split('_', 1)[1]}.{c.stem.split('_', 1)[0]}" for c in crds])
+
+    def gateway_crds(self) -> list[Path]:
+        """The Gateway API's CRDs (from its Go module, hack/gateway-crds.sh) and the InferencePool's
+        (tests/e2e/crds: its module is not served here, docs/e2e.md)."""
+        assert self.gateway_api is not None
+        return [*sorted((self.gateway_api / "crds").glob("*.yaml")), GATEWAY_CRDS / "inferencepool-v1.yaml"]
+
+    def install_gateway_crds(self) -> None:
+        """As in a cluster with the Gateway API and its inference extension installed."""
+        crds = self.gateway_crds()
+        self.kubectl("apply", "--server-side", *(f"--filename={c}" for c in crds))
+        self.wait_established(list(GATEWAY_CRD_NAMES))
+
+    def wait_established(self, names: list[str], timeout: float = 60) -> None:
+        """Until every CRD is Established (`kubectl wait` fails on a CRD whose conditions are not written yet)."""
+        def established(name: str) -> bool:
+            out = self.kubectl("get", "crd", name, "-o", "jsonpath={.status.conditions[?(@.type=='Established')].status}",
+                               check=False)
+            return out.stdout.strip() == "True"
+        wait_for(lambda: all(established(n) for n in names), timeout, f"CRDs established: {names}")
+
+    def remove_gateway_crds(self) -> None:
+        """As in a cluster without them: deleted with every object of their kinds."""
+        self.kubectl("delete", "crd", "--ignore-not-found", "--wait=true", *GATEWAY_CRD_NAMES)
 
     def node_ready(self, name: str) -> bool:
         node = self.kube.core.read_node(name)
@@ -171,11 +200,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         kube = Kube(cp.admin_kubeconfig)
         logs = KubeletLogs(cp.kubelet_port, cp.pki / "kubelet.crt", cp.pki / "kubelet.key")
         c = Cluster(cp, Kubectl(cp.bin("kubectl"), cp.admin_kubeconfig), kube, binaries.helm, workdir,
-                    cp.admin_kubeconfig, autoscaling=binaries.autoscaling, kubelet_logs=logs)
+                    cp.admin_kubeconfig, autoscaling=binaries.autoscaling, kubelet_logs=logs,
+                    gateway_api=binaries.gateway_api)
         for i in range(GAUDI_NODES):
             c.add_node(f"gaudi-{i}", 8)
         c.add_node("cpu-0", 0)
         c.install_keda_crds()
+        c.install_gateway_crds()
         yield c
     finally:
         if logs is not None:
@@ -196,7 +227,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def release(cluster: Cluster) -> Release:
     """`helm install` of our chart (CRDs, RBAC, the operator's Deployment), waiting for it to be ready."""
     out = cluster.run_helm("install", RELEASE, str(CHART), "--namespace", RELEASE_NS, "--create-namespace",
-                           "--wait", "--timeout", "3m")
+                           "--set", f"gateway.endpointPicker.image={PICKER_IMAGE}", "--wait", "--timeout", "3m")
     assert out.returncode == 0, f"helm install failed:\n{out.stderr}\n{out.stdout}"
     manifest = cluster.run_helm("get", "manifest", RELEASE, "--namespace", RELEASE_NS)
     assert manifest.returncode == 0, manifest.stderr
@@ -218,13 +249,16 @@ def operator_kubeconfig(cluster: Cluster, release: Release) -> Path:
 
 
 def chart_operator_env(release: Release) -> dict[str, str]:
-    """Who the operator is, as the chart's Deployment tells it (its namespace, its pods' labels)."""
+    """Who the operator is, as the chart's Deployment tells it (its namespace, its pods' labels, the
+    endpoint picker it runs)."""
     (dep,) = [d for d in release.manifest if d["kind"] == "Deployment"]
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e for e in container["env"]}
     assert env["GAUDI_OPERATOR_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    picker = {k: env[k]["value"] for k in ("GAUDI_OPERATOR_EPP_IMAGE", "GAUDI_OPERATOR_EPP_ARGS",
+                                           "GAUDI_OPERATOR_EPP_CLUSTER_ROLE") if k in env}
     return {"GAUDI_OPERATOR_NAMESPACE": release.namespace,
-            "GAUDI_OPERATOR_POD_LABELS": env["GAUDI_OPERATOR_POD_LABELS"]["value"]}
+            "GAUDI_OPERATOR_POD_LABELS": env["GAUDI_OPERATOR_POD_LABELS"]["value"], **picker}
 
 
 @pytest.fixture(scope="session")

@@ -63,6 +63,7 @@ class Binaries:
     control_plane: Path  # kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, etcd, kwok
     helm: Path
     autoscaling: Path  # bin/metrics-adapter, keda-crds/
+    gateway_api: Path  # crds/: the Gateway API's HTTPRoute, Gateway and GatewayClass
 
 
 def build_binaries() -> Binaries:
@@ -74,7 +75,7 @@ def build_binaries() -> Binaries:
             raise RuntimeError(f"hack/{script} could not build the e2e binaries (exit {out.returncode}):\n"
                                f"{out.stderr[-4000:]}")
         return Path(out.stdout.strip().splitlines()[-1])
-    return Binaries(run("control-plane.sh"), run("helm.sh"), run("autoscaling-tools.sh"))
+    return Binaries(run("control-plane.sh"), run("helm.sh"), run("autoscaling-tools.sh"), run("gateway-crds.sh"))
 
 
 def _openssl(*args: str, cwd: Path) -> None:

@@ -228,6 +228,8 @@ NEEDED = {
     ("networking.k8s.io", "networkpolicies"): {"list", "watch", "create", "patch", "delete"},
     ("autoscaling", "horizontalpodautoscalers"): {"list", "watch", "create", "patch", "delete"},
     ("keda.sh", "scaledobjects"): {"list", "watch", "create", "patch", "delete"},
+    ("inference.networking.k8s.io", "inferencepools"): {"list", "watch", "create", "patch", "delete"},
+    ("gateway.networking.k8s.io", "httproutes"): {"list", "watch", "create", "patch", "delete"},
     ("", "pods"): {"list", "watch"},
     ("", "pods/log"): {"get"},
     ("batch", "jobs"): {"get", "list", "watch", "create", "patch", "delete"},
@@ -237,10 +239,12 @@ NEEDED = {
 
 def test_rbac_covers_every_kind_the_operator_touches() -> None:
     """Every resource kube.py talks to has rules in NEEDED (so the RBAC tests below cover it)."""
+    needed = NEEDED.keys() | PICKER_NEEDED.keys()
     for kind, (prefix, plural) in kube._KINDS.items():
         group = "" if prefix.startswith("/api/") else prefix.split("/")[2]
-        assert (group, plural) in NEEDED, kind
-    assert len(kube._KINDS) == len({r for r in NEEDED if "/" not in r[1]})
+        assert (group, plural) in needed, kind
+    bound_only = {("rbac.authorization.k8s.io", "clusterroles")}  # `bind` on the picker's role: never called
+    assert len(kube._KINDS) == len({r for r in needed - bound_only if "/" not in r[1]})
 
 
 def test_rbac_clusterwide_is_least_privilege(helm: str) -> None:
@@ -292,6 +296,45 @@ def test_no_rbac(helm: str) -> None:
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
                                                  "ServiceAccount")]
     assert _deployment(docs)["spec"]["replicas"] == 0
+
+
+# With gateway.endpointPicker.image: the pickers the operator runs (operator/gaudi_operator/picker.py).
+PICKER_NEEDED = {
+    ("", "serviceaccounts"): {"create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
+    ("apps", "deployments"): {"delete"},
+    ("", "services"): {"delete"},
+}
+
+
+@pytest.mark.parametrize("namespaced", [False, True], ids=["clusterwide", "namespaced"])
+def test_a_picker_image_lets_the_operator_run_pickers_and_bind_only_their_role(helm: str, namespaced: bool) -> None:
+    values = ["--set", "gateway.endpointPicker.image=registry.example/epp:v1"] + (
+        ["--set", "watch.namespaces={ml}"] if namespaced else [])
+    docs = render(helm, values)
+    (picker_role,) = [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"].endswith("-endpoint-picker")]
+    assert {(g, r) for rule in picker_role["rules"] for g in rule["apiGroups"] for r in rule["resources"]} == {
+        ("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
+        ("inference.networking.x-k8s.io", "inferenceobjectives"), ("inference.networking.x-k8s.io", "inferencemodelrewrites")}
+    assert all(set(rule["verbs"]) == {"get", "list", "watch"} for rule in picker_role["rules"])
+    assert not [d for d in docs if d["kind"] in ("ClusterRoleBinding", "RoleBinding")
+                and d["roleRef"]["name"] == picker_role["metadata"]["name"]]  # bound by the operator, per picker
+    rules = _rules(docs, "Role", "ml") if namespaced else [
+        r for d in docs if d["kind"] == "ClusterRole" and d is not picker_role for r in d["rules"]]
+    needed = {k: NEEDED.get(k, set()) | PICKER_NEEDED.get(k, set()) for k in NEEDED.keys() | PICKER_NEEDED.keys()}
+    for (group, resource), verbs in needed.items():
+        for verb in verbs:
+            assert _allowed(rules, group, resource, verb), (group, resource, verb)
+    (bind,) = [r for r in rules if "bind" in r["verbs"]]
+    assert bind["resourceNames"] == [picker_role["metadata"]["name"]]
+    extra = {("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"}, ("", "namespaces"): {"list", "watch"}}
+    _assert_nothing_more(rules, needed | extra)
+    env = {e["name"]: e.get("value") for e in _deployment(docs)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["GAUDI_OPERATOR_EPP_IMAGE"] == "registry.example/epp:v1"
+    assert env["GAUDI_OPERATOR_EPP_CLUSTER_ROLE"] == picker_role["metadata"]["name"]
+    assert "--kv-cache-usage-percentage-metric=vllm:kv_cache_usage_perc" in env["GAUDI_OPERATOR_EPP_ARGS"].split()
+    assert not [d for d in render(helm, []) if d["metadata"]["name"].endswith("-endpoint-picker")]
 
 
 def _assert_nothing_more(rules: list[dict[str, Any]], allowed: dict[tuple[str, str], set[str]]) -> None:

@@ -162,6 +162,12 @@ GOOD = [
     manifest(autoscaling={"engine": "keda", "maxReplicas": 8, "targets": {"queueSize": 10},
                           "prometheus": {"serverAddress": "http://prometheus.monitoring:9090",
                                          "authenticationRef": {"name": "prom-auth"}}}),
+    manifest(gateway={"endpointPicker": {"service": {"name": "llama-epp"}}}),
+    manifest(gateway={}),
+    manifest(gateway={"endpointPicker": {"failureMode": "FailOpen"}, "route": {"gateway": {"name": "gw"}}}),
+    manifest(replicas=3, gateway={"endpointPicker": {"service": {"name": "epp", "port": 9010}, "failureMode": "FailOpen"},
+                                  "route": {"gateway": {"name": "inference-gateway", "namespace": "gateway-system"},
+                                            "path": "/v1"}}),
 ]
 
 
@@ -275,6 +281,25 @@ BAD = [
      "spec.autoscaling.behavior.scaleDown.stabilizationWindowSeconds", "7200 is greater than the maximum of 3600"),
     ("drain too short", manifest(serving={"drainSeconds": 10}),
      "spec.serving.drainSeconds", "10 is less than the minimum of 40"),
+    ("gateway picker without name", manifest(gateway={"endpointPicker": {"service": {"port": 9002}}}),
+     "spec.gateway.endpointPicker.service", "'name' is a required property"),
+    ("gateway picker not a service name", manifest(gateway={"endpointPicker": {"service": {"name": "EPP"}}}),
+     "spec.gateway.endpointPicker.service.name", "does not match"),
+    ("gateway picker port", manifest(gateway={"endpointPicker": {"service": {"name": "epp", "port": 0}}}),
+     "spec.gateway.endpointPicker.service.port", "0 is less than the minimum of 1"),
+    ("gateway failure mode", manifest(gateway={"endpointPicker": {"service": {"name": "epp"}, "failureMode": "Open"}}),
+     "spec.gateway.endpointPicker.failureMode", "is not one of"),
+    ("gateway route without gateway", manifest(gateway={"endpointPicker": {"service": {"name": "epp"}}, "route": {}}),
+     "spec.gateway.route", "'gateway' is a required property"),
+    ("gateway route path", manifest(gateway={"endpointPicker": {"service": {"name": "epp"}},
+                                             "route": {"gateway": {"name": "gw"}, "path": "/v1//chat"}}),
+     "spec.gateway.route.path", "spec.gateway.route.path must be an absolute path"),
+    ("gateway route path characters", manifest(gateway={"endpointPicker": {"service": {"name": "epp"}},
+                                                        "route": {"gateway": {"name": "gw"}, "path": "/v1 chat"}}),
+     "spec.gateway.route.path", "does not match"),
+    ("gateway route relative path", manifest(gateway={"endpointPicker": {"service": {"name": "epp"}},
+                                                      "route": {"gateway": {"name": "gw"}, "path": "v1"}}),
+     "spec.gateway.route.path", "spec.gateway.route.path must be an absolute path"),
 ]
 
 

@@ -122,9 +122,10 @@ def _pod(f: FakeKube, ready: bool, name: str = "llama-0") -> dict[str, Any]:
 async def test_status_patched_only_on_change_and_events_only_on_phase_change(fake: FakeKube) -> None:
     await handlers.reconcile("ml", "llama", CONFIG)
     assert [c["kind"] for c in fake.applied] == ["Deployment", "Service"]
-    # None of the optional kinds is wanted at 1 replica without networkPolicy or autoscaling.
+    # None of the optional kinds is wanted at 1 replica without networkPolicy, autoscaling or gateway.
     assert fake.deleted == [(k, "ml", "llama") for k in ("PodDisruptionBudget", "NetworkPolicy",
-                                                         "HorizontalPodAutoscaler", "ScaledObject")]
+                                                         "HorizontalPodAutoscaler", "ScaledObject",
+                                                         "InferencePool", "HTTPRoute")]
     assert len(fake.status_patches) == 1 and fake.body["status"]["phase"] == "Pending"
     assert [e[1] for e in fake.events] == ["Pending"]
 
@@ -370,7 +371,7 @@ async def test_autoscaler_applied_after_the_old_one_is_deleted_and_its_status_re
     await handlers.reconcile("ml", "llama", CONFIG)
     assert [c["kind"] for c in fake.applied] == ["Deployment", "Service", "PodDisruptionBudget",
                                                  "HorizontalPodAutoscaler"]
-    assert fake.deleted == [("NetworkPolicy", "ml", "llama"), ("ScaledObject", "ml", "llama")]
+    assert fake.deleted == [(k, "ml", "llama") for k in ("NetworkPolicy", "ScaledObject", "InferencePool", "HTTPRoute")]
     assert fake.body["status"]["autoscaling"] == {
         "engine": "hpa", "autoscaler": "HorizontalPodAutoscaler/llama", "minReplicas": 1, "maxReplicas": 3,
         "desiredReplicas": 2, "lastScaleTime": "2026-01-01T00:00:00Z"}
@@ -394,6 +395,102 @@ async def test_keda_engine_without_keda_installed_is_reported_not_retried_foreve
     assert degraded["reason"] == "AutoscalerNotInstalled" and "ScaledObject" in degraded["message"]
     assert status["autoscaling"] == {"engine": "keda", "minReplicas": 1, "maxReplicas": 2}
     assert ("HorizontalPodAutoscaler", "ml", "llama") in fake.deleted
+
+
+GATEWAY = {"endpointPicker": {"service": {"name": "epp"}}, "route": {"gateway": {"name": "gw", "namespace": "edge"}}}
+
+
+async def test_gateway_without_its_apis_is_reported_and_the_service_still_applied(
+        fake: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fake.body is not None
+    fake.body["spec"] = {"model": {"id": "m"}, "gateway": GATEWAY}
+    apply = fake.apply
+
+    async def no_gateway_api(obj: dict[str, Any]) -> dict[str, Any]:
+        if obj["kind"] in ("InferencePool", "HTTPRoute"):
+            raise kube.NotFound(f"/apis/.../{obj['kind']}")
+        return await apply(obj)
+    monkeypatch.setattr(kube, "apply", no_gateway_api)
+    status = await handlers.reconcile("ml", "llama", CONFIG)
+    assert status is not None and status["phase"] == "Degraded"
+    assert [c["kind"] for c in fake.applied] == ["Deployment", "Service"]
+    routed = next(c for c in status["conditions"] if c["type"] == "Routed")
+    assert (routed["status"], routed["reason"]) == ("False", "GatewayAPINotInstalled")
+    assert "inferencepools.inference.networking.k8s.io" in routed["message"]
+    assert "httproutes.gateway.networking.k8s.io" in routed["message"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "GatewayAPINotInstalled"
+
+
+async def test_the_routes_status_from_the_apply_reaches_the_status(fake: FakeKube,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fake.body is not None
+    fake.body["spec"] = {"model": {"id": "m"}, "gateway": GATEWAY}
+    parents = [{"parentRef": {"name": "gw", "namespace": "edge"}, "controllerName": "example.net/gw",
+                "conditions": [{"type": "Accepted", "status": "True", "reason": "Accepted", "message": ""},
+                               {"type": "ResolvedRefs", "status": "True", "reason": "ResolvedRefs", "message": ""}]}]
+    apply = fake.apply
+
+    async def with_route_status(obj: dict[str, Any]) -> dict[str, Any]:
+        live = await apply(obj)
+        return {**live, "status": {"parents": parents}} if obj["kind"] == "HTTPRoute" else live
+    monkeypatch.setattr(kube, "apply", with_route_status)
+    status = await handlers.reconcile("ml", "llama", CONFIG)
+    assert status is not None
+    assert [c["kind"] for c in fake.applied][-2:] == ["InferencePool", "HTTPRoute"]
+    routed = next(c for c in status["conditions"] if c["type"] == "Routed")
+    assert (routed["status"], routed["reason"]) == ("True", "RouteAccepted")
+    assert status["gateway"]["parents"][0]["gateway"] == "edge/gw"
+
+
+async def test_the_pool_and_route_the_status_named_are_deleted_with_spec_gateway_even_unindexed(
+        fake: FakeKube) -> None:
+    """A CRD installed after the operator started may never be watched, so never in the index."""
+    assert fake.body is not None
+    fake.body["status"] = {"gateway": {"inferencePool": "llama", "httpRoute": "llama"}}
+    await handlers.reconcile("ml", "llama", CONFIG, optional={})
+    assert fake.deleted == [("InferencePool", "ml", "llama"), ("HTTPRoute", "ml", "llama")]
+    assert "gateway" not in fake.body["status"]
+    fake.deleted.clear()
+    await handlers.reconcile("ml", "llama", CONFIG, optional={})
+    assert fake.deleted == []
+
+
+async def test_the_operators_own_picker_is_applied_then_deleted_with_the_need_for_it(fake: FakeKube) -> None:
+    assert fake.body is not None
+    config = OperatorConfig(picker_image="registry.example/epp:v1", picker_cluster_role="gso-endpoint-picker")
+    fake.body["spec"] = {"model": {"id": "m"}, "replicas": 1, "gateway": {}}
+    status = await handlers.reconcile("ml", "llama", config)
+    assert status is not None
+    assert [(c["kind"], c["metadata"]["name"]) for c in fake.applied] == [
+        ("Deployment", "llama"), ("Service", "llama"), ("InferencePool", "llama"), ("ServiceAccount", "llama-epp"),
+        ("RoleBinding", "llama-epp"), ("Deployment", "llama-epp"), ("Service", "llama-epp")]
+    assert status["gateway"] == {"inferencePool": "llama", "endpointPicker": "llama-epp:9002",
+                                 "endpointPickerManaged": True}
+    fake.deleted.clear()
+    fake.body["spec"]["gateway"] = {"endpointPicker": {"service": {"name": "mine"}}}
+    await handlers.reconcile("ml", "llama", config)
+    assert [d for d in fake.deleted if d[2] == "llama-epp"] == [
+        (k, "ml", "llama-epp") for k in ("ServiceAccount", "RoleBinding", "Deployment", "Service")]
+    assert fake.body["status"]["gateway"]["endpointPicker"] == "mine:9002"
+
+
+async def test_no_picker_is_run_for_a_pool_the_cluster_does_not_serve(fake: FakeKube,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    assert fake.body is not None
+    config = OperatorConfig(picker_image="registry.example/epp:v1", picker_cluster_role="gso-endpoint-picker")
+    fake.body["spec"] = {"model": {"id": "m"}, "replicas": 1, "gateway": {}}
+    apply = fake.apply
+
+    async def no_pool_api(obj: dict[str, Any]) -> dict[str, Any]:
+        if obj["kind"] == "InferencePool":
+            raise kube.NotFound("/apis/inference.networking.k8s.io/v1/namespaces/ml/inferencepools/llama")
+        return await apply(obj)
+    monkeypatch.setattr(kube, "apply", no_pool_api)
+    status = await handlers.reconcile("ml", "llama", config)
+    assert status is not None
+    assert [c["metadata"]["name"] for c in fake.applied] == ["llama", "llama"]  # the Deployment and the Service
+    assert next(c for c in status["conditions"] if c["type"] == "Routed")["reason"] == "GatewayAPINotInstalled"
 
 
 async def test_reconciler_coalesces_triggers(fake: FakeKube) -> None:

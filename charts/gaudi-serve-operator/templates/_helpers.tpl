@@ -65,6 +65,11 @@ any: true
 {{- end -}}
 
 {{/* Namespaced rules: everything the operator reads and writes inside a watched namespace. */}}
+{{/* The ClusterRole the RoleBinding of each picker the operator runs refers to. */}}
+{{- define "gso.pickerClusterRole" -}}
+{{- printf "%s-endpoint-picker" (include "gso.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "gso.namespacedRules" -}}
 # InferenceServices: read and watch; patch for Kopf's bookkeeping annotations.
 - apiGroups: ["gaudiserve.io"]
@@ -76,7 +81,8 @@ any: true
   verbs: ["patch"]
 # Children, applied server-side (create is needed when an apply creates the object); only the
 # optional ones are ever deleted (the PodDisruptionBudget at one replica, the NetworkPolicy when
-# the spec drops it, the autoscaler that spec.autoscaling no longer asks for). The rest goes by
+# the spec drops it, the autoscaler that spec.autoscaling no longer asks for, the pool and route of
+# spec.gateway). The rest goes by
 # garbage collection. No Secrets: a spec's Secret references (hubTokenSecretRef, apiKeySecretRef)
 # are resolved by the kubelet, never read by the operator.
 # Exactly what the operator uses: tests/e2e/test_8_rbac.py checks it against the audit log.
@@ -100,6 +106,35 @@ any: true
 - apiGroups: ["keda.sh"]
   resources: ["scaledobjects"]
   verbs: ["list", "watch", "create", "patch", "delete"]
+# spec.gateway: an InferencePool and an HTTPRoute (where the Gateway API and its inference extension are
+# installed); the route's status, which the Gateway's controller writes, comes back with each apply.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["list", "watch", "create", "patch", "delete"]
+{{- if .Values.gateway.endpointPicker.image }}
+# The endpoint pickers it runs (gateway.endpointPicker.image): a ServiceAccount, a RoleBinding to
+# the chart's picker ClusterRole (binding it needs `bind` on that one role, not its rights), a
+# Deployment and a Service, each named <service>-epp, deleted when the spec no longer wants them.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["rolebindings"]
+  verbs: ["create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["clusterroles"]
+  verbs: ["bind"]
+  resourceNames: [{{ include "gso.pickerClusterRole" . | quote }}]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["delete"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["delete"]
+{{- end }}
 # Pods: observed (watched) for status and warmup progress, never changed.
 - apiGroups: [""]
   resources: ["pods"]
