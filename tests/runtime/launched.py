@@ -84,6 +84,19 @@ SMALL_ARGS = ["--dtype", "float32", "--max-input-tokens", "64", "--max-total-tok
               "--max-concurrent-requests", "64"]
 SMALL_ENV = {"PAD_SEQUENCE_TO_MULTIPLE_OF": "16", "BATCH_BUCKET_SIZE": "4", "PREFILL_BATCH_BUCKET_SIZE": "2"}
 
+
+
+def serve_small(model_dir: Path | str, tmp: Path, *args: str, env: dict | None = None) -> Launched:
+    """A server with SMALL_ARGS and SMALL_ENV (`args` and `env` win over them), once it serves."""
+    srv = launch(model_dir, tmp, *SMALL_ARGS, *args, env={**SMALL_ENV, **(env or {})})
+    try:
+        srv.wait_ready()
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
 _REFERENCE: dict[str, tuple] = {}
 
 

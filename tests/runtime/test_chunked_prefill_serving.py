@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, get_json, greedy_reference, launch
+from tests.runtime.launched import get_json, greedy_reference, serve_small
 from tests.runtime.prefix_checks import SYSTEM, bypassed, check_conversations, generate
 
 pytestmark = pytest.mark.slow
@@ -25,24 +25,13 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
 
 
-def serve(model_dir, tmp, *args: str):
-    srv = launch(model_dir, tmp, *SMALL_ARGS, *CHUNKS, *args, env=SMALL_ENV)
-    try:
-        srv.wait_ready()
-    except BaseException:
-        srv.stop()
-        raise
-    srv.model_dir = model_dir
-    return srv
-
-
 def chunks(srv) -> int:
     return get_json(srv.url + "/info")[1]["prefill_chunks"]
 
 
 @pytest.mark.parametrize("caching", ["true", "false"])
 def test_chunked_conversations_answer_as_transformers(model_dir, tmp_path, caching):
-    srv = serve(model_dir, tmp_path, "--prefix-caching", caching)
+    srv = serve_small(model_dir, tmp_path, *CHUNKS, "--prefix-caching", caching)
     try:
         prompt = SYSTEM + " the gaudi card shard router token batch cache serve request stream answer"
         ids, _ = asyncio.run(_generate(srv.url, prompt, 8))
@@ -60,7 +49,7 @@ async def _generate(url: str, prompt: str, n: int, **params):
 
 
 def test_two_shards_over_a_float8_kv_cache_answer_as_when_computed_whole(model_dir, tmp_path):
-    srv = serve(model_dir, tmp_path, "--num-shard", "2", "--kv-cache-dtype", "fp8_e4m3fn")
+    srv = serve_small(model_dir, tmp_path, *CHUNKS, "--num-shard", "2", "--kv-cache-dtype", "fp8_e4m3fn")
     try:
         check_conversations(srv, conversations=2, turns=3, reference=bypassed(srv))
         assert chunks(srv) > 0
@@ -71,7 +60,7 @@ def test_two_shards_over_a_float8_kv_cache_answer_as_when_computed_whole(model_d
 def test_a_grammar_constrains_the_answer_after_the_last_chunk_only(model_dir, tmp_path):
     """The chunks before the last sample nothing the client sees, so a grammar's state starts at the
     answer's first token, as when the prompt is prefilled whole."""
-    srv = serve(model_dir, tmp_path)
+    srv = serve_small(model_dir, tmp_path, *CHUNKS)
     try:
         prompt = SYSTEM + " answer with a number between the brackets please and stop"
         grammar = {"type": "regex", "value": "[0-9]{3,6}"}

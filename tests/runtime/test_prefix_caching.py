@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, get_json, greedy_reference, launch
+from tests.runtime.launched import get_json, greedy_reference, serve_small
 from tests.runtime.prefix_checks import SYSTEM, WORDS, cache_hits, generate, too_long
 
 
@@ -24,20 +24,9 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
 
 
-def serve(model_dir, tmp, *args: str, env: dict | None = None):
-    srv = launch(model_dir, tmp, *SMALL_ARGS, *args, env={**SMALL_ENV, **(env or {})})
-    try:
-        srv.wait_ready()
-    except BaseException:
-        srv.stop()
-        raise
-    srv.model_dir = model_dir
-    return srv
-
-
 def test_conversations_beyond_the_kv_budget_evict_cached_prefixes_and_still_match(model_dir, tmp_path):
     # 3 x 128 tokens: three requests of the longest kind at a time; nine conversations, four at once.
-    srv = serve(model_dir, tmp_path, "--max-batch-total-tokens", "384")
+    srv = serve_small(model_dir, tmp_path, "--max-batch-total-tokens", "384")
     try:
         code, info = get_json(srv.url + "/info")
         assert info["kv_blocks"] == 96 and info["prefix_caching"] is True
@@ -76,7 +65,7 @@ def test_conversations_beyond_the_kv_budget_evict_cached_prefixes_and_still_matc
 
 
 def test_prefix_caching_false_computes_every_prompt(model_dir, tmp_path):
-    srv = serve(model_dir, tmp_path, env={"PREFIX_CACHING": "false"})
+    srv = serve_small(model_dir, tmp_path, env={"PREFIX_CACHING": "false"})
     try:
         code, info = get_json(srv.url + "/info")
         assert info["prefix_caching"] is False and info["warmup"]["prefill_context_shapes"] == 0
