@@ -191,7 +191,7 @@ class BatchingLoop:
         """The requests the next prefill takes (TGI's rules), their KV blocks reserved."""
         view = self.requests.waiting_view(max(0, self.cfg.max_batch_size - running))
         return self.requests.take(select_prefill(view, running, self.requests.allocator.free_count, self.cfg,
-                                                 min_size))
+                                                 min_size, self.requests.running_adapters()))
 
     def _encoded(self, taken: list[RequestState]) -> list[tuple[RequestState, pb.Request]]:
         """Each request in the shards' protocol; one holding a value the protocol cannot carry ends
@@ -261,6 +261,7 @@ def prefill_request(state: RequestState) -> pb.Request:
     return pb.Request(
         id=state.id, input_ids=r.input_ids, top_n_tokens=r.top_n_tokens, blocks=state.blocks,
         prefill_logprobs=r.decoder_input_details, images=r.images, cached_tokens=state.cached_tokens,
+        adapter_index=r.adapter,
         grammar=pb.Grammar(type=r.grammar.kind, value=r.grammar.value) if r.grammar is not None else None,
         parameters=pb.NextTokenChooserParameters(
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,

@@ -82,8 +82,13 @@ class Requests:
         view = []
         for state in itertools.islice(self.waiting, limit):
             cached, held = self.prefix.waiting_view(self.allocator, state)
-            view.append(Waiting(len(state.req.input_ids), state.req.stopping.max_new_tokens, cached, held))
+            view.append(Waiting(len(state.req.input_ids), state.req.stopping.max_new_tokens, cached, held,
+                                state.req.adapter))
         return view
+
+    def running_adapters(self) -> frozenset[int]:
+        """The adapter slots of the requests taken for a prefill and not ended (0: the base model)."""
+        return frozenset(s.req.adapter for s in self._live.values() if s.started is not None)
 
     def take(self, count: int) -> list[RequestState]:
         """Move the first `count` waiting requests into a prefill, reserving their KV blocks: the

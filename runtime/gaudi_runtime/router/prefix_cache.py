@@ -3,7 +3,8 @@
 A full block of a sequence is named by a hash chained from its parent block's hash and its own
 token ids, plus what else decides its KV values: the digest of each image whose placeholder tokens
 start in it (later blocks inherit it through the chain), and, at the root, the model, its dtype
-and the KV cache's. Equal hashes mean equal KV, so a request whose first blocks' hashes are
+and the KV cache's, and the request's LoRA adapter (its name and content digest): two adapters
+never share a block. Equal hashes mean equal KV, so a request whose first blocks' hashes are
 registered (router/blocks.py) reads those blocks instead of computing them, and the shards compute
 only the rest of its prompt (`Request.cached_tokens`).
 
@@ -40,6 +41,13 @@ def root_hash(cfg: Config) -> bytes:
     return hashlib.sha256(salt.encode()).digest()
 
 
+def adapter_roots(cfg: Config, base: bytes) -> list[bytes]:
+    """The root of each adapter slot's chains: the base model's for slot 0, then one per adapter, seeded
+    with its name and the digest of its files (the launcher's `Config.lora_adapters[i]["digest"]`)."""
+    return [base] + [hashlib.sha256(base + f"|lora|{a['name']}|{a['digest']}".encode()).digest()
+                     for a in cfg.lora_adapters]
+
+
 def chain_hashes(tokens: list[int], block_size: int, parent: bytes, extras: dict[int, bytes] | None = None,
                  first: int = 0) -> list[bytes]:
     """The hash of each full block of `tokens`, chained from `parent`; `extras` maps a block's index
@@ -74,12 +82,14 @@ class PrefixCache:
         self.enabled = cfg.prefix_caching
         self.block_size = cfg.block_size
         self.root = root_hash(cfg)
+        self.roots = adapter_roots(cfg, self.root)
         self.metrics = metrics
 
     def prompt_hashes(self, state) -> list[bytes]:
         """The hashes of the full blocks of `state`'s prompt (computed once)."""
         if state.block_hashes is None:
-            state.block_hashes = chain_hashes(state.req.input_ids, self.block_size, self.root, self._extras(state))
+            state.block_hashes = chain_hashes(state.req.input_ids, self.block_size, self.roots[state.req.adapter],
+                                              self._extras(state))
         return state.block_hashes
 
     def _extras(self, state) -> dict[int, bytes] | None:
@@ -142,6 +152,6 @@ class PrefixCache:
         hashes = self.prompt_hashes(state)
         first = len(hashes)
         tokens = prompt[first * self.block_size:] + state.output_ids[:fed]
-        parent = hashes[-1] if hashes else self.root
+        parent = hashes[-1] if hashes else self.roots[state.req.adapter]
         for i, h in enumerate(chain_hashes(tokens, self.block_size, parent, self._extras(state), first)):
             allocator.register(state.blocks[first + i], h)
