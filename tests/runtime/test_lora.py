@@ -221,3 +221,34 @@ def test_a_bad_adapter_stops_the_start_with_its_reason(made, tmp_path, bad, mess
         assert message in srv.log() and "sql" in srv.log()
     finally:
         srv.stop()
+
+
+def test_a_hub_adapter_is_downloaded_into_the_hub_cache_at_its_revision(made, tmp_path):
+    """`--lora-adapters org/sql@main`: fetched from the hub (a stand-in) as the model would be, served
+    under its hub id, and the same tokens as peft on the local copy."""
+    import os
+
+    from tests.hub_standin import HubStandIn, StandInRepo
+
+    model_dir, adapters = made("llama")
+    files = {f.name: f.read_bytes() for f in adapters["sql"].iterdir() if f.is_file()}
+    hub = HubStandIn({"org/sql": StandInRepo(files)}).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(SMALL_ENV, HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1",
+               HUGGINGFACE_HUB_CACHE=str(tmp_path / "cache"))
+    srv = launch(model_dir, tmp_path, "--device", "cpu", *SMALL_ARGS, "--lora-adapters", "org/sql@main", env=env)
+    srv.model_dir, srv.adapters = model_dir, {"org/sql": adapters["sql"]}
+    try:
+        srv.wait_ready()
+
+        async def run():
+            async with aiohttp.ClientSession() as s:
+                return await generate_ids(s, srv.url, PROMPTS[0], 8, "org/sql")
+
+        assert asyncio.run(run()) == reference(srv, "org/sql", PROMPTS[0], 8)
+    finally:
+        srv.stop()
+        hub.stop()
+    snapshots = list((tmp_path / "cache" / "models--org--sql" / "snapshots").iterdir())
+    assert len(snapshots) == 1 and {"adapter_config.json", "adapter_model.safetensors"} <= {
+        p.name for p in snapshots[0].iterdir()}
