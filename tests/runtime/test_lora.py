@@ -252,3 +252,41 @@ def test_a_hub_adapter_is_downloaded_into_the_hub_cache_at_its_revision(made, tm
     snapshots = list((tmp_path / "cache" / "models--org--sql" / "snapshots").iterdir())
     assert len(snapshots) == 1 and {"adapter_config.json", "adapter_model.safetensors"} <= {
         p.name for p in snapshots[0].iterdir()}
+
+
+def test_metrics_name_the_adapters_running_and_count_their_requests(server):
+    """While a stream with adapter `code` runs, vllm:lora_requests_info has a series naming it running,
+    stamped with the time; gaudi_serve_lora_requests_total counts each adapter's sequences."""
+    import re
+    import time
+    import urllib.request
+
+    def metrics() -> str:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def count(text: str, adapter: str) -> float:
+        m = re.search(rf'^gaudi_serve_lora_requests_total{{adapter="{adapter}"}} (\S+)$', text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    before = metrics()
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            body = {"inputs": "a", "parameters": {"max_new_tokens": 100, "ignore_eos": True, "adapter_id": "code"}}
+            task = asyncio.create_task(s.post(server.url + "/generate", json=body))
+            deadline, seen, text = time.monotonic() + 60, None, ""
+            while seen is None and time.monotonic() < deadline and not task.done():
+                text = await asyncio.to_thread(metrics)
+                seen = re.search(r'^vllm:lora_requests_info{(?=[^}]*max_lora="3")(?=[^}]*running_lora_adapters="code")'
+                                 r'[^}]*} (\S+)$', text, re.M)
+                await asyncio.sleep(0.05)  # poll interval of a deadline-bounded wait
+            async with await task as r:
+                assert r.status == 200
+            return seen, text
+
+    started = time.time()
+    seen, text = asyncio.run(run())
+    assert seen is not None, [line for line in text.splitlines() if "lora" in line]
+    assert abs(float(seen.group(1)) - started) < 60
+    assert count(metrics(), "code") == count(before, "code") + 1

@@ -70,6 +70,8 @@ class Requests:
                              stop=StopSequenceMatcher(list(request.stopping.stop_sequences)))
         self._live[state.id] = state
         self.waiting.append(state)
+        if request.adapter:
+            self.metrics.lora_request(self.cfg.lora_adapters[request.adapter - 1]["name"])
         self.report_load()
         return state
 
@@ -137,6 +139,15 @@ class Requests:
         a = self.allocator
         kv_usage = 1 - a.free_count / a.num_blocks if a is not None and a.num_blocks else 0.0
         self.metrics.load(len(self.waiting), len(self._live) - len(self.waiting), kv_usage)
+        if self.cfg.lora_adapters:
+            self._report_adapters()
+
+    def _report_adapters(self) -> None:
+        names = [a["name"] for a in self.cfg.lora_adapters]
+        waiting = {s.req.adapter for s in self.waiting}
+        running = {s.req.adapter for s in self._live.values() if s.started is not None}
+        self.metrics.lora_load(self.cfg.max_loras, [names[i - 1] for i in sorted(running - {0})],
+                               [names[i - 1] for i in sorted(waiting - {0})])
 
     def end_all(self, error: Exception) -> None:
         """End every live request with `error` (the shards failed)."""
