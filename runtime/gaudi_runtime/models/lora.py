@@ -63,7 +63,7 @@ def _stack(layer: LinearBase, parts: list, slots: int, rank: int, rows: AdapterR
     a, b = stacked(slots, in_features, out_features, len(shard_ids), rank, torch.float32, torch.device("cpu"))
     for slot, shard, lora_a, lora_b, scale in parts:
         s = shard_ids.index(shard)
-        r, cols = lora_a.shape[0], slice(s * rank, s * rank + lora_a.shape[0])
+        cols = slice(s * rank, s * rank + lora_a.shape[0])
         if slices is None:  # row-parallel: this rank's input features
             start = layer.tp.rank * in_features
             a[slot, :, cols] = lora_a[:, start:start + in_features].T
@@ -71,6 +71,6 @@ def _stack(layer: LinearBase, parts: list, slots: int, rank: int, rows: AdapterR
         else:
             _, offset, start, size = slices[s]
             a[slot, :, cols] = lora_a.T
-            b[slot, cols, offset:offset + size] = scale * lora_b[start:start + size, :r].T
+            b[slot, cols, offset:offset + size] = scale * lora_b[start:start + size].T
     device, dtype = layer.weight.device, layer.weight.dtype
     return LoraWeights(rows, a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
