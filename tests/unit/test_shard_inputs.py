@@ -65,7 +65,8 @@ def test_prefill_on_an_unpadded_device_runs_the_batchs_own_shape_but_names_its_b
     reqs = [request(0, [11, 12, 13, 14, 15], [3, 7]), request(1, [21, 22, 23], [5]), request(2, [31], [6])]
     step = prefill_inputs(reqs, block_tables(reqs, CFG), CFG, pad=False)
     assert step.bucket == (4, 8)
-    assert [a.shape for a in step.args] == [(3, 5), (3, 5), (3, 5), (3,), (3,)]
+    assert [a.shape for a in step.args[:4]] == [(3, 5), (3, 5), (3, 5), (3,)]
+    assert step.args[4] is None  # no adapter and no graph: the adapters' matmuls are skipped
     assert step.args[2].tolist()[0] == [12, 13, 14, 15, 28]
 
 
@@ -88,7 +89,7 @@ def test_prefill_with_context_computes_only_the_tokens_after_the_cached_blocks()
 
     own = prefill_context_inputs(reqs, block_tables(reqs, CFG), CFG, pad=False)
     assert own.bucket == step.bucket
-    assert [a.shape for a in own.args] == [(2, 2), (2, 2), (2, 2), (2,), (2, 2), (2,), (2,)]
+    assert [a.shape for a in own.args[:6]] == [(2, 2), (2, 2), (2, 2), (2,), (2, 2), (2,)] and own.args[6] is None
 
 
 def test_decode_feeds_each_rows_last_token_at_its_next_position():
@@ -104,7 +105,8 @@ def test_decode_feeds_each_rows_last_token_at_its_next_position():
     assert adapters.tolist() == [0, 0, 0, 0]
 
     own = decode_inputs(batch, CFG, pad=False)
-    assert own.bucket == (4, 2) and [a.shape for a in own.args] == [(2,), (2,), (2,), (2, 2), (2,), (2,)]
+    assert own.bucket == (4, 2) and [a.shape for a in own.args[:5]] == [(2,), (2,), (2,), (2, 2), (2,)]
+    assert own.args[5] is None
 
 
 def test_decode_pads_block_tables_narrower_than_the_bucket():
@@ -153,3 +155,5 @@ def test_each_rows_adapter_slot_goes_with_it_and_padding_rows_take_none():
     assert merged.adapters.tolist() == [1, 2, 0]
     assert decode_inputs(merged, CFG).args[-1].tolist() == [1, 2, 0, 0]
     assert flat_decode_inputs(merged, CFG).args[-1].tolist() == [1, 2, 0, 0]
+    assert decode_inputs(merged, CFG, pad=False).args[-1].tolist() == [1, 2, 0]  # some row has one: kept
+    assert prefill_inputs(reqs, block_tables(reqs, CFG), CFG, pad=False).args[-1].tolist() == [2, 0, 1]

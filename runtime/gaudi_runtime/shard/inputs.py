@@ -64,8 +64,11 @@ def check_adapters(reqs: list[PrefillInput], served: int) -> None:
             raise ValueError(f"request {r.id}: adapter slot {r.adapter}, this shard serves {served} adapters")
 
 
-def adapter_slots(reqs: list[PrefillInput], rows: int) -> np.ndarray:
-    """Each row's adapter slot [rows]; padding rows take none."""
+def adapter_slots(reqs: list[PrefillInput], rows: int, pad: bool = True) -> np.ndarray | None:
+    """Each row's adapter slot [rows]; padding rows take none. None where the device runs the batch's
+    own shape (no graph to keep static) and no row has an adapter: the adapters' matmuls are skipped."""
+    if not pad and not any(r.adapter for r in reqs):
+        return None
     out = np.zeros(rows, dtype=np.int64)
     out[:len(reqs)] = [r.adapter for r in reqs]
     return out
@@ -113,7 +116,7 @@ def prefill_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Config, pa
     last_idx = np.zeros(rows, dtype=np.int64)
     last_idx[:n] = lens - 1
     return StepInputs("prefill", bucket, (ids, np.broadcast_to(pos, (rows, seq)).copy(), slots, last_idx,
-                                          adapter_slots(reqs, rows)))
+                                          adapter_slots(reqs, rows, pad)))
 
 
 def prefill_context_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Config,
@@ -145,7 +148,7 @@ def prefill_context_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Co
     context_lens, last_idx = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
     context_lens[:n], last_idx[:n] = cached, new - 1
     return StepInputs("prefill_context", bucket, (ids, positions, slots, last_idx, context_tables, context_lens,
-                                                  adapter_slots(reqs, rows)))
+                                                  adapter_slots(reqs, rows, pad)))
 
 
 def decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> StepInputs:
@@ -167,7 +170,7 @@ def decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> StepInput
     positions = batch.seq_lens
     slots = tables.gather(1, (positions // bs)[:, None]).squeeze(1) * bs + positions % bs
     extra = rows - n
-    adapters = batch.adapter_slots()
+    adapters = None if not pad and batch.adapters is None else batch.adapter_slots()  # as in adapter_slots
     if extra:
         zeros = torch.zeros(extra, dtype=torch.long, device=positions.device)
         input_ids = torch.cat([batch.last_ids, zeros])
@@ -198,7 +201,8 @@ def flat_decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> Step
     slots[:n] = tables[np.arange(n), pos // bs] * bs + pos % bs
     layout = flat_layout(tables, pos + 1, bs, rows, total)
     dev = batch.last_ids.device
-    input_ids, adapters = batch.last_ids, batch.adapter_slots()
+    input_ids = batch.last_ids
+    adapters = None if not pad and batch.adapters is None else batch.adapter_slots()  # as in adapter_slots
     if rows > n:
         zeros = torch.zeros(rows - n, dtype=torch.long, device=dev)
         input_ids, adapters = torch.cat([input_ids, zeros]), torch.cat([adapters, zeros])

@@ -207,7 +207,7 @@ class ModelRunner:
         build = inputs.prefill_context_inputs if with_context else inputs.prefill_inputs
         step = build(reqs, tables, self.cfg, self.backend.pads_to_buckets)
         self._note_shape(step.kind, *step.bucket)
-        ids, args = step.args[0], [torch.from_numpy(a).to(self.device) for a in step.args]
+        ids, args = step.args[0], [None if a is None else torch.from_numpy(a).to(self.device) for a in step.args]
         images = [im for r in reqs for im in r.images]
         if with_context and images:
             embeds = context_embeds(self.model, self.image_processor, reqs, *ids.shape, self.device)
