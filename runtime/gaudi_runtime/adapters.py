@@ -123,6 +123,10 @@ def check_adapter(name: str, adapter_dir: str | Path, model_config: dict, max_ra
     cfg = read_config(name, adapter_dir)
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
+        unsupported = sorted(set(targets) & {"lm_head", "embed_tokens"})
+        if unsupported:
+            raise AdapterError(f"adapter {name!r} targets {', '.join(unsupported)}: adapters on the embeddings "
+                               f"or the LM head are not supported (only {', '.join(TARGETS)})")
         unknown = sorted(set(targets) - set(TARGETS))
         if unknown:
             raise AdapterError(f"adapter {name!r} targets {', '.join(unknown)}, which the model does not have "

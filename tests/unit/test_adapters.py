@@ -101,6 +101,9 @@ def test_each_bad_adapter_gets_its_own_reason(tiny, tmp_path):
     (targets / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", "c_attn"]}))
     with pytest.raises(AdapterError, match="targets c_attn, which the model does not have"):
         check_adapter("t", targets, model_config, max_rank=16)
+    (targets / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", "lm_head"]}))
+    with pytest.raises(AdapterError, match="LM head are not supported"):
+        check_adapter("t", targets, model_config, max_rank=16)
     corrupt = _copy(adapter, tmp_path / "corrupt")
     (corrupt / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(AdapterError, match="not a valid safetensors file"):
