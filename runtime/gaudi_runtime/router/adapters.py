@@ -44,4 +44,3 @@ def openai_slot(config: Config, model: str | None) -> int:
 def name(config: Config, index: int) -> str | None:
     """The adapter in slot `index` (None: the base model)."""
     return config.lora_adapters[index - 1]["name"] if index else None
-
