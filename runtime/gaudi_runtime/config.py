@@ -30,6 +30,11 @@ def _bool(v: str | bool) -> bool:
     raise ValueError(f"not a boolean: {v!r}")
 
 
+def _words(v: str | list[str]) -> str:
+    """A flag that takes several values (`--lora-modules a=x b=y`) or their comma-separated text."""
+    return ",".join(v) if isinstance(v, list) else str(v)
+
+
 # (flag, env var, type, default, help). The env var is the flag's TGI name in
 # upper snake case unless given. None as default means "derived" (see resolve).
 FLAGS: list[tuple[str, str | None, type, object, str]] = [
@@ -55,6 +60,16 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--prefix-caching", None, _bool, True, "Keep the KV blocks of prompts (and of generated text) to reuse for "
      "requests that start with the same tokens: a shared system prompt or a conversation's earlier turns are "
      "computed once."),
+    ("--lora-adapters", None, str, None, "LoRA adapters served beside the base model, comma-separated (TGI's "
+     "syntax): `id` (a hub id, downloaded into the hub cache as the model is, or a local directory; served "
+     "under that name), `id@revision`, `name=path`. A request picks one with `parameters.adapter_id` "
+     "(/generate) or `model` (/v1). PEFT format: adapter_config.json and adapter_model.safetensors."),
+    ("--lora-modules", None, _words, None, "vLLM's spelling of --lora-adapters: `name=path` entries, "
+     "space- or comma-separated; both flags may be given."),
+    ("--max-loras", None, int, None, "Most distinct adapters in one running batch; a request for another "
+     "waits until one leaves (default: every adapter given)."),
+    ("--max-lora-rank", None, int, 16, "Largest adapter rank; every adapter is padded to it, so shapes "
+     "stay the same whichever adapters a batch uses."),
     ("--max-concurrent-requests", None, int, 128, "Requests in flight before new ones get 429."),
     ("--max-stop-sequences", None, int, 4, "Most stop sequences in one request."),
     ("--max-top-n-tokens", None, int, 5, "Largest top_n_tokens a request may ask for."),
@@ -244,6 +259,10 @@ class Config:
     cpu_paged_attention: bool = True
     cpu_gemv: bool = True
     cpu_layer_ops: bool = True
+    # {name, source, revision, path, digest} per adapter; the launcher sets path and digest.
+    lora_adapters: list[dict] = field(default_factory=list)
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -275,7 +294,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         env = env or _attr(flag).upper()
         shown = "derived" if default is None else default
         # Booleans may be given bare (`--disable-grammar-support`), as TGI's switches are.
-        bare = {"nargs": "?", "const": "true"} if _typ is _bool else {}
+        bare = {"nargs": "?", "const": "true"} if _typ is _bool else {"nargs": "+"} if _typ is _words else {}
         parser.add_argument(flag, default=None, help=f"{help_} [env: {env}] [default: {shown}]", **bare)
 
 
@@ -330,6 +349,7 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     origins = v["cors_allow_origin"]
     v["cors_allow_origin"] = [o.strip() for o in origins.split(",") if o.strip()] if origins else []
     v["model_name"] = v["model_name"] or v["model_id"]
+    _derive_adapters(v)
     v["log_level"] = str(v["log_level"]).lower()
     return Config(**v)
 
@@ -484,6 +504,30 @@ def _derive_shards(v: dict[str, object], device_count: Callable[[str], int]) -> 
     v["sharded"] = v["num_shard"] > 1
     if v["num_shard"] < 1:
         raise ConfigError("--num-shard must be positive")
+
+
+def _derive_adapters(v: dict[str, object]) -> None:
+    """--lora-adapters and --lora-modules into one list, with --max-loras and --max-lora-rank."""
+    from gaudi_runtime.adapters import AdapterError, parse_specs
+
+    try:
+        adapters = parse_specs(v.pop("lora_adapters"), v.pop("lora_modules"))
+    except AdapterError as e:
+        raise ConfigError(f"--lora-adapters: {e}") from None
+    for a in adapters:
+        if a["name"] in (v["model_name"], v["model_id"]):
+            raise ConfigError(f"--lora-adapters: adapter name {a['name']!r} is the base model's name")
+        a.update(path=None, digest=None)
+    v["lora_adapters"] = adapters
+    if v["max_lora_rank"] < 1:
+        raise ConfigError("--max-lora-rank must be positive")
+    if v["max_loras"] is None:
+        v["max_loras"] = len(adapters)
+    elif adapters and v["max_loras"] < 1:
+        raise ConfigError("--max-loras must be positive")
+    if adapters and v["quantize"]:
+        raise ConfigError("--quantize fp8 cannot be combined with LoRA adapters yet (the adapters' matmuls "
+                          "run in --dtype beside float8 layers that are not built)")
 
 
 def _derive_quantization(v: dict[str, object]) -> None:

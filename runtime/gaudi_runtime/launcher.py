@@ -71,6 +71,36 @@ def resolve_model_dir(cfg: Config, steps: progress.Reporter | None = None) -> st
     return ensure_snapshot(cfg.model_id, cfg.revision, cfg.huggingface_hub_cache, reporter)["path"]
 
 
+def resolve_adapter_dirs(cfg: Config, steps: progress.Reporter | None = None) -> None:
+    """Set each adapter's `path`: a local directory as is, else its hub snapshot, fetched and cached as the
+    model's is. Raises DownloadError naming the adapter."""
+    reporter = _DownloadSteps(steps) if steps is not None else None
+    for a in cfg.lora_adapters:
+        if os.path.isdir(a["source"]):
+            a["path"] = os.path.abspath(a["source"])
+            continue
+        if a["source"].startswith((os.sep, ".")):
+            raise ConfigError(f"--lora-adapters: adapter {a['name']!r}: {a['source']} is no directory")
+        try:
+            a["path"] = ensure_snapshot(a["source"], a["revision"], cfg.huggingface_hub_cache, reporter)["path"]
+        except DownloadError as e:
+            raise DownloadError(e.reason, f"adapter {a['name']!r} ({a['source']}): {e}") from e
+
+
+def check_adapters(cfg: Config, model_dir: str) -> None:
+    """Every adapter fits the model and --max-lora-rank (else ConfigError before any shard starts); each
+    gets the digest that names its KV blocks in the prefix cache."""
+    from gaudi_runtime.adapters import AdapterError, check_adapter, digest
+
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    for a in cfg.lora_adapters:
+        try:
+            check_adapter(a["name"], a["path"], model_config, cfg.max_lora_rank)
+        except AdapterError as e:
+            raise ConfigError(f"--lora-adapters: {e}") from None
+        a["digest"] = digest(a["path"])
+
+
 @dataclass(frozen=True)
 class Watchdog:
     """The stall rule over the pod's start (progress.py), and what to do when it holds."""
@@ -334,14 +364,16 @@ def _launch(cfg: Config, progress_dir: str) -> int:
     try:
         with watched_download(watch):
             model_dir = resolve_model_dir(cfg, steps)
+            resolve_adapter_dirs(cfg, steps)
     except DownloadError as e:
-        log.error("--model-id %s: model download failed (%s): %s", cfg.model_id, e.reason, e)
+        log.error("--model-id %s: download failed (%s): %s", cfg.model_id, e.reason, e)
         return e.exit_code
     # Seconds spent getting the model, shown in /info (none for a local directory).
     download_seconds = None if model_dir == cfg.model_id else time.monotonic() - t0
     steps.report("loading")
     check_model(model_dir)
     check_image_budget(cfg, json.loads((Path(model_dir) / "config.json").read_text()))
+    check_adapters(cfg, model_dir)
     log.info("effective configuration: %s", cfg.to_log_json())  # every flag and env setting, secrets masked
     log.info("launching %d shard(s) and the router for %s", cfg.num_shard, model_dir)
     procs = spawn(cfg, model_dir, download_seconds, progress_dir, listen_fd=early.hand_over())

@@ -30,10 +30,12 @@ def config(model_dir, **kw):
     return resolve(None, {"MODEL_ID": str(model_dir), **SMALL, **{k: str(v) for k, v in kw.items()}})
 
 
-def generate(runner: ModelRunner, steps: int = 8) -> dict[int, list[int]]:
-    """Greedy tokens of five requests: two prefills, merged into one batch, one request leaving midway."""
+def generate(runner: ModelRunner, steps: int = 8, adapters: list[int] | None = None) -> dict[int, list[int]]:
+    """Greedy tokens of five requests: two prefills, merged into one batch, one request leaving midway;
+    `adapters`: each request's LoRA adapter slot."""
     reqs = [PrefillInput(i, [(7 * i + 13 * j) % 300 + 3 for j in range(n)], SamplingParameters(), 0,
-                         list(range(1 + 24 * i, 1 + 24 * (i + 1))), False) for i, n in enumerate(PROMPT_LENS)]
+                         list(range(1 + 24 * i, 1 + 24 * (i + 1))), False, adapter=(adapters or [0] * 5)[i])
+            for i, n in enumerate(PROMPT_LENS)]
     tokens = {r.id: [] for r in reqs}
 
     def keep(result):
@@ -70,8 +72,9 @@ def test_hpu_decode_over_flat_blocks_gives_the_cpu_paths_tokens(fake_hpu, model_
     flat = set(buckets.decode_flat_buckets(cfg))
     for name, shapes in fake_hpu["replays"]:  # ids, positions, slots, then the blocks in use, laid out flat
         if name == "decode":
-            (rows,), _, _, (total,), (groups,), bias = shapes
+            (rows,), _, _, (total,), (groups,), bias, (adapter_rows,) = shapes
             assert (rows, total) in flat and groups == total and bias == (total, cfg.block_size)
+            assert adapter_rows == rows  # each row's LoRA adapter slot: no adapter here
     assert hpu.unwarmed_shapes == 0
     calls = fake_hpu["block_softmax_adjustment"]
     assert len(calls) == 9 * hpu.model.num_layers  # every decode step, every layer, the fused op
@@ -94,3 +97,31 @@ def test_hpu_math_fallback_keeps_gathered_decode(fake_hpu, model_dir):
     assert info_response(runner, 1).buckets["decode"] == len(buckets.decode_buckets(cfg))
     generate(runner, steps=2)
     assert runner.unwarmed_shapes == 0 and fake_hpu["block_softmax_adjustment"] == []
+
+
+@pytest.fixture(scope="module")
+def lora_dirs(model_dir, tmp_path_factory):
+    """Made before the fake Habana modules are installed (peft looks for Intel Neural Compressor)."""
+    from tests.runtime.lora_adapters import make_adapter
+
+    return (make_adapter(model_dir, tmp_path_factory.mktemp("a"), seed=1, rank=4),
+            make_adapter(model_dir, tmp_path_factory.mktemp("b"), seed=2, rank=2, targets=["q_proj", "down_proj"]))
+
+
+def test_hpu_graphs_with_lora_adapters_are_those_warmup_captured(lora_dirs, fake_hpu, model_dir):
+    """Adapters are padded to --max-lora-rank and selected by a per-row slot, so a batch mixing them
+    replays the graphs warmup captured (shapes do not depend on which adapters a batch uses), and
+    gives the CPU path's tokens."""
+    from gaudi_runtime.device.hpu import HpuBackend
+
+    a, b = lora_dirs
+    cfg = config(model_dir, LORA_ADAPTERS=f"a={a},b={b}")
+    hpu = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
+    list(hpu.warmup())
+    warmed = len(fake_hpu["captures"])
+    slots = [1, 0, 2, 1, 2]
+    on_hpu = generate(hpu, adapters=slots)
+    assert len(fake_hpu["captures"]) == warmed and hpu.unwarmed_shapes == 0
+    cpu = ModelRunner(cfg, str(model_dir), Backend(torch.device("cpu")))
+    assert generate(cpu, adapters=slots) == on_hpu
+    assert generate(cpu) != on_hpu  # the adapters change the tokens

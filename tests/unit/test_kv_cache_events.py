@@ -147,3 +147,16 @@ async def test_the_events_of_one_loop_turn_go_out_as_one_batch():
 def test_an_endpoint_that_cannot_be_opened_fails_naming_the_flag():
     with pytest.raises(ValueError, match="--kv-events-config: cannot open tcp://\\*:notaport"):
         ZmqPublisher("tcp://*:notaport")
+
+
+def test_an_adapters_blocks_are_stored_under_its_lora_id_and_name():
+    requests = Requests(resolve(None, {"MODEL_ID": "unused", "DEVICE": "cpu", "LORA_ADAPTERS": "sql=/x,chat=/y"}),
+                        EngineMetrics(None))
+    sink = requests.prefix.events = Recorded()
+    requests.allocator = BlockAllocator(32, on_removed=requests.prefix.removed)
+    prompt = tokens(BS + 1)
+    take_one(requests, valid(prompt, adapter=2))
+    take_one(requests, valid(prompt))
+    [chat, base] = sink.events
+    assert (chat.lora_id, chat.lora_name, base.lora_id, base.lora_name) == (2, "chat", None, None)
+    assert chat.block_hashes != base.block_hashes  # the adapter's root: its blocks are its own

@@ -13,6 +13,7 @@ from gaudi_runtime.shard.batch import ShardBatch
 from gaudi_runtime.shard.inputs import (
     PrefillInput,
     block_tables,
+    check_adapters,
     check_cached,
     decode_inputs,
     flat_decode_inputs,
@@ -49,7 +50,7 @@ def test_block_tables_hold_each_requests_blocks_zero_padded_to_the_block_step():
 def test_prefill_pads_rows_and_tokens_to_the_bucket_and_writes_each_token_to_its_block():
     reqs = [request(0, [11, 12, 13, 14, 15], [3, 7]), request(1, [21, 22, 23], [5]), request(2, [31], [6])]
     step = prefill_inputs(reqs, block_tables(reqs, CFG), CFG)
-    ids, positions, slots, last_idx = step.args
+    ids, positions, slots, last_idx, adapters = step.args
     assert step.kind == "prefill" and step.bucket == (4, 8) == ids.shape  # 3 rows -> 4, 5 tokens -> 8
     assert ids.tolist() == [[11, 12, 13, 14, 15, 0, 0, 0], [21, 22, 23, 0, 0, 0, 0, 0],
                             [31, 0, 0, 0, 0, 0, 0, 0], [0] * 8]
@@ -57,13 +58,15 @@ def test_prefill_pads_rows_and_tokens_to_the_bucket_and_writes_each_token_to_its
     assert slots.tolist() == [[12, 13, 14, 15, 28, 0, 0, 0],  # block 3, then block 7
                               [20, 21, 22, 0, 0, 0, 0, 0], [24, 0, 0, 0, 0, 0, 0, 0], [0] * 8]
     assert last_idx.tolist() == [4, 2, 0, 0]
+    assert adapters.tolist() == [0, 0, 0, 0]  # no adapter named: none, padding rows included
 
 
 def test_prefill_on_an_unpadded_device_runs_the_batchs_own_shape_but_names_its_bucket():
     reqs = [request(0, [11, 12, 13, 14, 15], [3, 7]), request(1, [21, 22, 23], [5]), request(2, [31], [6])]
     step = prefill_inputs(reqs, block_tables(reqs, CFG), CFG, pad=False)
     assert step.bucket == (4, 8)
-    assert [a.shape for a in step.args] == [(3, 5), (3, 5), (3, 5), (3,)]
+    assert [a.shape for a in step.args[:4]] == [(3, 5), (3, 5), (3, 5), (3,)]
+    assert step.args[4] is None  # no adapter and no graph: the adapters' matmuls are skipped
     assert step.args[2].tolist()[0] == [12, 13, 14, 15, 28]
 
 
@@ -76,7 +79,7 @@ def test_prefill_buckets_grow_with_the_longest_prompt_and_the_row_count():
 def test_prefill_with_context_computes_only_the_tokens_after_the_cached_blocks():
     reqs = [request(0, list(range(100, 110)), [3, 7, 9], cached=8), request(1, [40, 41, 42, 43, 44], [5, 6], cached=4)]
     step = prefill_context_inputs(reqs, block_tables(reqs, CFG), CFG)
-    ids, positions, slots, last_idx, context_tables, context_lens = step.args
+    ids, positions, slots, last_idx, context_tables, context_lens, adapters = step.args
     assert step.kind == "prefill_context" and step.bucket == (2, 8, 2)  # 2 rows, 2 new tokens, 2 cached blocks
     assert ids.tolist() == [[108, 109, 0, 0, 0, 0, 0, 0], [44, 0, 0, 0, 0, 0, 0, 0]]
     assert positions.tolist() == [[8, 9, 0, 0, 0, 0, 0, 0], [4, 0, 0, 0, 0, 0, 0, 0]]
@@ -86,22 +89,24 @@ def test_prefill_with_context_computes_only_the_tokens_after_the_cached_blocks()
 
     own = prefill_context_inputs(reqs, block_tables(reqs, CFG), CFG, pad=False)
     assert own.bucket == step.bucket
-    assert [a.shape for a in own.args] == [(2, 2), (2, 2), (2, 2), (2,), (2, 2), (2,)]
+    assert [a.shape for a in own.args[:6]] == [(2, 2), (2, 2), (2, 2), (2,), (2, 2), (2,)] and own.args[6] is None
 
 
 def test_decode_feeds_each_rows_last_token_at_its_next_position():
     batch = cached_batch([5, 2], [[3, 7, 0, 0], [5, 0, 0, 0]], last_ids=[50, 60])
     step = decode_inputs(batch, CFG)
-    input_ids, positions, slots, tables, context_lens = step.args
+    input_ids, positions, slots, tables, context_lens, adapters = step.args
     assert step.kind == "decode" and step.bucket == (4, 2)  # 2 rows -> 4; 6 tokens in 2 blocks
     assert input_ids.tolist() == [50, 60, 0, 0]
     assert positions.tolist() == [5, 2, 0, 0]
     assert slots.tolist() == [29, 22, 0, 0]  # block 7 offset 1, block 5 offset 2
     assert tables.tolist() == [[3, 7], [5, 0], [0, 0], [0, 0]]
     assert context_lens.tolist() == [6, 3, 1, 1]
+    assert adapters.tolist() == [0, 0, 0, 0]
 
     own = decode_inputs(batch, CFG, pad=False)
-    assert own.bucket == (4, 2) and [a.shape for a in own.args] == [(2,), (2,), (2,), (2, 2), (2,)]
+    assert own.bucket == (4, 2) and [a.shape for a in own.args[:5]] == [(2,), (2,), (2,), (2, 2), (2,)]
+    assert own.args[5] is None
 
 
 def test_decode_pads_block_tables_narrower_than_the_bucket():
@@ -114,7 +119,7 @@ def test_decode_pads_block_tables_narrower_than_the_bucket():
 def test_flat_decode_lays_out_the_blocks_in_use_row_after_row():
     batch = cached_batch([5, 2], [[3, 7, 0, 0], [5, 0, 0, 0]], last_ids=[50, 60])
     step = flat_decode_inputs(batch, CFG)
-    input_ids, positions, slots, block_list, block_groups, block_bias = step.args
+    input_ids, positions, slots, block_list, block_groups, block_bias, adapters = step.args
     assert step.kind == "decode" and step.bucket == (4, 4)  # 3 blocks in use -> 4
     assert input_ids.tolist() == [50, 60, 0, 0] and positions.tolist() == [5, 2, 0, 0]
     assert slots.tolist() == [29, 22, 0, 0]
@@ -132,3 +137,23 @@ def test_flat_decode_lays_out_the_blocks_in_use_row_after_row():
 def test_cached_tokens_that_do_not_fit_the_request_are_refused(req):
     with pytest.raises(ValueError, match="cached tokens do not fit"):
         check_cached([req], 4)
+
+
+def test_each_rows_adapter_slot_goes_with_it_and_padding_rows_take_none():
+    reqs = [request(0, [11, 12], [3]), request(1, [21], [5]), request(2, [31], [6])]
+    reqs[0].adapter, reqs[2].adapter = 2, 1
+    assert prefill_inputs(reqs, block_tables(reqs, CFG), CFG).args[-1].tolist() == [2, 0, 1, 0]
+    reqs[0].cached_tokens = 0
+    assert check_adapters(reqs, 2) is None
+    with pytest.raises(ValueError, match="adapter slot 2"):
+        check_adapters(reqs, 1)
+    batch = cached_batch([5, 2, 3], [[3, 7], [5, 0], [6, 0]], last_ids=[50, 60, 70])
+    batch.adapters = torch.tensor([2, 0, 1])
+    kept = batch.filter([2, 0])
+    assert kept.adapters.tolist() == [1, 2]
+    merged = ShardBatch.concat([kept, cached_batch([4], [[9, 0]], last_ids=[80])])
+    assert merged.adapters.tolist() == [1, 2, 0]
+    assert decode_inputs(merged, CFG).args[-1].tolist() == [1, 2, 0, 0]
+    assert flat_decode_inputs(merged, CFG).args[-1].tolist() == [1, 2, 0, 0]
+    assert decode_inputs(merged, CFG, pad=False).args[-1].tolist() == [1, 2, 0]  # some row has one: kept
+    assert prefill_inputs(reqs, block_tables(reqs, CFG), CFG, pad=False).args[-1].tolist() == [2, 0, 1]

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .lora import LoraWeights
+
 
 @dataclass(frozen=True)
 class TPContext:
@@ -107,6 +109,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp = tp
         self.tp_dim = tp_dim
+        self.lora: LoraWeights | None = None  # the adapters targeting this layer (models/lora.py attaches them)
 
     def _make(self, out_features: int, in_features: int, bias: bool) -> None:
         self.weight = _param(out_features, in_features)
@@ -125,8 +128,18 @@ class LinearBase(nn.Module):
             return self.kernel(x, bias)
         return F.linear(x, self.weight, bias)
 
+    def with_adapters(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y``, this layer's output for ``x``, plus each row's adapter's (layers/lora.py)."""
+        delta = None if self.lora is None else self.lora(x)
+        return y if delta is None else y + delta
+
+    def lora_output_slices(self) -> list[tuple[object, int, int, int]] | None:
+        """Where each fused projection's LoRA B goes: ``(shard id, offset in this rank's output, start in
+        the checkpoint's output, size)``; None for a row-parallel layer (its A is sliced instead)."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.with_adapters(x, self.matmul(x, self.bias))
 
 
 class ReplicatedLinear(LinearBase):
@@ -136,6 +149,10 @@ class ReplicatedLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         _copy(param, loaded)
+
+    def lora_output_slices(self) -> list[tuple[object, int, int, int]]:
+        n = self.weight.shape[0]
+        return [(None, 0, 0, n)]
 
 
 class ColumnParallelLinear(LinearBase):
@@ -150,6 +167,10 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         n = param.data.size(0)
         _copy(param, loaded.narrow(0, self.tp.rank * n, n))
+
+    def lora_output_slices(self) -> list[tuple[object, int, int, int]]:
+        n = self.output_size_per_rank
+        return [(None, 0, self.tp.rank * n, n)]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -169,6 +190,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
         size = self.output_sizes[shard_id] // self.tp.size
         _copy_into(param, offset, size, loaded.narrow(0, self.tp.rank * size, size))
+
+    def lora_output_slices(self) -> list[tuple[object, int, int, int]]:
+        out, offset = [], 0
+        for shard_id, total in enumerate(self.output_sizes):
+            size = total // self.tp.size
+            out.append((shard_id, offset, self.tp.rank * size, size))
+            offset += size
+        return out
 
 
 def _copy_into(param: nn.Parameter, offset: int, size: int, loaded: torch.Tensor) -> None:
@@ -223,6 +252,11 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"unknown qkv shard {shard_id!r}")
         _copy_into(param, offset, size, loaded.narrow(0, start, size))
 
+    def lora_output_slices(self) -> list[tuple[object, int, int, int]]:
+        kv_start = self.kv_head_start * self.head_dim
+        return [("q", 0, self.tp.rank * self.q_size, self.q_size), ("k", self.q_size, kv_start, self.kv_size),
+                ("v", self.q_size + self.kv_size, kv_start, self.kv_size)]
+
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial results all-reduced (tp > 1)."""
@@ -241,5 +275,6 @@ class RowParallelLinear(LinearBase):
         _copy(param, loaded.narrow(1, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias if self.tp.rank == 0 else None)
+        # This rank's share of the adapters' product joins the all-reduce with the layer's own.
+        y = self.with_adapters(x, self.matmul(x, self.bias if self.tp.rank == 0 else None))
         return self.tp.all_reduce(y)

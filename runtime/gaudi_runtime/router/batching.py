@@ -208,7 +208,7 @@ class BatchingLoop:
         """The requests the next prefill takes (TGI's rules), their KV blocks reserved."""
         view = self.requests.waiting_view(max(0, self.cfg.max_batch_size - running))
         return self.requests.take(select_prefill(view, running, self.requests.allocator.free_count, self.cfg,
-                                                 min_size, chunks))
+                                                 min_size, chunks, self.requests.running_adapters()))
 
     def _first_chunk(self, batch: RunningBatch, state: RequestState) -> None:
         """Make the first chunk of `state`'s long prompt (`take` registered its blocks); the others
@@ -329,7 +329,7 @@ def prefill_request(state: RequestState, start: int | None = None, end: int | No
     return pb.Request(
         id=state.id, input_ids=r.input_ids if end is None else r.input_ids[:end], top_n_tokens=r.top_n_tokens,
         blocks=state.blocks, prefill_logprobs=r.decoder_input_details, images=r.images,
-        cached_tokens=state.cached_tokens if start is None else start,
+        cached_tokens=state.cached_tokens if start is None else start, adapter_index=r.adapter,
         grammar=pb.Grammar(type=r.grammar.kind, value=r.grammar.value) if r.grammar is not None else None,
         parameters=pb.NextTokenChooserParameters(
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,

@@ -45,6 +45,16 @@ class EngineMetrics:
         if self._m is not None:
             self._m.set_cache_config(cache_config_labels(block_size, num_blocks, cfg))
 
+    def lora_request(self, adapter: str) -> None:
+        if self._m is not None:
+            self._m.gaudi_serve_lora_requests_total.labels(adapter).inc()
+
+    def lora_load(self, max_loras: int, running: list[str], waiting: list[str]) -> None:
+        """The adapters of the running and waiting requests, under vLLM's gauge, once serving."""
+        if self._m is not None and self.serving:
+            self._m.vllm_lora_requests_info.labels(
+                str(max_loras), ",".join(waiting), ",".join(running)).set_to_current_time()
+
     def batch_size(self, running: int, max_tokens: int) -> None:
         """The running batch: its requests, and the tokens they may hold (prompts + max_new_tokens)."""
         if self._m is not None:

@@ -16,6 +16,15 @@ class ValidationError(ValueError):
     """The request is invalid (HTTP 422, error_type "validation")."""
 
 
+class ModelNotFoundError(ValidationError):
+    """A /v1 request's `model` is neither the base model nor a served adapter: HTTP 404 in OpenAI's
+    shape (`openai_not_found`), counted as a validation error."""
+
+    def __init__(self, model: str):
+        super().__init__(f"The model `{model}` does not exist.")
+        self.model = model
+
+
 class UnhealthyError(Exception):
     """The engine cannot serve now (HTTP 503, error_type "unhealthy")."""
 
@@ -44,6 +53,12 @@ def error_type(exc: BaseException) -> str:
 
 def error_body(exc: BaseException) -> dict:
     return {"error": str(exc) or type(exc).__name__, "error_type": error_type(exc)}
+
+
+def openai_not_found(exc: ModelNotFoundError) -> web.Response:
+    body = {"error": {"message": str(exc), "type": "invalid_request_error", "param": "model",
+                      "code": "model_not_found"}}
+    return web.json_response(body, status=404)
 
 
 def error_response(exc: BaseException) -> web.Response:

@@ -69,12 +69,14 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def stored(hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int) -> BlockStored:
+def stored(hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
+           lora_id: int | None = None, lora_name: str | None = None) -> BlockStored:
     """Consecutive blocks of one sequence registered; `parent` is the hash of the block before the
-    first (None: the sequence's first block). One KV-cache group (0) and no adapter, as vLLM
-    reports a plain model's blocks."""
+    first (None: the sequence's first block). One KV-cache group (0); `lora_id` and `lora_name` are
+    the LoRA adapter's whose sequence it is (None: the base model), as vLLM reports them."""
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=token_ids,
-                       block_size=block_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None, group_idx=0)
+                       block_size=block_size, lora_id=lora_id, medium=MEDIUM_GPU, lora_name=lora_name,
+                       group_idx=0)
 
 
 def removed(hashes: list[bytes]) -> BlockRemoved:

@@ -78,6 +78,8 @@ class Requests:
                              stop=StopSequenceMatcher(list(request.stopping.stop_sequences)))
         self._live[state.id] = state
         self.waiting.append(state)
+        if request.adapter:
+            self.metrics.lora_request(self.cfg.lora_adapters[request.adapter - 1]["name"])
         self.report_load()
         return state
 
@@ -91,8 +93,12 @@ class Requests:
         for state in itertools.islice(self.waiting, limit):
             cached, held = self.prefix.waiting_view(self.allocator, state)
             view.append(Waiting(len(state.req.input_ids), state.req.stopping.max_new_tokens, cached, held,
-                                chunkable(state.req)))
+                                chunkable(state.req), state.req.adapter))
         return view
+
+    def running_adapters(self) -> frozenset[int]:
+        """The adapter slots of the requests taken for a prefill and not ended (0: the base model)."""
+        return frozenset(s.req.adapter for s in self._live.values() if s.started is not None)
 
     def take(self, count: int) -> list[RequestState]:
         """Move the first `count` waiting requests into a prefill, reserving their KV blocks: the
@@ -153,6 +159,15 @@ class Requests:
         a = self.allocator
         kv_usage = 1 - a.free_count / a.num_blocks if a is not None and a.num_blocks else 0.0
         self.metrics.load(len(self.waiting), len(self._live) - len(self.waiting), kv_usage)
+        if self.cfg.lora_adapters:
+            self._report_adapters()
+
+    def _report_adapters(self) -> None:
+        names = [a["name"] for a in self.cfg.lora_adapters]
+        waiting = {s.req.adapter for s in self.waiting}
+        running = {s.req.adapter for s in self._live.values() if s.started is not None}
+        self.metrics.lora_load(self.cfg.max_loras, [names[i - 1] for i in sorted(running - {0})],
+                               [names[i - 1] for i in sorted(waiting - {0})])
 
     def end_all(self, error: Exception) -> None:
         """End every live request with `error` (the shards failed)."""

@@ -157,6 +157,7 @@ class Metrics:
             buckets=_FAST + (5.0, 10.0, 30.0), registry=r)
         self._warmup_and_cache_metrics(c, r)
         self._load_gauges(r)
+        self._lora_metrics(c, r)
 
     def _load_gauges(self, r: CollectorRegistry) -> None:
         """Load under vLLM's names, labelled `model_name` (set through set_load once the engine is ready)."""
@@ -180,6 +181,16 @@ class Metrics:
         self.vllm_num_requests_waiting.labels(self.model_name).set(waiting)
         self.vllm_num_requests_running.labels(self.model_name).set(running)
         self.vllm_kv_cache_usage_perc.labels(self.model_name).set(kv_usage)
+
+    def _lora_metrics(self, c: list[Counter], r: CollectorRegistry) -> None:
+        """LoRA adapters (set by the engine when it serves some): sequences queued per adapter, and vLLM's
+        `vllm:lora_requests_info`, whose labels name the adapters running and waiting (comma-joined) and
+        whose value is when they were seen (seconds since the epoch), as vLLM sets it."""
+        self.gaudi_serve_lora_requests_total = Counter(
+            "gaudi_serve_lora_requests_total", "Sequences queued for each LoRA adapter", ("adapter",), registry=c)
+        self.vllm_lora_requests_info = Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), registry=r)
 
     def _warmup_and_cache_metrics(self, c: list[Counter], r: CollectorRegistry) -> None:
         """Warmup and prefix caching (set by the engine; see docs/design.md "Static shapes" and

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
 import gaudi_runtime
-from gaudi_runtime.router import json_text, sse
+from gaudi_runtime.router import adapters, json_text, sse
 from gaudi_runtime.router.http_common import (
     admit,
     finite_logprob,
@@ -45,7 +45,7 @@ from gaudi_runtime.router.request_models import (
     OpenAIRequest,
     parse_request,
 )
-from gaudi_runtime.router.state import get_state
+from gaudi_runtime.router.state import AppState, get_state
 from gaudi_runtime.router.tool_calls import MARKERS, ToolCallStream, parse, tool_calls_json
 from gaudi_runtime.router.types import FinishReason, StreamEvent, Token, ValidRequest
 
@@ -170,9 +170,10 @@ async def run_completions(request: web.Request, body: dict, rec: RequestRecorder
     state = get_state(request)
     with recorded(rec):
         req = parse_request(CompletionRequest, body)
-        reqs = completion_requests(req, state.config, state.tokenizer)
+        slot = adapters.openai_slot(state.config, req.model)
+        reqs = [replace(r, adapter=slot) for r in completion_requests(req, state.config, state.tokenizer)]
         await admit(state, rec, reqs)
-    envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", model_name(state))
+    envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", served_name(state, slot))
     if req.stream:
         return await _stream(request, reqs, req, rec, envelope, "text_completion",
                              _completion_chunk_choice(reqs, req))
@@ -263,14 +264,16 @@ async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> we
     state = get_state(request)
     with recorded(rec):
         req = parse_request(ChatCompletionRequest, body)
+        slot = adapters.openai_slot(state.config, req.model)
         check_chat_schemas(req, state.config)
         params = chat_parameters(req, state.config)
         tools = chat_tools(req, state.config, state.tokenizer.chat_template)
         prompt = chat_prompt(req, state.tokenizer, tools, images_allowed=state.images is not None)
         images = await prompt_images(state, prompt)
-        reqs = chat_requests(prompt, images, params, req, state.config, state.tokenizer, tools)
+        reqs = [replace(r, adapter=slot)
+                for r in chat_requests(prompt, images, params, req, state.config, state.tokenizer, tools)]
         await admit(state, rec, reqs)
-    envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", model_name(state))
+    envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", served_name(state, slot))
     if req.stream:
         return await _stream(request, reqs, req, rec, envelope, "chat.completion.chunk",
                              _chat_chunk_choice(req, tools.fmt))
@@ -285,8 +288,16 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     return await run_chat(request, await read_body(request, rec), rec)
 
 
+def served_name(state: AppState, slot: int) -> str:
+    """The `model` of a response: the adapter's name, else the base model's."""
+    return adapters.name(state.config, slot) or model_name(state)
+
+
 async def handle_models(request: web.Request) -> web.Response:
+    """The base model, then each adapter as a model of its own whose `parent` is the base (vLLM's list)."""
     state = get_state(request)
-    return web.json_response({"object": "list", "data": [{
-        "id": model_name(state), "object": "model", "created": int(state.started), "owned_by": "gaudi-serve",
-    }]})
+    card = {"object": "model", "created": int(state.started), "owned_by": "gaudi-serve"}
+    base = model_name(state)
+    data = [{"id": base, **card, "root": state.config.model_id, "parent": None}]
+    data += [{"id": a["name"], **card, "root": a["source"], "parent": base} for a in state.config.lora_adapters]
+    return web.json_response({"object": "list", "data": data})

@@ -18,11 +18,12 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from gaudi_runtime.router.response_models import ErrorResponse
+from gaudi_runtime.router.response_models import ErrorResponse, OpenAIError
 
 REF = "#/components/schemas/{model}"
 ERRORS = {
     401: "The API key is missing or wrong (`--api-key`)",
+    404: "`model` names neither the served model nor one of its LoRA adapters (OpenAI's error body)",
     413: "The body is larger than `--max-request-bytes`",
     422: "The body is invalid or over a limit; the message names the field",
     424: "The generation failed",
@@ -32,7 +33,7 @@ ERRORS = {
 
 
 def _models(routes) -> list[tuple[type[BaseModel], str]]:
-    found: dict[type[BaseModel], str] = {ErrorResponse: "serialization"}
+    found: dict[type[BaseModel], str] = {ErrorResponse: "serialization", OpenAIError: "serialization"}
     for r in routes:
         for m in r.bodies:
             found.setdefault(m, "validation")
@@ -78,6 +79,8 @@ def _responses(route, refs: dict) -> dict:
         out[str(code)] = _error(code)
     if route.unready is not None:
         out["503"] = _error(503, refs[route.unready])
+    if route.selects_model:
+        out["404"] = _error(404, refs[OpenAIError])
     return out
 
 

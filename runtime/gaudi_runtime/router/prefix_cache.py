@@ -3,7 +3,8 @@
 A full block of a sequence is named by a hash chained from its parent block's hash and its own
 token ids, plus what else decides its KV values: the digest of each image whose placeholder tokens
 start in it (later blocks inherit it through the chain), and, at the root, the model, its dtype
-and the KV cache's. Equal hashes mean equal KV, so a request whose first blocks' hashes are
+and the KV cache's, and the request's LoRA adapter (its name and content digest): two adapters
+never share a block. Equal hashes mean equal KV, so a request whose first blocks' hashes are
 registered (router/blocks.py) reads those blocks instead of computing them, and the shards compute
 only the rest of its prompt (`Request.cached_tokens`).
 
@@ -46,6 +47,13 @@ def root_hash(cfg: Config) -> bytes:
     return hashlib.sha256(salt.encode()).digest()
 
 
+def adapter_roots(cfg: Config, base: bytes) -> list[bytes]:
+    """The root of each adapter slot's chains: the base model's for slot 0, then one per adapter, seeded
+    with its name and the digest of its files (the launcher's `Config.lora_adapters[i]["digest"]`)."""
+    return [base] + [hashlib.sha256(base + f"|lora|{a['name']}|{a['digest']}".encode()).digest()
+                     for a in cfg.lora_adapters]
+
+
 def chain_hashes(tokens: list[int], block_size: int, parent: bytes, extras: dict[int, bytes] | None = None,
                  first: int = 0) -> list[bytes]:
     """The hash of each full block of `tokens`, chained from `parent`; `extras` maps a block's index
@@ -80,6 +88,8 @@ class PrefixCache:
         self.enabled = cfg.prefix_caching
         self.block_size = cfg.block_size
         self.root = root_hash(cfg)
+        self.roots = adapter_roots(cfg, self.root)
+        self.adapter_names = [None] + [a["name"] for a in cfg.lora_adapters]
         self.metrics = metrics
         self.events: KvEvents | None = None  # where registrations and removals are announced
 
@@ -91,7 +101,8 @@ class PrefixCache:
     def prompt_hashes(self, state) -> list[bytes]:
         """The hashes of the full blocks of `state`'s prompt (computed once)."""
         if state.block_hashes is None:
-            state.block_hashes = chain_hashes(state.req.input_ids, self.block_size, self.root, self._extras(state))
+            state.block_hashes = chain_hashes(state.req.input_ids, self.block_size, self.roots[state.req.adapter],
+                                              self._extras(state))
         return state.block_hashes
 
     def _extras(self, state) -> dict[int, bytes] | None:
@@ -133,7 +144,7 @@ class PrefixCache:
             return
         hashes = self.prompt_hashes(state)
         last = min(len(hashes), end // self.block_size)
-        self._register(allocator, state.blocks, hashes[:last], state.req.input_ids, start // self.block_size)
+        self._register(allocator, state, hashes[:last], state.req.input_ids, start // self.block_size)
         self.metrics.cached_blocks(allocator.cached_count)
 
     def release(self, allocator: BlockAllocator, state, failed: bool) -> None:
@@ -158,26 +169,27 @@ class PrefixCache:
         hashes = self.prompt_hashes(state)
         first = len(hashes)
         tokens = prompt + state.output_ids[:fed]
-        parent = hashes[-1] if hashes else self.root
+        parent = hashes[-1] if hashes else self.roots[state.req.adapter]
         new = chain_hashes(tokens[first * self.block_size:], self.block_size, parent, self._extras(state), first)
-        self._register(allocator, state.blocks, hashes + new, tokens, first)
+        self._register(allocator, state, hashes + new, tokens, first)
 
-    def _register(self, allocator: BlockAllocator, blocks: list[int], hashes: list[bytes], tokens: list[int],
-                  first: int) -> None:
-        """Register `blocks[i]` under `hashes[i]` from block `first` on (`tokens`: the sequence's, from
-        its start), announcing each run of consecutive blocks registered."""
+    def _register(self, allocator: BlockAllocator, state, hashes: list[bytes], tokens: list[int], first: int) -> None:
+        """Register `state`'s block i under `hashes[i]` from block `first` on (`tokens`: the sequence's,
+        from its start), announcing each run of consecutive blocks registered."""
         run: list[int] = []
         for i in range(first, len(hashes)):
-            if allocator.register(blocks[i], hashes[i]):
+            if allocator.register(state.blocks[i], hashes[i]):
                 run.append(i)
                 continue
-            self._announce(run, hashes, tokens)
+            self._announce(run, hashes, tokens, state.req.adapter)
             run = []
-        self._announce(run, hashes, tokens)
+        self._announce(run, hashes, tokens, state.req.adapter)
 
-    def _announce(self, run: list[int], hashes: list[bytes], tokens: list[int]) -> None:
+    def _announce(self, run: list[int], hashes: list[bytes], tokens: list[int], adapter: int) -> None:
         if self.events is None or not run:
             return
         bs, i, j = self.block_size, run[0], run[-1] + 1
         parent = hashes[i - 1] if i else None  # the root is no block: a first block has no parent
-        self.events.add(stored(hashes[i:j], parent, tokens[i * bs:j * bs], bs))
+        # vLLM names an adapter's blocks by its LoRA id and name; ours are the adapter's slot and name.
+        lora = (adapter, self.adapter_names[adapter]) if adapter else (None, None)
+        self.events.add(stored(hashes[i:j], parent, tokens[i * bs:j * bs], bs, *lora))

@@ -146,7 +146,8 @@ class GenerateParameters(RequestBody):
     truncate: Int | None = Field(None, description="Keep only the prompt's last tokens")
     typical_p: Annotated[Float, Gt(0.0), Lt(1.0)] | None = None
     watermark: Bool = False
-    adapter_id: Str | None = None
+    adapter_id: Str | None = Field(None, description="The LoRA adapter to apply (a name of --lora-adapters); "
+                                   "absent or the model's name: none")
     ignore_eos: Bool = Field(False, description="vLLM's extension: generate past the end-of-sequence token")
 
 

@@ -130,6 +130,10 @@ class Info(Open):
     prefill_chunks: int | None = Field(None, description="Chunks of long prompts prefilled before their last "
                                        "one (prompts longer than max_batch_prefill_tokens)")
     unwarmed_shapes: int | None = Field(None, description="Shapes run after warmup that it had not warmed")
+    lora_adapters: list[str] | None = Field(None, description="The LoRA adapters served beside the base model "
+                                            "(--lora-adapters), selected by `parameters.adapter_id` or `model`")
+    max_loras: int | None = Field(None, description="Most distinct adapters in one running batch")
+    max_lora_rank: int | None = None
 
 
 # --- TGI -------------------------------------------------------------------------------------------
@@ -337,10 +341,25 @@ class ChatCompletionChunk(OpenAIEnvelope):
 
 
 class ModelCard(Closed):
-    id: str
+    id: str = Field(description="The name a request's `model` selects it by")
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str = Field(description="The base model's id, or the adapter's hub id or path")
+    parent: str | None = Field(description="For a LoRA adapter, the base model it applies to; null for the base")
+
+
+class OpenAIErrorDetail(Closed):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(Closed):
+    """OpenAI's error body: what /v1 answers when `model` names no served model or adapter (404)."""
+
+    error: OpenAIErrorDetail
 
 
 class ModelList(Closed):

@@ -55,6 +55,7 @@ class Route:
     open: bool = False  # neither the API key nor a ready server is needed: probes and the API's description
     unready: type[BaseModel] | None = None  # an open route's own 503 body
     documented: bool = True  # described by the OpenAPI document
+    selects_model: bool = False  # its body's `model` may name no served model: OpenAI's 404
 
 
 async def handle_openapi(request: web.Request) -> web.Response:
@@ -78,18 +79,19 @@ ROUTES = (
     Route("POST", "/invocations", handle_invocations, (ChatCompletionRequest, CompletionRequest, GenerateRequest),
           replies=(rm.ChatCompletion, rm.Completion, rm.CompatGenerateResponse),
           events=(rm.ChatCompletionChunk, rm.CompletionChunk, rm.StreamResponse), generates=True, done_marker=True,
-          summary="SageMaker: a chat, completions or TGI body", tag="SageMaker"),
+          summary="SageMaker: a chat, completions or TGI body", tag="SageMaker", selects_model=True),
     Route("POST", "/tokenize", tgi_api.handle_tokenize, (TokenizeRequest,), replies=(rm.TokenizeResponse,),
           summary="Tokenize the inputs", tag=TGI),
     Route("POST", "/v1/completions", openai_api.handle_completions, (CompletionRequest,),
           replies=(rm.Completion,), events=(rm.CompletionChunk,), generates=True, done_marker=True,
-          summary="OpenAI completions", tag=OPENAI),
+          summary="OpenAI completions", tag=OPENAI, selects_model=True),
     Route("POST", "/v1/chat/completions", openai_api.handle_chat, (ChatCompletionRequest,),
           replies=(rm.ChatCompletion,), events=(rm.ChatCompletionChunk,), generates=True, done_marker=True,
-          summary="OpenAI chat completions", tag=OPENAI),
+          summary="OpenAI chat completions", tag=OPENAI, selects_model=True),
     Route("GET", "/info", tgi_api.handle_info, replies=(rm.Info,), summary="The model and the server's limits",
           tag=TGI),
-    Route("GET", "/v1/models", openai_api.handle_models, replies=(rm.ModelList,), summary="The served model",
+    Route("GET", "/v1/models", openai_api.handle_models, replies=(rm.ModelList,),
+          summary="The served model and each of its LoRA adapters",
           tag=OPENAI),
     Route("GET", "/health", tgi_api.handle_health, replies=(rm.HealthResponse,), unready=rm.HealthResponse,
           summary="Ready to serve (200), or not yet, with the warmup's progress (503)", tag=OPS, open=True),

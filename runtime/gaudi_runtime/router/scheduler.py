@@ -18,6 +18,7 @@ class Waiting:
     cached_tokens: int = 0  # prompt tokens cached blocks hold (prefix cache): the prefill computes the rest
     held_blocks: int = 0  # of those blocks, the ones other requests hold: they cost no free block
     chunkable: bool = True  # False: prefilled whole, however long (images, prompt log-probabilities)
+    adapter: int = 0  # its LoRA adapter slot (0: none)
 
 
 # A decode call's steps are bounded so the call lasts about this long: a prompt arriving meanwhile waits
@@ -70,22 +71,29 @@ def join_min_size(running: int, waiting_steps: int, oldest_wait_ms: float, cfg: 
 
 
 def select_prefill(waiting: list[Waiting], running: int, free_blocks: int, cfg: Config,
-                   min_size: int | None = None, chunks: bool = True) -> int:
+                   min_size: int | None = None, chunks: bool = True,
+                   running_adapters: frozenset[int] = frozenset()) -> int:
     """How many requests from the head of the queue (FIFO) the next prefill takes.
 
     Limits: --max-batch-size over running + new, the padded prefill shape within
     --max-batch-prefill-tokens (prompt tokens to compute: cached ones are not), and
     the free KV blocks (cached blocks no request holds count as free: taking one
-    costs a block as a fresh one does). Stops at the first request that does not
-    fit, so that no request is overtaken forever. A prompt prefilled in chunks
-    goes alone: its first chunk fills the prefill; with `chunks` False (one is
-    being chunked already) it waits at the head of the queue.
+    costs a block as a fresh one does), and --max-loras distinct adapters over the
+    running requests (`running_adapters`) and the new ones. Stops at the first
+    request that does not fit, so that no request is overtaken forever. A prompt
+    prefilled in chunks goes alone: its first chunk fills the prefill; with
+    `chunks` False (one is being chunked already) it waits at the head of the queue.
     """
     room = cfg.max_batch_size - running
     taken, longest, blocks = 0, 0, 0
+    adapters = set(running_adapters) - {0}
     for w in waiting:
         if taken >= room:
             break
+        if w.adapter and w.adapter not in adapters:
+            if len(adapters) >= cfg.max_loras:
+                break
+            adapters.add(w.adapter)
         if needs_chunks(w, cfg):
             alone = chunks and taken == 0 and blocks_needed(w.input_len, w.max_new_tokens, cfg) - w.held_blocks <= free_blocks
             taken = 1 if alone else taken

@@ -18,7 +18,14 @@ from aiohttp import web
 
 from gaudi_runtime.config import Config
 from gaudi_runtime.router.drain import DRAIN, Drain
-from gaudi_runtime.router.errors import UnhealthyError, ValidationError, error_response, json_error
+from gaudi_runtime.router.errors import (
+    ModelNotFoundError,
+    UnhealthyError,
+    ValidationError,
+    error_response,
+    json_error,
+    openai_not_found,
+)
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.routes import add_routes, open_route
 from gaudi_runtime.router.state import STATE, AppState
@@ -104,6 +111,8 @@ def _errors(config: Config):
     async def errors(request: web.Request, handler):
         try:
             return await handler(request)
+        except ModelNotFoundError as e:
+            return openai_not_found(e)
         except (ValidationError, OverloadedError, GenerationError, UnhealthyError) as e:
             return error_response(e)
         except web.HTTPRequestEntityTooLarge:

@@ -53,6 +53,7 @@ class ValidRequest:
     images: list[bytes] = field(default_factory=list)  # encoded prompt images (their tokens are in input_ids)
     image_starts: list[int] = field(default_factory=list)  # where each image's placeholder tokens start
     grammar: GrammarSpec | None = None  # constrained generation
+    adapter: int = 0  # LoRA adapter slot (router/adapters.py): 0 the base model
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from gaudi_runtime.config import Config
 from gaudi_runtime.params import SamplingParameters, samples
+from gaudi_runtime.router import adapters
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.request_models import (
     MAX_SEED,
@@ -129,6 +130,7 @@ def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParam
         details=params.details,
         return_full_text=params.return_full_text,
         grammar=grammar,
+        adapter=adapters.tgi_slot(config, params.adapter_id),
     )
     return GenerateJob(request=request, best_of=best_of)
 
@@ -157,8 +159,6 @@ def check_limits(p: GenerateParameters, config: Config, *, stream: bool) -> None
         raise ValidationError("`watermark` is not supported by this server")
     if p.grammar is not None and config.disable_grammar_support:
         raise ValidationError("grammar is not supported")
-    if p.adapter_id is not None:
-        raise ValidationError("`adapter_id` is not supported: this server serves no LoRA adapters")
     if p.truncate is not None and (p.truncate <= 0 or p.truncate > config.max_input_tokens):
         raise ValidationError(
             f"`truncate` must be strictly positive and less than {config.max_input_tokens}. Given: {p.truncate}")

@@ -24,6 +24,13 @@ class ShardBatch:
     seq_lens_host: np.ndarray  # [B] the same, on the host, to pick buckets without a sync
     last_ids: torch.Tensor  # [B] the token the next decode step feeds
     sampler: BatchSampler
+    adapters: torch.Tensor | None = None  # [B] each row's LoRA adapter slot; None: no row has one
+
+    def adapter_slots(self) -> torch.Tensor:
+        """[B] each row's adapter slot (0: none)."""
+        if self.adapters is not None:
+            return self.adapters
+        return torch.zeros(len(self), dtype=torch.long, device=self.seq_lens.device)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -46,6 +53,7 @@ class ShardBatch:
             seq_lens_host=self.seq_lens_host[keep],
             last_ids=self.last_ids[idx],
             sampler=self.sampler.filter(keep),
+            adapters=None if self.adapters is None else self.adapters[idx],
         )
 
     @staticmethod
@@ -65,4 +73,6 @@ class ShardBatch:
             seq_lens_host=np.concatenate([b.seq_lens_host for b in batches]),
             last_ids=torch.cat([b.last_ids for b in batches]),
             sampler=BatchSampler.concat([b.sampler for b in batches]),
+            adapters=None if all(b.adapters is None for b in batches)
+            else torch.cat([b.adapter_slots() for b in batches]),
         )

@@ -7,7 +7,7 @@ A device that does not pad (`pad=False`: CPU, CUDA without graphs) runs the batc
 bucket is still reported, so that the runner can tell a shape warmup did not run.
 
 A new input kind is one more builder here returning `StepInputs` for a step function of the runner;
-a new per-row input (an adapter id) is one more array in the `args` of the kinds that need it.
+a new per-row input is one more array in the `args` of the kinds that need it, as the adapter slots are.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class PrefillInput:
     images: list[bytes] = field(default_factory=list)  # encoded images of a multimodal prompt, in order
     grammar: tuple[str, str] | None = None  # (kind, text) the output must follow (shard/grammar.py)
     cached_tokens: int = 0  # prompt tokens the first blocks already hold (prefix caching): not computed
+    adapter: int = 0  # LoRA adapter slot (layers/lora.py): 0 none, i the i-th adapter served
 
 
 @dataclass
@@ -54,6 +55,23 @@ def check_cached(reqs: list[PrefillInput], block_size: int) -> None:
         if c % block_size or c >= len(r.input_ids) or c > len(r.blocks) * block_size or (c and r.prefill_logprobs):
             raise ValueError(f"request {r.id}: {c} cached tokens do not fit its {len(r.input_ids)}-token prompt "
                              f"and {len(r.blocks)} blocks of {block_size}")
+
+
+def check_adapters(reqs: list[PrefillInput], served: int) -> None:
+    """Every request names an adapter slot this shard holds."""
+    for r in reqs:
+        if not 0 <= r.adapter <= served:
+            raise ValueError(f"request {r.id}: adapter slot {r.adapter}, this shard serves {served} adapters")
+
+
+def adapter_slots(reqs: list[PrefillInput], rows: int, pad: bool = True) -> np.ndarray | None:
+    """Each row's adapter slot [rows]; padding rows take none. None where the device runs the batch's
+    own shape (no graph to keep static) and no row has an adapter: the adapters' matmuls are skipped."""
+    if not pad and not any(r.adapter for r in reqs):
+        return None
+    out = np.zeros(rows, dtype=np.int64)
+    out[:len(reqs)] = [r.adapter for r in reqs]
+    return out
 
 
 def prompt_lens(reqs: list[PrefillInput]) -> np.ndarray:
@@ -80,8 +98,8 @@ def _slots(tables: np.ndarray, pos: np.ndarray, real: np.ndarray, block_size: in
 
 
 def prefill_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Config, pad: bool = True) -> StepInputs:
-    """Every prompt token from position 0: ids, positions, slots [rows, seq] and the index of each row's
-    last token [rows]. Bucket: (rows, seq)."""
+    """Every prompt token from position 0: ids, positions, slots [rows, seq], the index of each row's
+    last token and its adapter slot [rows]. Bucket: (rows, seq)."""
     n, bs = len(reqs), cfg.block_size
     lens = prompt_lens(reqs)
     seq = buckets.prefill_seq_bucket(int(lens.max()), cfg)
@@ -97,14 +115,15 @@ def prefill_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Config, pa
     slots[:n] = _slots(tables, np.broadcast_to(pos, (n, seq)), pos[None, :] < lens[:, None], bs)
     last_idx = np.zeros(rows, dtype=np.int64)
     last_idx[:n] = lens - 1
-    return StepInputs("prefill", bucket, (ids, np.broadcast_to(pos, (rows, seq)).copy(), slots, last_idx))
+    return StepInputs("prefill", bucket, (ids, np.broadcast_to(pos, (rows, seq)).copy(), slots, last_idx,
+                                          adapter_slots(reqs, rows, pad)))
 
 
 def prefill_context_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Config,
                            pad: bool = True) -> StepInputs:
     """The tokens after each prompt's cached ones, at their positions: ids, positions, slots [rows, seq],
-    the last new token's index [rows], the cached blocks [rows, context blocks] and the cached token
-    count [rows]. Bucket: (rows, new tokens, context blocks)."""
+    the last new token's index [rows], the cached blocks [rows, context blocks], the cached token
+    count and the adapter slot [rows]. Bucket: (rows, new tokens, context blocks)."""
     n, bs = len(reqs), cfg.block_size
     cached = cached_lens(reqs)
     new, context = prompt_lens(reqs) - cached, cached // bs
@@ -128,12 +147,14 @@ def prefill_context_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Co
     context_tables[:n, :cols] = np.where(np.arange(cols)[None, :] < context[:, None], tables[:, :cols], 0)
     context_lens, last_idx = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
     context_lens[:n], last_idx[:n] = cached, new - 1
-    return StepInputs("prefill_context", bucket, (ids, positions, slots, last_idx, context_tables, context_lens))
+    return StepInputs("prefill_context", bucket, (ids, positions, slots, last_idx, context_tables, context_lens,
+                                                  adapter_slots(reqs, rows, pad)))
 
 
 def decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> StepInputs:
     """The next token of each row: ids, positions, slots [rows], the block tables [rows, width] padded to
-    the bucket of the longest row, context lengths [rows]; tensors where the batch is, no host sync.
+    the bucket of the longest row, context lengths and adapter slots [rows]; tensors where the batch is,
+    no host sync.
     Bucket: (rows, width)."""
     bs, n = cfg.block_size, len(batch)
     rows = buckets.decode_batch_bucket(n, cfg)
@@ -149,21 +170,23 @@ def decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> StepInput
     positions = batch.seq_lens
     slots = tables.gather(1, (positions // bs)[:, None]).squeeze(1) * bs + positions % bs
     extra = rows - n
+    adapters = None if not pad and batch.adapters is None else batch.adapter_slots()  # as in adapter_slots
     if extra:
         zeros = torch.zeros(extra, dtype=torch.long, device=positions.device)
         input_ids = torch.cat([batch.last_ids, zeros])
         positions = torch.cat([positions, zeros])
         slots = torch.cat([slots, zeros])
+        adapters = torch.cat([adapters, zeros])
         tables = torch.cat([tables, torch.zeros(extra, width, dtype=torch.long, device=positions.device)])
     else:
         input_ids = batch.last_ids
-    return StepInputs("decode", bucket, (input_ids, positions, slots, tables, positions + 1))
+    return StepInputs("decode", bucket, (input_ids, positions, slots, tables, positions + 1, adapters))
 
 
 def flat_decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> StepInputs:
     """The next token of each row: ids, positions and slots [rows], then the flat layout of the blocks the
     rows use (`flat_layout`: block list, block groups [total], bias [total, block size]), laid out on the
-    host and moved where the batch is. Bucket: (rows, total blocks)."""
+    host and moved where the batch is, and the adapter slots [rows]. Bucket: (rows, total blocks)."""
     bs, n = cfg.block_size, len(batch)
     rows = buckets.decode_batch_bucket(n, cfg)
     pos = batch.seq_lens_host
@@ -179,6 +202,9 @@ def flat_decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> Step
     layout = flat_layout(tables, pos + 1, bs, rows, total)
     dev = batch.last_ids.device
     input_ids = batch.last_ids
+    adapters = None if not pad and batch.adapters is None else batch.adapter_slots()  # as in adapter_slots
     if rows > n:
-        input_ids = torch.cat([input_ids, torch.zeros(rows - n, dtype=torch.long, device=dev)])
-    return StepInputs("decode", bucket, (input_ids, *(torch.from_numpy(a).to(dev) for a in (positions, slots, *layout))))
+        zeros = torch.zeros(rows - n, dtype=torch.long, device=dev)
+        input_ids, adapters = torch.cat([input_ids, zeros]), torch.cat([adapters, zeros])
+    return StepInputs("decode", bucket, (input_ids, *(torch.from_numpy(a).to(dev) for a in (positions, slots, *layout)),
+                                         adapters))

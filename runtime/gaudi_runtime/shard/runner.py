@@ -21,6 +21,7 @@ from gaudi_runtime.device.base import Backend
 from gaudi_runtime.layers.attention import AttentionMetadata, attention_in_use, use_attention
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache, kv_bytes_per_block
 from gaudi_runtime.models import load_model
+from gaudi_runtime.models.lora import load_adapters
 from gaudi_runtime.quant.setup import kv_cache_dtype, quantize_loaded
 from gaudi_runtime.recipe_cache import RecipeCache
 from gaudi_runtime.shard import inputs
@@ -85,6 +86,7 @@ class ModelRunner:
         attention = backend.attention(cfg.use_flash_attention, cfg.flash_attention_recompute, cfg.cpu_paged_attention)
         rope = (cfg.rope_scaling, cfg.rope_factor) if cfg.rope_scaling else None  # --rope-scaling/--rope-factor
         self.model = load_model(model_dir, self.dtype, device, rank, world_size, process_group, rope=rope)
+        self.adapter_rows = load_adapters(self.model, cfg, model_dir)  # None: no --lora-adapters
         use_attention(self.model, attention)
         # FP8 (--quantize / QUANT_CONFIG) swaps layers after load; --kv-cache-dtype sets the cache's scales.
         self.model = quantize_loaded(self.model, cfg, backend.name, self.dtype, rank, world_size)
@@ -128,37 +130,47 @@ class ModelRunner:
 
     # ---- the step functions (what device graphs capture) --------------
 
-    def _prefill_step(self, input_ids, positions, slots, last_idx):
+    def _use_adapters(self, adapters) -> None:
+        """Each row's adapter slot for the forward pass that follows (layers/lora.py)."""
+        if self.adapter_rows is not None:
+            self.adapter_rows.index = adapters
+
+    def _prefill_step(self, input_ids, positions, slots, last_idx, adapters):
+        self._use_adapters(adapters)
         hidden = self.model(input_ids, positions, self.kv_cache, AttentionMetadata(is_prefill=True, slots=slots))
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return hidden, self.model.compute_logits(hidden[rows, last_idx])
 
-    def _prefill_images_step(self, images: list[bytes], input_ids, positions, slots, last_idx):
+    def _prefill_images_step(self, images: list[bytes], input_ids, positions, slots, last_idx, adapters):
         """A prefill whose prompts hold images: the vision tower's features replace the placeholder
         tokens' embeddings. Eager (image tile counts vary), so text-only buckets and graphs are untouched."""
         embeds = prompt_embeds(self.model, self.image_processor, images, input_ids)
+        self._use_adapters(adapters)
         hidden = self.model(input_ids, positions, self.kv_cache, AttentionMetadata(is_prefill=True, slots=slots),
                             inputs_embeds=embeds)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return hidden, self.model.compute_logits(hidden[rows, last_idx])
 
-    def _prefill_context_step(self, input_ids, positions, slots, last_idx, context_tables, context_lens,
+    def _prefill_context_step(self, input_ids, positions, slots, last_idx, context_tables, context_lens, adapters,
                               inputs_embeds=None):
         """A prefill of the tokens after each prompt's cached blocks (`context_tables`, the first
         `context_lens` positions), which they attend to."""
         meta = AttentionMetadata(is_prefill=True, slots=slots, block_tables=context_tables, context_lens=context_lens)
+        self._use_adapters(adapters)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds=inputs_embeds)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return hidden, self.model.compute_logits(hidden[rows, last_idx])
 
-    def _decode_step(self, input_ids, positions, slots, tables, context_lens):
+    def _decode_step(self, input_ids, positions, slots, tables, context_lens, adapters):
+        self._use_adapters(adapters)
         meta = AttentionMetadata(is_prefill=False, slots=slots[:, None], block_tables=tables,
                                  context_lens=context_lens)
         hidden = self.model(input_ids[:, None], positions[:, None], self.kv_cache, meta)
         return self.model.compute_logits(hidden[:, -1])
 
-    def _flat_decode_step(self, input_ids, positions, slots, block_list, block_groups, block_bias):
+    def _flat_decode_step(self, input_ids, positions, slots, block_list, block_groups, block_bias, adapters):
         """A decode step whose attention reads the blocks in use, laid out flat (`flat_layout`)."""
+        self._use_adapters(adapters)
         meta = AttentionMetadata(is_prefill=False, slots=slots[:, None], block_list=block_list,
                                  block_groups=block_groups, block_bias=block_bias)
         hidden = self.model(input_ids[:, None], positions[:, None], self.kv_cache, meta)
@@ -170,6 +182,7 @@ class ModelRunner:
     def prefill(self, batch_id: int, reqs: list[PrefillInput]) -> StepResult:
         """Compute each prompt after its cached tokens (all of it when none are), keep the batch."""
         inputs.check_cached(reqs, self.cfg.block_size)
+        inputs.check_adapters(reqs, len(self.cfg.lora_adapters))
         tables = inputs.block_tables(reqs, self.cfg)
         sampler = prefill_sampler(reqs, self.model.vocab_size, self.device, self.grammars)
         t0 = time.perf_counter_ns()
@@ -183,6 +196,7 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(dev), block_tables_host=tables,
             seq_lens=torch.from_numpy(lens).to(dev), seq_lens_host=lens,
             last_ids=out.next_ids[:len(reqs)], sampler=sampler,
+            adapters=torch.tensor([r.adapter for r in reqs], device=dev) if any(r.adapter for r in reqs) else None,
         )
         return StepResult([r.id for r in reqs], out, prompt_lp, time.perf_counter_ns() - t0)
 
@@ -193,7 +207,7 @@ class ModelRunner:
         build = inputs.prefill_context_inputs if with_context else inputs.prefill_inputs
         step = build(reqs, tables, self.cfg, self.backend.pads_to_buckets)
         self._note_shape(step.kind, *step.bucket)
-        ids, args = step.args[0], [torch.from_numpy(a).to(self.device) for a in step.args]
+        ids, args = step.args[0], [None if a is None else torch.from_numpy(a).to(self.device) for a in step.args]
         images = [im for r in reqs for im in r.images]
         if with_context and images:
             embeds = context_embeds(self.model, self.image_processor, reqs, *ids.shape, self.device)

@@ -37,20 +37,23 @@ def largest_context_shape(shapes: list[tuple[int, int, int]], block_size: int) -
 def zero_inputs(phase: str, shape: tuple[int, ...], flat_decode: bool, block_size: int,
                 device: torch.device) -> tuple:
     """The step function's arguments for a bucket, all zeros (context lengths of 1 on the gathered decode):
-    every token on block 0, row 0, unmasked."""
+    every token on block 0, row 0, unmasked, no adapter (the adapters' shapes do not depend on which)."""
     def zeros(*s: int) -> torch.Tensor:
         return torch.zeros(*s, dtype=torch.long, device=device)
 
     if phase == "prefill":
         rows, seq = shape
-        return zeros(rows, seq), zeros(rows, seq), zeros(rows, seq), zeros(rows)
+        return zeros(rows, seq), zeros(rows, seq), zeros(rows, seq), zeros(rows), zeros(rows)
     if phase == "prefill_context":
         rows, seq, blocks = shape
-        return zeros(rows, seq), zeros(rows, seq), zeros(rows, seq), zeros(rows), zeros(rows, blocks), zeros(rows)
+        return (zeros(rows, seq), zeros(rows, seq), zeros(rows, seq), zeros(rows), zeros(rows, blocks), zeros(rows),
+                zeros(rows))
     rows, n = shape
     if flat_decode:  # n: blocks in all
-        return zeros(rows), zeros(rows), zeros(rows), zeros(n), zeros(n), torch.zeros(n, block_size, device=device)
-    return zeros(rows), zeros(rows), zeros(rows), zeros(rows, n), torch.ones(rows, dtype=torch.long, device=device)
+        return (zeros(rows), zeros(rows), zeros(rows), zeros(n), zeros(n), torch.zeros(n, block_size, device=device),
+                zeros(rows))
+    return (zeros(rows), zeros(rows), zeros(rows), zeros(rows, n), torch.ones(rows, dtype=torch.long, device=device),
+            zeros(rows))
 
 
 def describe(phase: str, shape: tuple[int, ...], flat_decode: bool) -> tuple[str, str]:

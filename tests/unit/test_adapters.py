@@ -1,0 +1,173 @@
+"""LoRA adapters: the flags' syntax, the start-up checks, per-row selection, scheduling and the prefix
+cache's roots, and the model's output with several adapters in one batch against peft's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gaudi_runtime.adapters import AdapterError, check_adapter, parse_specs
+from gaudi_runtime.config import ConfigError, resolve
+from gaudi_runtime.router import adapters as router_adapters
+from gaudi_runtime.router.errors import ModelNotFoundError, ValidationError
+from gaudi_runtime.router.prefix_cache import adapter_roots, root_hash
+from gaudi_runtime.router.scheduler import Waiting, select_prefill
+from gaudi_runtime.tools.tiny_model import make_tiny_model
+from tests.runtime.lora_adapters import make_adapter
+
+BASE = {"MODEL_ID": "/m", "MAX_TOTAL_TOKENS": "64", "MAX_BATCH_SIZE": "8"}
+
+
+def config(**env: str):
+    return resolve(None, {**BASE, **env}, device_count=lambda d: 1)
+
+
+# --- the flags ----------------------------------------------------------------------------------
+
+def test_tgi_and_vllm_spellings_give_one_list_in_order():
+    got = parse_specs("org/sql@v2, me=/tmp/y,plain", "a=/x b=/z")
+    assert got == [{"name": "org/sql", "source": "org/sql", "revision": "v2"},
+                   {"name": "me", "source": "/tmp/y", "revision": None},
+                   {"name": "plain", "source": "plain", "revision": None},
+                   {"name": "a", "source": "/x", "revision": None}, {"name": "b", "source": "/z", "revision": None}]
+
+
+@pytest.mark.parametrize("adapters, modules, message", [("a=/x,a=/y", None, "given twice"),
+                                                         (None, "noequals", "name=path"), ("=/x", None, "empty")])
+def test_bad_specs_are_refused(adapters, modules, message):
+    with pytest.raises(AdapterError, match=message):
+        parse_specs(adapters, modules)
+
+
+def test_config_reads_the_flags_and_derives_max_loras():
+    cfg = config(LORA_ADAPTERS="a=/x,b=/y", LORA_MODULES="c=/z")
+    assert [a["name"] for a in cfg.lora_adapters] == ["a", "b", "c"]
+    assert cfg.max_loras == 3 and cfg.max_lora_rank == 16
+    assert config(LORA_ADAPTERS="a=/x", MAX_LORAS="1", MAX_LORA_RANK="64").max_lora_rank == 64
+    assert config().lora_adapters == [] and config().max_loras == 0
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"LORA_ADAPTERS": "a=/x", "QUANTIZE": "fp8"}, "fp8 cannot be combined"),
+    ({"LORA_ADAPTERS": "/m=/x"}, "base model's name"),
+    ({"LORA_ADAPTERS": "a=/x", "MAX_LORAS": "0"}, "--max-loras"),
+    ({"MAX_LORA_RANK": "0"}, "--max-lora-rank"),
+])
+def test_config_refuses_what_cannot_be_served(env, message):
+    with pytest.raises(ConfigError, match=message):
+        config(**env)
+
+
+# --- the start-up checks against the base model ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    adapter = make_adapter(model_dir, tmp_path_factory.mktemp("sql"), seed=1, rank=8)
+    return model_dir, adapter, json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def test_a_good_adapter_passes_with_its_rank_and_scale(tiny):
+    _, adapter, model_config = tiny
+    facts = check_adapter("sql", adapter, model_config, max_rank=16)
+    assert facts.rank == 8 and facts.scale == 1.0  # lora_alpha 8 / rank 8
+    assert len(facts.modules) == 7 * model_config["num_hidden_layers"]
+
+
+def _copy(adapter: Path, to: Path) -> Path:
+    to.mkdir()
+    for f in adapter.iterdir():
+        (to / f.name).write_bytes(f.read_bytes())
+    return to
+
+
+def test_each_bad_adapter_gets_its_own_reason(tiny, tmp_path):
+    model_dir, adapter, model_config = tiny
+    with pytest.raises(AdapterError, match="rank 8, above --max-lora-rank 4"):
+        check_adapter("sql", adapter, model_config, max_rank=4)
+    other = dict(model_config, hidden_size=model_config["hidden_size"] * 2)
+    with pytest.raises(AdapterError, match="another base model"):
+        check_adapter("sql", adapter, other, max_rank=16)
+    with pytest.raises(AdapterError, match="LoRA adapters are served for"):
+        check_adapter("sql", adapter, dict(model_config, architectures=["FalconForCausalLM"]), max_rank=16)
+    fewer = dict(model_config, num_hidden_layers=1)
+    with pytest.raises(AdapterError, match="which the model does not have"):
+        check_adapter("sql", adapter, fewer, max_rank=16)
+    targets = _copy(adapter, tmp_path / "targets")
+    cfg = json.loads((targets / "adapter_config.json").read_text())
+    (targets / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", "c_attn"]}))
+    with pytest.raises(AdapterError, match="targets c_attn, which the model does not have"):
+        check_adapter("t", targets, model_config, max_rank=16)
+    (targets / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", "lm_head"]}))
+    with pytest.raises(AdapterError, match="LM head are not supported"):
+        check_adapter("t", targets, model_config, max_rank=16)
+    corrupt = _copy(adapter, tmp_path / "corrupt")
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(AdapterError, match="not a valid safetensors file"):
+        check_adapter("c", corrupt, model_config, max_rank=16)
+    missing = _copy(adapter, tmp_path / "missing")
+    (missing / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterError, match="has no adapter_model.safetensors"):
+        check_adapter("m", missing, model_config, max_rank=16)
+    with pytest.raises(AdapterError, match="has no adapter_config.json"):
+        check_adapter("d", tmp_path, model_config, max_rank=16)
+
+
+def test_one_batch_mixes_the_base_model_and_adapters_as_peft_computes_them(tiny, tmp_path):
+    """Rows with no adapter, each adapter, and one adapter twice, in one forward pass."""
+    import transformers
+    from peft import PeftModel
+
+    from gaudi_runtime.layers.attention import AttentionMetadata
+    from gaudi_runtime.models import load_model
+    from gaudi_runtime.models.lora import attach_adapters
+
+    model_dir, sql, model_config = tiny
+    attn = make_adapter(model_dir, tmp_path / "attn", seed=2, rank=2, targets=["q_proj", "v_proj"], rslora=True)
+    ours = load_model(str(model_dir), torch.float32, torch.device("cpu"))
+    rows = attach_adapters(ours, [("sql", str(sql)), ("attn", str(attn))], model_config, max_rank=16)
+    slots = [0, 1, 2, 1]
+    ids = torch.randint(0, ours.vocab_size, (len(slots), 7), generator=torch.Generator().manual_seed(0))
+    rows.index = torch.tensor(slots)
+    meta = AttentionMetadata(is_prefill=True, slots=torch.zeros(ids.shape, dtype=torch.long))
+    with torch.no_grad():
+        got = ours.compute_logits(ours(ids, torch.arange(7).expand(ids.shape), None, meta))
+    for i, slot in enumerate(slots):
+        ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if slot:
+            ref = PeftModel.from_pretrained(ref, str((sql, attn)[slot - 1]))
+        with torch.no_grad():
+            want = ref(ids[i:i + 1]).logits[0].float()
+        torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4)
+
+
+# --- selection, scheduling, prefix cache ----------------------------------------------------------
+
+def test_requests_select_adapters_by_name():
+    cfg = config(LORA_ADAPTERS="a=/x,b=/y", MODEL_NAME="base")
+    assert [router_adapters.tgi_slot(cfg, n) for n in (None, "base", "/m", "a", "b")] == [0, 0, 0, 1, 2]
+    assert router_adapters.openai_slot(cfg, "b") == 2 and router_adapters.name(cfg, 2) == "b"
+    with pytest.raises(ValidationError, match="not a served adapter"):
+        router_adapters.tgi_slot(cfg, "c")
+    with pytest.raises(ModelNotFoundError):
+        router_adapters.openai_slot(cfg, "c")
+    assert router_adapters.openai_slot(config(), "anything") == 0  # no adapters: `model` is ignored, as TGI does
+
+
+def test_max_loras_bounds_the_distinct_adapters_in_a_batch():
+    cfg = config(LORA_ADAPTERS="a=/x,b=/y,c=/z", MAX_LORAS="2", PAD_SEQUENCE_TO_MULTIPLE_OF="4")
+    waiting = [Waiting(4, 4, adapter=a) for a in (1, 0, 2, 1, 3, 2)]
+    assert select_prefill(waiting, 0, 100, cfg) == 4  # a third adapter (slot 3) waits
+    assert select_prefill(waiting, 1, 100, cfg, running_adapters=frozenset({3, 0})) == 2  # 3 running: only 1 more
+
+
+def test_each_adapter_roots_its_own_block_hashes():
+    cfg = config(LORA_ADAPTERS="a=/x,b=/y")
+    cfg.lora_adapters[0]["digest"], cfg.lora_adapters[1]["digest"] = "d1", "d2"
+    roots = adapter_roots(cfg, root_hash(cfg))
+    assert roots[0] == root_hash(cfg) and len(set(roots)) == 3
+    cfg.lora_adapters[0]["digest"] = "changed"
+    assert adapter_roots(cfg, root_hash(cfg))[1] != roots[1]  # new weights under the same name: new blocks
