@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from gaudi_runtime import buckets
 from gaudi_runtime.config import resolve
 from gaudi_runtime.router.scheduler import Waiting, chunk_end, needs_chunks, select_prefill
 from gaudi_runtime.router.tokenizer import RouterTokenizer
@@ -47,6 +48,11 @@ def test_a_long_prompt_goes_alone_and_only_when_no_other_is_being_chunked():
     assert select_prefill([short, long], running=0, free_blocks=100, cfg=c) == 1  # it waits for the next
     assert select_prefill([long, short], running=0, free_blocks=100, cfg=c, chunks=False) == 0
     assert select_prefill([long], running=0, free_blocks=3, cfg=c) == 0  # its blocks do not fit yet
+
+
+def test_chunks_are_warmed_as_prefills_over_cached_blocks_with_prefix_caching_off_too():
+    assert buckets.prefill_context_buckets(cfg(PREFIX_CACHING="false", MAX_INPUT_TOKENS="100"))
+    assert not buckets.prefill_context_buckets(cfg(PREFIX_CACHING="false", MAX_INPUT_TOKENS="40"))
 
 
 def run(shards: ScriptedShards, tokenizer, requests, **env: str):

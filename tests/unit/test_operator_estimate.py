@@ -48,7 +48,8 @@ def test_the_operator_expects_the_runtime_warmup_for_every_example(name: str, do
 
 
 def test_user_environment_that_changes_buckets_changes_the_estimate() -> None:
-    base = {"model": {"id": "m"}, "serving": {"maxInputTokens": 4096, "maxTotalTokens": 8192, "maxBatchSize": 64}}
+    serving = {"maxInputTokens": 4096, "maxTotalTokens": 8192, "maxBatchSize": 64}
+    base = {"model": {"id": "m"}, "serving": {**serving, "maxBatchPrefillTokens": 4096}}  # no prompt chunked
     linear = expected_warmup_shapes(parse_spec(base))
     exponential = expected_warmup_shapes(parse_spec({**base, "env": [{"name": "EXPONENTIAL_BUCKETING",
                                                                         "value": "true"}]}))
