@@ -127,8 +127,8 @@ class BatchingLoop:
                 call.cancel()
 
     async def _make_decode(self, batch: RunningBatch) -> bool:
-        """Make the next decode call, over the running requests and those a prefill adds now; False:
-        nothing to decode."""
+        """Make the next decode call, over the running requests and those a prefill adds now, after the
+        next chunk of a prompt being chunked; False: nothing was made."""
         ids = [rid for rid in batch.request_ids if self._sendable(rid)]
         chunked = batch.chunking is not None
         joined = [self._next_chunk(batch)] if chunked else []
@@ -184,7 +184,8 @@ class BatchingLoop:
         min_size = join_min_size(running, batch.waiting_steps, oldest, self.cfg)
         taken = self._take_waiting(running, min_size, chunks=batch.chunking is None)
         if len(taken) == 1 and taken[0].prefilled < len(taken[0].req.input_ids):
-            return True, self._first_chunk(batch, taken[0])
+            self._first_chunk(batch, taken[0])
+            return True, None
         encoded = self._encoded(taken)
         if not encoded:
             return bool(taken), None
@@ -218,10 +219,9 @@ class BatchingLoop:
         except ValueError as e:
             log.error("request %d cannot be sent to the shards: %s", state.id, e)
             self.requests.end(state, GenerationError(f"the request cannot be sent to the shards: {e}"))
-            return None
+            return
         batch.chunking = state
         self._make_chunk(batch, state, request)
-        return None
 
     def _next_chunk(self, batch: RunningBatch) -> pb.CachedBatch | None:
         """Make the next chunk of the prompt being chunked; the last one's batch joins the decodes."""
