@@ -377,18 +377,23 @@ async def test_autoscaler_applied_after_the_old_one_is_deleted_and_its_status_re
         "desiredReplicas": 2, "lastScaleTime": "2026-01-01T00:00:00Z"}
 
 
+def not_installed(fake: FakeKube, monkeypatch: pytest.MonkeyPatch, *kinds: str) -> None:
+    """Applying any of `kinds` answers 404, as an API server without their CRD does."""
+    apply = fake.apply
+
+    async def without(obj: dict[str, Any]) -> dict[str, Any]:
+        if obj["kind"] in kinds:
+            raise kube.NotFound(f"/apis/.../{obj['kind'].lower()}s/{obj['metadata']['name']}")
+        return await apply(obj)
+    monkeypatch.setattr(kube, "apply", without)
+
+
 async def test_keda_engine_without_keda_installed_is_reported_not_retried_forever(
         fake: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
     assert fake.body is not None
     fake.body["spec"] = {"model": {"id": "m"}, "autoscaling": {
         "engine": "keda", "maxReplicas": 2, "prometheus": {"serverAddress": "http://prometheus:9090"}}}
-    apply = fake.apply
-
-    async def no_keda(obj: dict[str, Any]) -> dict[str, Any]:
-        if obj["kind"] == "ScaledObject":
-            raise kube.NotFound("/apis/keda.sh/v1alpha1/namespaces/ml/scaledobjects/llama")
-        return await apply(obj)
-    monkeypatch.setattr(kube, "apply", no_keda)
+    not_installed(fake, monkeypatch, "ScaledObject")
     status = await handlers.reconcile("ml", "llama", CONFIG)
     assert status is not None and status["phase"] == "Degraded"
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
@@ -404,13 +409,7 @@ async def test_gateway_without_its_apis_is_reported_and_the_service_still_applie
         fake: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
     assert fake.body is not None
     fake.body["spec"] = {"model": {"id": "m"}, "gateway": GATEWAY}
-    apply = fake.apply
-
-    async def no_gateway_api(obj: dict[str, Any]) -> dict[str, Any]:
-        if obj["kind"] in ("InferencePool", "HTTPRoute"):
-            raise kube.NotFound(f"/apis/.../{obj['kind']}")
-        return await apply(obj)
-    monkeypatch.setattr(kube, "apply", no_gateway_api)
+    not_installed(fake, monkeypatch, "InferencePool", "HTTPRoute")
     status = await handlers.reconcile("ml", "llama", CONFIG)
     assert status is not None and status["phase"] == "Degraded"
     assert [c["kind"] for c in fake.applied] == ["Deployment", "Service"]
@@ -480,13 +479,7 @@ async def test_no_picker_is_run_for_a_pool_the_cluster_does_not_serve(fake: Fake
     assert fake.body is not None
     config = OperatorConfig(picker_image="registry.example/epp:v1", picker_cluster_role="gso-endpoint-picker")
     fake.body["spec"] = {"model": {"id": "m"}, "replicas": 1, "gateway": {}}
-    apply = fake.apply
-
-    async def no_pool_api(obj: dict[str, Any]) -> dict[str, Any]:
-        if obj["kind"] == "InferencePool":
-            raise kube.NotFound("/apis/inference.networking.k8s.io/v1/namespaces/ml/inferencepools/llama")
-        return await apply(obj)
-    monkeypatch.setattr(kube, "apply", no_pool_api)
+    not_installed(fake, monkeypatch, "InferencePool")
     status = await handlers.reconcile("ml", "llama", config)
     assert status is not None
     assert [c["metadata"]["name"] for c in fake.applied] == ["llama", "llama"]  # the Deployment and the Service
