@@ -143,6 +143,17 @@ def children(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def shard_pids(launcher_pid: int) -> list[int]:
+    """The shard processes a launcher started (its other child is the router)."""
+    return [p for p in children(launcher_pid) if b"shard" in open(f"/proc/{p}/cmdline", "rb").read()]
+
+
+def shard_of(srv: Launched) -> int:
+    """The one shard of a single-shard server."""
+    (shard,) = shard_pids(srv.proc.pid)
+    return shard
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -24,7 +24,16 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, Launched, alive, children, get_json, launch
+from tests.runtime.launched import (
+    SMALL_ARGS,
+    SMALL_ENV,
+    Launched,
+    alive,
+    children,
+    get_json,
+    launch,
+    shard_of,
+)
 
 MAX_NEW_TOKENS = 60
 ENV = {**SMALL_ENV, "WARMUP_ENABLED": "false", "TEXT_GENERATION_SERVER_IGNORE_EOS_TOKEN": "true"}
@@ -84,11 +93,6 @@ def post_generate(url: str) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def shard_of(srv: Launched) -> int:
-    (shard,) = [p for p in children(srv.proc.pid) if b"shard" in open(f"/proc/{p}/cmdline", "rb").read()]
-    return shard
 
 
 def running_requests(url: str) -> float:

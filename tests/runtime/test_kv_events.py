@@ -31,7 +31,7 @@ from gaudi_runtime.router.kv_events import (
 )
 from gaudi_runtime.router.metrics import CACHE_CONFIG_INFO, LOAD_GAUGES
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import children, free_port, get_json, launch
+from tests.runtime.launched import free_port, get_json, launch, shard_of
 from tests.runtime.vllm_events import Subscriber
 
 H = [bytes([i]) * 32 for i in range(4)]  # block hashes: 32 bytes, as vLLM's sha256 ones
@@ -252,11 +252,6 @@ def stream(url: str, n: int, max_new_tokens: int, out: list[int]) -> None:
         out.append(sum(line.startswith(b"data:") for line in r))
 
 
-def held_shard(srv) -> int:
-    (shard,) = [p for p in children(srv.proc.pid) if b"shard" in open(f"/proc/{p}/cmdline", "rb").read()]
-    return shard
-
-
 def test_a_pickers_view_of_two_replicas_one_under_load(replicas):
     """The loaded replica's shard is held (SIGSTOP) while the streams arrive, so the queue is there to
     be seen whatever this machine's speed; then it runs them all."""
@@ -265,7 +260,7 @@ def test_a_pickers_view_of_two_replicas_one_under_load(replicas):
     clients, tokens = 6, 48  # three times the batch: some wait
     done: list[int] = []
     threads = [threading.Thread(target=stream, args=(loaded.url, n, tokens, done)) for n in range(clients)]
-    shard = held_shard(loaded)
+    shard = shard_of(loaded)
     os.kill(shard, signal.SIGSTOP)
     try:
         for t in threads:

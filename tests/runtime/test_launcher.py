@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import alive, children, get_json, launch
+from tests.runtime.launched import alive, children, get_json, launch, shard_of
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_a_dying_shard_stops_the_launcher_non_zero_leaving_no_process(model_dir,
         srv.wait_ready()
         kids = children(srv.proc.pid)
         assert len(kids) == 2  # shard-0 and the router
-        shard = next(p for p in kids if b"shard" in open(f"/proc/{p}/cmdline", "rb").read())
+        shard = shard_of(srv)
         os.kill(shard, signal.SIGKILL)
         code = srv.proc.wait(timeout=60)
         assert code != 0
@@ -165,7 +165,7 @@ def test_a_shard_killed_mid_stream_ends_every_stream_with_an_error_event(model_d
     try:
         srv.wait_ready()
         kids = children(srv.proc.pid)
-        shard = next(p for p in kids if b"shard" in open(f"/proc/{p}/cmdline", "rb").read())
+        shard = shard_of(srv)
 
         async def run():
             async with aiohttp.ClientSession() as session:

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gaudi_runtime.router.metrics import LOAD_GAUGES
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import alive, children, get_json, launch
+from tests.runtime.launched import alive, get_json, launch, shard_of
 
 MODEL_NAME = "tiny-llama"
 
@@ -102,7 +102,7 @@ def test_gauges_follow_waiting_and_running_requests_and_kv_blocks(started):
     while load(srv.url)[1] < 1:  # the first request is in the batch
         assert time.monotonic() < deadline
         time.sleep(0.02)  # poll interval of a deadline-bounded wait
-    (shard,) = [p for p in children(srv.proc.pid) if b"shard" in open(f"/proc/{p}/cmdline", "rb").read()]
+    shard = shard_of(srv)
     os.kill(shard, signal.SIGSTOP)  # the batch stands still; what arrives now waits
     try:
         more = [threading.Thread(target=stream, args=(n,)) for n in range(1, 5)]

@@ -13,7 +13,7 @@ import pytest
 from gaudi_runtime.progress import STALL_EXIT_CODE
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.e2e.harness import wait_for
-from tests.runtime.launched import alive, children, get_json, launch
+from tests.runtime.launched import alive, children, get_json, launch, shard_pids
 
 # Hundreds of shapes on CPU: a warmup of seconds, long enough to be seen from outside.
 WARM_ARGS = ["--dtype", "float32", "--max-input-tokens", "256", "--max-total-tokens", "512", "--max-batch-size", "32"]
@@ -30,10 +30,6 @@ def poll(url: str) -> tuple[int, dict] | None:
         return get_json(url, timeout=2)
     except OSError:
         return None
-
-
-def shard_pids(launcher_pid: int) -> list[int]:
-    return [p for p in children(launcher_pid) if b"shard" in open(f"/proc/{p}/cmdline", "rb").read()]
 
 
 def test_liveness_answers_through_the_start_and_stays_200_while_warmup_progresses(model_dir, tmp_path):

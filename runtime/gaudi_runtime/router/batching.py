@@ -214,11 +214,8 @@ class BatchingLoop:
     def _first_chunk(self, batch: RunningBatch, state: RequestState) -> None:
         """Make the first chunk of `state`'s long prompt (`take` registered its blocks); the others
         follow, one per decode call, from `_next_chunk`."""
-        try:
-            request = prefill_request(state, state.cached_tokens, state.prefilled)
-        except ValueError as e:
-            log.error("request %d cannot be sent to the shards: %s", state.id, e)
-            self.requests.end(state, GenerationError(f"the request cannot be sent to the shards: {e}"))
+        request = self._encode_or_end(state, state.cached_tokens, state.prefilled)
+        if request is None:
             return
         batch.chunking = state
         self._make_chunk(batch, state, request)
@@ -250,18 +247,28 @@ class BatchingLoop:
         batch.inflight.append(Call(rpc, self._answer_chunk(state, rpc, time.monotonic()), chunk=True))
         batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(batch_id))))
 
+    def _encode_or_end(self, state: RequestState, start: int | None = None, end: int | None = None) -> pb.Request | None:
+        """`prefill_request`, or None after ending `state` with its own error when it holds a value the
+        protocol cannot carry (validation should have refused it)."""
+        try:
+            return prefill_request(state, start, end)
+        except ValueError as e:
+            log.error("request %d cannot be sent to the shards: %s", state.id, e)
+            self.requests.end(state, GenerationError(f"the request cannot be sent to the shards: {e}"))
+            return None
+
     def _encoded(self, taken: list[RequestState]) -> list[tuple[RequestState, pb.Request]]:
         """Each request in the shards' protocol; one holding a value the protocol cannot carry ends
         with its own error, and the others go on (validation should have refused it). Those that were
         to read blocks such a request would have filled (prefix caching) wait for the next prefill."""
         out, unfilled = [], set()
         for state in taken:
-            try:
-                out.append((state, prefill_request(state)))
-            except ValueError as e:
-                log.error("request %d cannot be sent to the shards: %s", state.id, e)
-                unfilled.update(state.blocks[state.cached_tokens // self.cfg.block_size:])
-                self.requests.end(state, GenerationError(f"the request cannot be sent to the shards: {e}"))
+            own_blocks = state.blocks[state.cached_tokens // self.cfg.block_size:]
+            request = self._encode_or_end(state)
+            if request is None:
+                unfilled.update(own_blocks)
+            else:
+                out.append((state, request))
         stranded: list[RequestState] = []
         for state, _ in out:  # in take order: a request reads only blocks of requests before it
             if unfilled.intersection(state.blocks):
