@@ -67,7 +67,10 @@ def run(shards: ScriptedShards, tokenizer, requests, **env: str):
             for req in requests:
                 tasks.append(asyncio.create_task(collect(engine, req)))
                 while not shards.generated and not tasks[-1].done():
-                    await asyncio.sleep(0)  # yield until the first request runs
+                    # Yield to the engine, no timer: the others arrive right after the first token, at
+                    # the same point of the loop every run (a timed poll lets it run on a varying number
+                    # of steps). go() as a whole is bounded by wait_for.
+                    await asyncio.sleep(0)
             return await asyncio.gather(*tasks)
         finally:
             await engine.stop()
