@@ -165,6 +165,33 @@ def prefill_context_buckets(cfg: Config) -> list[tuple[int, int, int]]:
     return [(rows, seq, w) for rows, seq in prefill_buckets(cfg) for w in widths]
 
 
+# Speculation drafts only in batches of at most this many rows (the decode bucket holding it): a pass
+# over several tokens per row costs about what one token per row does only while reading the weights
+# dominates the step (docs/performance.md, "N-gram speculation").
+SPECULATION_MAX_ROWS = 4
+
+
+def speculation_rows(cfg: Config) -> int:
+    """Most rows a speculative step holds (0 without --speculate)."""
+    return decode_batch_bucket(min(SPECULATION_MAX_ROWS, decode_batch_cap(cfg)), cfg) if cfg.speculate else 0
+
+
+def verify_context_bucket(tokens: int, cfg: Config) -> int:
+    """Context width (in blocks) of a speculative step whose longest row has `tokens` cached tokens."""
+    return bucket(ceil_div(tokens, cfg.block_size), block_step(cfg), decode_block_cap(cfg), exponential=True)
+
+
+def verify_buckets(cfg: Config) -> list[tuple[int, int, int]]:
+    """Every (batch, 1 + drafts, context blocks) shape a speculative step may run on: decode's rows up to
+    `speculation_rows`, every draft padded to --speculate, a context as long as a whole sequence."""
+    if not cfg.speculate:
+        return []
+    exp = cfg.exponential_bucketing
+    batches = bucket_values(cfg.batch_bucket_size, speculation_rows(cfg), exp)
+    widths = bucket_values(block_step(cfg), decode_block_cap(cfg), exponential=True)
+    return [(b, cfg.speculate + 1, w) for b in batches for w in widths]
+
+
 def flat_decode_on(device: str, use_flash_attention: bool) -> bool:
     """Whether decode runs over the flat layout of the blocks in use: on HPU with fused attention
     (`layers/attention.py`'s `select_attention`); elsewhere, and with the explicit math, over block tables."""
@@ -175,8 +202,8 @@ def warmup_plan(cfg: Config, flat_decode: bool) -> list[tuple[str, list[tuple[in
     """The shapes warmup runs, phase by phase: what the shards warm and what the operator expects (one
     implementation, pure, no torch, so the operator image imports it without the runtime's dependencies)."""
     decode = decode_flat_buckets(cfg) if flat_decode else decode_buckets(cfg)
-    return [("prefill", prefill_buckets(cfg)), ("prefill_context", prefill_context_buckets(cfg)),
-            ("decode", decode)]
+    plan = [("prefill", prefill_buckets(cfg)), ("prefill_context", prefill_context_buckets(cfg)), ("decode", decode)]
+    return plan + [("verify", verify_buckets(cfg))] if cfg.speculate else plan
 
 
 def warmup_shape_count(cfg: Config, flat_decode: bool) -> int:

@@ -61,6 +61,10 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
      "request joins at the next step)."),
     ("--decode-steps", None, int, 4, "Most decode steps one call to the shards runs while no request waits, "
      "as many as fit 20 ms at the recent step time; their tokens stream together (1: a call per token, as in TGI)."),
+    ("--speculate", None, int, 0, "Speculative decoding as TGI's launcher names it: draft up to this many "
+     "tokens per step by n-gram lookup over the prompt and the output so far, and verify them in one forward "
+     "pass; greedy outputs and the sampling distribution stay those of plain decoding. Drafting backs off "
+     "in large batches and for requests whose drafts keep being rejected (0: off)."),
     ("--prefix-caching", None, _bool, True, "Keep the KV blocks of prompts (and of generated text) to reuse for "
      "requests that start with the same tokens: a shared system prompt or a conversation's earlier turns are "
      "computed once."),
@@ -197,6 +201,7 @@ class Config:
     max_waiting_tokens: int = 20
     waiting_served_ratio: float = 0.0
     decode_steps: int = 4
+    speculate: int = 0
     prefix_caching: bool = True
     max_concurrent_requests: int = 128
     max_stop_sequences: int = 4
@@ -440,6 +445,8 @@ def _derive_token_limits(v: dict[str, object]) -> None:
 
 
 def _derive_batching(v: dict[str, object]) -> None:
+    if v["speculate"] < 0:
+        raise ConfigError(f"--speculate must be >= 0, got {v['speculate']}")
     for name in ("max_concurrent_requests", "max_client_batch_size", "max_waiting_tokens", "decode_steps"):
         if v[name] < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")

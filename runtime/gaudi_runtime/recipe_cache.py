@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 BUCKET_SETTINGS = ("max_input_tokens", "max_total_tokens", "max_batch_size", "max_batch_prefill_tokens",
                    "max_batch_total_tokens", "memory_fraction", "block_size", "batch_bucket_size",
                    "prefill_batch_bucket_size", "pad_sequence_to_multiple_of", "exponential_bucketing",
-                   "prefix_caching")
+                   "prefix_caching", "speculate")
 # Settings that change what a graph computes.
 GRAPH_SETTINGS = ("enable_hpu_graph", "limit_hpu_graph", "use_flash_attention", "flash_attention_recompute",
                   "rope_scaling", "rope_factor")

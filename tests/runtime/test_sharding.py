@@ -236,7 +236,7 @@ def _weights_worker(rank: int, world: int, port: int, model_dir: str, out_dir: s
     import torch.distributed as dist
 
     from gaudi_runtime.models import load_model
-    from gaudi_runtime.shard.runner import weight_bytes
+    from gaudi_runtime.shard.memory import weight_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -257,7 +257,7 @@ def test_each_of_two_ranks_holds_at_most_55_percent_of_the_weights(tmp_path_fact
     import torch.multiprocessing as mp
 
     from gaudi_runtime.models import load_model
-    from gaudi_runtime.shard.runner import weight_bytes
+    from gaudi_runtime.shard.memory import weight_bytes
 
     model_dir = str(make_tiny_model(tmp_path_factory.mktemp("small"), "llama", size="small", dtype="bfloat16"))
     for world in (1, 2):

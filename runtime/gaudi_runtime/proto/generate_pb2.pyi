@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("dtype", "device_type", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "max_position_embeddings", "world_size", "architecture", "quantization", "kv_cache_dtype", "prefix_caching", "attention", "recipe_cache", "startup_seconds", "weight_bytes", "warmup", "unwarmed_shapes", "buckets", "exponential_bucketing")
+    __slots__ = ("dtype", "device_type", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "max_position_embeddings", "world_size", "architecture", "quantization", "kv_cache_dtype", "prefix_caching", "attention", "recipe_cache", "startup_seconds", "weight_bytes", "warmup", "unwarmed_shapes", "buckets", "exponential_bucketing", "speculate")
     class BucketsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class InfoResponse(_message.Message):
     UNWARMED_SHAPES_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     EXPONENTIAL_BUCKETING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATE_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     device_type: str
     block_size: int
@@ -59,7 +60,8 @@ class InfoResponse(_message.Message):
     unwarmed_shapes: int
     buckets: _containers.ScalarMap[str, int]
     exponential_bucketing: bool
-    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., attention: _Optional[str] = ..., recipe_cache: _Optional[_Union[RecipeCacheInfo, _Mapping]] = ..., startup_seconds: _Optional[_Union[StartupSeconds, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., warmup: _Optional[_Union[WarmupSummary, _Mapping]] = ..., unwarmed_shapes: _Optional[int] = ..., buckets: _Optional[_Mapping[str, int]] = ..., exponential_bucketing: _Optional[bool] = ...) -> None: ...
+    speculate: int
+    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., attention: _Optional[str] = ..., recipe_cache: _Optional[_Union[RecipeCacheInfo, _Mapping]] = ..., startup_seconds: _Optional[_Union[StartupSeconds, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., warmup: _Optional[_Union[WarmupSummary, _Mapping]] = ..., unwarmed_shapes: _Optional[int] = ..., buckets: _Optional[_Mapping[str, int]] = ..., exponential_bucketing: _Optional[bool] = ..., speculate: _Optional[int] = ...) -> None: ...
 
 class RecipeCacheInfo(_message.Message):
     __slots__ = ("dir", "key", "from_cache")
@@ -178,7 +180,7 @@ class NextTokenChooserParameters(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., generated_frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "parameters", "top_n_tokens", "blocks", "prefill_logprobs", "images", "grammar", "cached_tokens", "adapter_index")
+    __slots__ = ("id", "input_ids", "parameters", "top_n_tokens", "blocks", "prefill_logprobs", "images", "grammar", "cached_tokens", "adapter_index", "max_new_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +191,7 @@ class Request(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     parameters: NextTokenChooserParameters
@@ -199,7 +202,8 @@ class Request(_message.Message):
     grammar: Grammar
     cached_tokens: int
     adapter_index: int
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., prefill_logprobs: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., adapter_index: _Optional[int] = ...) -> None: ...
+    max_new_tokens: int
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., prefill_logprobs: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., adapter_index: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("type", "value")
@@ -282,18 +286,26 @@ class DecodeRequest(_message.Message):
     def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., sequence: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "unwarmed_shapes", "next_steps")
+    __slots__ = ("generations", "batch", "forward_ns", "unwarmed_shapes", "next_steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     UNWARMED_SHAPES_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
     generations: Generations
     batch: CachedBatch
     forward_ns: int
     unwarmed_shapes: int
     next_steps: _containers.RepeatedCompositeFieldContainer[Generations]
-    def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., next_steps: _Optional[_Iterable[_Union[Generations, _Mapping]]] = ...) -> None: ...
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., next_steps: _Optional[_Iterable[_Union[Generations, _Mapping]]] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompileGrammarRequest(_message.Message):
     __slots__ = ("grammar",)

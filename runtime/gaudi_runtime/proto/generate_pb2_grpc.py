@@ -108,7 +108,8 @@ class TextGenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """One decode step over the given cached batches, concatenated in order.
+        """One decode step over the given cached batches, concatenated in order. With speculation a step may give a
+        request several tokens: a Generations then names it once per token, in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -337,6 +337,7 @@ def prefill_request(state: RequestState, start: int | None = None, end: int | No
         id=state.id, input_ids=r.input_ids if end is None else r.input_ids[:end], top_n_tokens=r.top_n_tokens,
         blocks=state.blocks, prefill_logprobs=r.decoder_input_details, images=r.images,
         cached_tokens=state.cached_tokens if start is None else start, adapter_index=r.adapter,
+        max_new_tokens=r.stopping.max_new_tokens,
         grammar=pb.Grammar(type=r.grammar.kind, value=r.grammar.value) if r.grammar is not None else None,
         parameters=pb.NextTokenChooserParameters(
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,

@@ -77,6 +77,18 @@ class EngineMetrics:
         self._observe("decode", now - max(made, self._last_decode_answer), resp.forward_ns)
         self._last_decode_answer = now
         self._unwarmed(resp.unwarmed_shapes)
+        self.speculation(resp)
+
+    def speculation(self, resp: pb.DecodeResponse) -> None:
+        """A decode call's drafts (--speculate), as vLLM counts them."""
+        if self._m is None or not resp.spec_drafts:
+            return
+        m, name = self._m, self._m.model_name
+        m.vllm_spec_decode_num_drafts.labels(name).inc(resp.spec_drafts)
+        m.vllm_spec_decode_num_draft_tokens.labels(name).inc(resp.spec_draft_tokens)
+        m.vllm_spec_decode_num_accepted_tokens.labels(name).inc(resp.spec_accepted_tokens)
+        for pos, n in enumerate(resp.spec_accepted_per_pos):
+            m.vllm_spec_decode_num_accepted_tokens_per_pos.labels(name, str(pos)).inc(n)
 
     def _observe(self, method: str, seconds: float, forward_ns: int) -> None:
         m = self._m

@@ -158,6 +158,7 @@ class Metrics:
         self._warmup_and_cache_metrics(c, r)
         self._load_gauges(r)
         self._lora_metrics(c, r)
+        self._spec_metrics(c)
 
     def _load_gauges(self, r: CollectorRegistry) -> None:
         """Load under vLLM's names, labelled `model_name` (set through set_load once the engine is ready)."""
@@ -191,6 +192,20 @@ class Metrics:
         self.vllm_lora_requests_info = Gauge(
             "vllm:lora_requests_info", "Running stats on lora requests.",
             ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), registry=r)
+
+    def _spec_metrics(self, c: list[Counter]) -> None:
+        """N-gram speculation (--speculate), under vLLM's names and labels as it exposes them: acceptance
+        rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts."""
+        label = ("model_name",)
+        self.vllm_spec_decode_num_drafts = Counter(
+            "vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.", label, registry=c)
+        self.vllm_spec_decode_num_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.", label, registry=c)
+        self.vllm_spec_decode_num_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.", label, registry=c)
+        self.vllm_spec_decode_num_accepted_tokens_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position.",
+            ("model_name", "position"), registry=c)
 
     def _warmup_and_cache_metrics(self, c: list[Counter], r: CollectorRegistry) -> None:
         """Warmup and prefix caching (set by the engine; see docs/design.md "Static shapes" and

@@ -18,7 +18,8 @@ Rules that keep every block's contents what its hash says:
   them after they are written (each layer writes before it attends);
 - generated tokens' blocks are registered when the request ends, and only the blocks whose every
   position holds a token the request streamed and fed back (a call made before the end may still
-  write the positions after: the token that ended it, or tokens computed past it and dropped);
+  write the positions after: the token that ended it, or tokens computed past it and dropped; a
+  speculative step, rejected drafts);
 - a request that ends with an error registers nothing and forgets what it registered.
 
 With --kv-events-config, each run of consecutive blocks registered is announced (`BlockStored`, with
@@ -87,6 +88,7 @@ class PrefixCache:
     def __init__(self, cfg: Config, metrics: EngineMetrics):
         self.enabled = cfg.prefix_caching
         self.block_size = cfg.block_size
+        self.speculates = cfg.speculate > 0
         self.root = root_hash(cfg)
         self.roots = adapter_roots(cfg, self.root)
         self.adapter_names = [None] + [a["name"] for a in cfg.lora_adapters]
@@ -163,8 +165,10 @@ class PrefixCache:
 
     def _register_generated(self, allocator: BlockAllocator, state) -> None:
         # Positions written with a streamed token: the prompt, then each token fed back by a call made
-        # (the prefill gave token 1; a call's step k fed token k).
-        fed = min(len(state.output_ids), state.sent - 1)
+        # (the prefill gave token 1; a call's step k fed token k). With speculation a step may give
+        # several tokens, each but the last fed back in it, and a call made after the last one's may
+        # write past the budget at the last position: every streamed token but the last is fed.
+        fed = len(state.output_ids) - 1 if self.speculates else min(len(state.output_ids), state.sent - 1)
         prompt = state.req.input_ids
         hashes = self.prompt_hashes(state)
         first = len(hashes)

@@ -127,6 +127,8 @@ class Info(Open):
     kv_blocks_cached: int | None = None
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
+    speculate: int | None = Field(None, description="Most tokens a step drafts per request (n-gram "
+                                  "speculation, --speculate; 0: none)")
     prefill_chunks: int | None = Field(None, description="Chunks of long prompts prefilled before their last "
                                        "one (prompts longer than max_batch_prefill_tokens)")
     unwarmed_shapes: int | None = Field(None, description="Shapes run after warmup that it had not warmed")

@@ -41,4 +41,5 @@ def details(info: pb.InfoResponse) -> dict:
         "recipe_cache": ({"dir": cache.dir, "key": cache.key, "from_cache": cache.from_cache}
                          if info.HasField("recipe_cache") else None),
         "startup_seconds": startup_seconds(info),
+        "speculate": info.speculate,
     }

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from gaudi_runtime.shard.sampling import BatchSampler
+from gaudi_runtime.shard.speculation import DraftRows
 
 
 @dataclass
@@ -25,6 +26,7 @@ class ShardBatch:
     last_ids: torch.Tensor  # [B] the token the next decode step feeds
     sampler: BatchSampler
     adapters: torch.Tensor | None = None  # [B] each row's LoRA adapter slot; None: no row has one
+    drafts: DraftRows | None = None  # each row's tokens so far and back-off (--speculate); None: off
 
     def adapter_slots(self) -> torch.Tensor:
         """[B] each row's adapter slot (0: none)."""
@@ -34,6 +36,19 @@ class ShardBatch:
 
     def __len__(self) -> int:
         return len(self.request_ids)
+
+    def advance(self, emitted: list[list[int]] | None, drafted: np.ndarray | None = None) -> None:
+        """After a step, each row's next position: one token on (`emitted` None: without speculation), or
+        as many as the row's `emitted` tokens. Under speculation a row's position stops at its last one
+        (prompt + max_new_tokens - 1): a call the router made before the row ended may still name it, and
+        must write nowhere past the blocks reserved for it."""
+        if emitted is None:
+            self.seq_lens, self.seq_lens_host = self.seq_lens + 1, self.seq_lens_host + 1
+            return
+        self.drafts.advance(emitted, drafted)
+        last = np.array([row.limit - 1 for row in self.drafts.rows], dtype=np.int64)
+        self.seq_lens_host = np.minimum(self.seq_lens_host + np.array([len(t) for t in emitted]), last)
+        self.seq_lens = torch.from_numpy(self.seq_lens_host).to(self.seq_lens.device)
 
     def filter(self, request_ids: list[int]) -> ShardBatch:
         if request_ids == self.request_ids:
@@ -54,6 +69,7 @@ class ShardBatch:
             last_ids=self.last_ids[idx],
             sampler=self.sampler.filter(keep),
             adapters=None if self.adapters is None else self.adapters[idx],
+            drafts=None if self.drafts is None else self.drafts.filter(keep),
         )
 
     @staticmethod
@@ -75,4 +91,5 @@ class ShardBatch:
             sampler=BatchSampler.concat([b.sampler for b in batches]),
             adapters=None if all(b.adapters is None for b in batches)
             else torch.cat([b.adapter_slots() for b in batches]),
+            drafts=None if batches[0].drafts is None else DraftRows.concat([b.drafts for b in batches]),
         )

@@ -42,5 +42,5 @@ def info_response(runner: ModelRunner, world_size: int) -> pb.InfoResponse:
         startup_seconds=startup_seconds(runner), weight_bytes=runner.weight_bytes,
         warmup=warmup_summary(runner.warmup_summary), unwarmed_shapes=runner.unwarmed_shapes,
         buckets={phase: len(s) for phase, s in shapes(cfg, runner.flat_decode).items()},
-        exponential_bucketing=cfg.exponential_bucketing,
+        exponential_bucketing=cfg.exponential_bucketing, speculate=cfg.speculate,
     )

@@ -36,6 +36,7 @@ class PrefillInput:
     grammar: tuple[str, str] | None = None  # (kind, text) the output must follow (shard/grammar.py)
     cached_tokens: int = 0  # prompt tokens the first blocks already hold (prefix caching): not computed
     adapter: int = 0  # LoRA adapter slot (layers/lora.py): 0 none, i the i-th adapter served
+    max_new_tokens: int = 0  # most tokens it may generate (0: as many as its blocks hold after the prompt)
 
 
 @dataclass
@@ -208,3 +209,33 @@ def flat_decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> Step
         input_ids, adapters = torch.cat([input_ids, zeros]), torch.cat([adapters, zeros])
     return StepInputs("decode", bucket, (input_ids, *(torch.from_numpy(a).to(dev) for a in (positions, slots, *layout)),
                                          adapters))
+
+
+def verify_inputs(batch: ShardBatch, tokens: np.ndarray, cfg: Config, pad: bool = True) -> StepInputs:
+    """A speculative step: each row's `tokens` [n, width] (the token the next step feeds, then its drafts;
+    -1 past them) at the row's next positions, over its cached ones, as a prefill over cached blocks:
+    ids, positions, slots [rows, width], the row's blocks [rows, context blocks], its cached token count
+    and adapter slot [rows]. Bucket: (rows, width, context blocks)."""
+    bs, n, width = cfg.block_size, len(batch), tokens.shape[1]
+    cached = batch.seq_lens_host
+    rows = buckets.decode_batch_bucket(n, cfg)
+    ctx = buckets.verify_context_bucket(int(cached.max()), cfg)
+    bucket = (rows, width, ctx)
+    if not pad:
+        rows, ctx = n, buckets.ceil_div(int(cached.max()), bs)
+    real = tokens >= 0
+    pos = cached[:, None] + np.arange(width, dtype=np.int64)[None, :]
+    ids, positions, slots = (np.zeros((rows, width), dtype=np.int64) for _ in range(3))
+    ids[:n], positions[:n] = np.where(real, tokens, 0), np.where(real, pos, 0)
+    tables = batch.block_tables_host
+    slots[:n] = _slots(tables, pos, real, bs)
+    context_tables = np.zeros((rows, ctx), dtype=np.int64)
+    cols = min(ctx, tables.shape[1])
+    context_tables[:n, :cols] = tables[:, :cols]
+    context_lens = np.zeros(rows, dtype=np.int64)
+    context_lens[:n] = cached
+    adapters = None
+    if pad or batch.adapters is not None:
+        adapters = np.zeros(rows, dtype=np.int64)
+        adapters[:n] = batch.adapter_slots().cpu().numpy()
+    return StepInputs("verify", bucket, (ids, positions, slots, context_tables, context_lens, adapters))

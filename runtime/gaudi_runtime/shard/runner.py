@@ -28,10 +28,12 @@ from gaudi_runtime.shard import inputs
 from gaudi_runtime.shard.batch import ShardBatch
 from gaudi_runtime.shard.grammar import GrammarCache
 from gaudi_runtime.shard.inputs import PrefillInput
+from gaudi_runtime.shard.memory import size_kv_cache, weight_bytes
 from gaudi_runtime.shard.profiler import make_profiler
 from gaudi_runtime.shard.prompt_images import context_embeds, load_processor, prompt_embeds
 from gaudi_runtime.shard.sampling import SampleOutput
-from gaudi_runtime.shard.step_sampling import prefill_sampler, prompt_logprobs, sample
+from gaudi_runtime.shard.speculation import SpecStats, draft_rows
+from gaudi_runtime.shard.step_sampling import prefill_sampler, prompt_logprobs, sample, verify
 from gaudi_runtime.shard.warmup import Warmup, WarmupError
 
 # What the servicer uses: requests in, results out, the error warmup ends with.
@@ -42,33 +44,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    request_ids: list[int]
+    request_ids: list[int]  # one per token: a speculative step names a request once per token it gives
     sample: SampleOutput
     prefill_logprobs: dict[int, list[float]] = field(default_factory=dict)
     forward_ns: int = 0
+    spec: SpecStats | None = None  # a speculative step's drafts
 
-
-def size_kv_cache(cfg: Config, bytes_per_block: int, free_bytes: int | None) -> int:
-    """Blocks to allocate (block 0, the padding block, included)."""
-    per_seq = buckets.blocks_per_sequence(cfg)
-    if cfg.max_batch_total_tokens is not None:
-        return buckets.ceil_div(cfg.max_batch_total_tokens, cfg.block_size) + 1
-    wanted = cfg.max_batch_size * per_seq + 1
-    if free_bytes is None:
-        return wanted
-    fit = int(free_bytes * cfg.memory_fraction) // bytes_per_block
-    if fit < per_seq + 1:
-        raise MemoryError(
-            f"the KV cache does not fit: {fit} blocks free, one sequence of --max-total-tokens "
-            f"{cfg.max_total_tokens} needs {per_seq + 1}; lower --max-total-tokens"
-        )
-    return min(wanted, fit)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes this rank holds for the model: parameters (tied ones once) and buffers."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+    def rows(self) -> list[int]:
+        """The batch's requests, in order (each gave at least one token)."""
+        return list(dict.fromkeys(self.request_ids)) if self.spec is not None else self.request_ids
 
 
 class ModelRunner:
@@ -126,6 +110,8 @@ class ModelRunner:
                                                                                           "prefill")
         self._prefill_context_fn = self._prefill_context_step if cfg.limit_hpu_graph else backend.graphed(
             self._prefill_context_step, "prefill_context")
+        self._verify_fn = backend.graphed(self._verify_step, "verify")
+        self.speculation_rows = buckets.speculation_rows(cfg)  # larger batches decode without drafts
         self.profiler = make_profiler(cfg, rank, backend.name)  # PROF_*: None unless this rank profiles
 
     # ---- the step functions (what device graphs capture) --------------
@@ -160,6 +146,15 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds=inputs_embeds)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return hidden, self.model.compute_logits(hidden[rows, last_idx])
+
+    def _verify_step(self, input_ids, positions, slots, context_tables, context_lens, adapters):
+        """Each row's fed token and drafts [rows, width] over its cached positions -> logits [width, rows, V]
+        (position-major, so that each position's logits are one contiguous block for the sampler)."""
+        meta = AttentionMetadata(is_prefill=True, slots=slots, block_tables=context_tables, context_lens=context_lens)
+        self._use_adapters(adapters)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        rows, width = input_ids.shape
+        return self.model.compute_logits(hidden.transpose(0, 1).reshape(rows * width, -1)).view(width, rows, -1)
 
     def _decode_step(self, input_ids, positions, slots, tables, context_lens, adapters):
         self._use_adapters(adapters)
@@ -197,6 +192,8 @@ class ModelRunner:
             seq_lens=torch.from_numpy(lens).to(dev), seq_lens_host=lens,
             last_ids=out.next_ids[:len(reqs)], sampler=sampler,
             adapters=torch.tensor([r.adapter for r in reqs], device=dev) if any(r.adapter for r in reqs) else None,
+            drafts=draft_rows(reqs, out.next_ids[:len(reqs)].tolist(), self.cfg.block_size) if self.cfg.speculate
+            else None,
         )
         return StepResult([r.id for r in reqs], out, prompt_lp, time.perf_counter_ns() - t0)
 
@@ -222,8 +219,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, batches: list[tuple[int, list[int]]]) -> tuple[int, StepResult]:
-        """One step over the cached batches (filtered to the given request ids), merged into one."""
+        """One step over the cached batches (filtered to the given request ids), merged into one: a
+        speculative one when some row drafts."""
         batch = ShardBatch.concat([self._take(batch_id).filter(request_ids) for batch_id, request_ids in batches])
+        plan = None if batch.drafts is None else batch.drafts.plan(self.cfg.speculate, self.speculation_rows)
+        if plan is not None:
+            return batch.id, self._verify(batch, plan)
         step = self._decode_inputs(batch, self.cfg, self.backend.pads_to_buckets)
         self._note_shape(step.kind, *step.bucket)
         t0 = time.perf_counter_ns()
@@ -233,10 +234,27 @@ class ModelRunner:
         batch.last_ids = out.next_ids[:len(batch)]
         if self.profiler is not None:
             self.profiler.step()
-        batch.seq_lens = batch.seq_lens + 1
-        batch.seq_lens_host = batch.seq_lens_host + 1
+        batch.advance(None if batch.drafts is None else [[t] for t in batch.last_ids.tolist()])
         self.batches[batch.id] = batch
         return batch.id, StepResult(list(batch.request_ids), out, {}, time.perf_counter_ns() - t0)
+
+    def _verify(self, batch: ShardBatch, plan: np.ndarray) -> StepResult:
+        """A speculative step: each row's fed token and drafts in one pass, the accepted ones kept."""
+        step = inputs.verify_inputs(batch, plan, self.cfg, self.backend.pads_to_buckets)
+        self._note_shape(step.kind, *step.bucket)
+        args = [None if a is None else torch.from_numpy(a).to(self.device) for a in step.args]
+        t0 = time.perf_counter_ns()
+        logits = self._verify_fn(*args)
+        self.backend.mark_step()
+        out, emitted = verify(self.backend, batch.sampler, logits, plan)
+        if self.profiler is not None:
+            self.profiler.step()
+        drafted = (plan[:, 1:] >= 0).sum(axis=1)
+        batch.last_ids = torch.tensor([t[-1] for t in emitted], dtype=torch.long, device=self.device)
+        batch.advance(emitted, drafted)
+        self.batches[batch.id] = batch
+        ids = [rid for rid, tokens in zip(batch.request_ids, emitted) for _ in tokens]
+        return StepResult(ids, out, {}, time.perf_counter_ns() - t0, SpecStats.of(drafted, emitted, self.cfg.speculate))
 
     def _take(self, batch_id: int) -> ShardBatch:
         batch = self.batches.pop(batch_id, None)
@@ -265,7 +283,8 @@ class ModelRunner:
         """Run every bucket once (capturing its graph where enabled); yields (done, total, phase)."""
         if self.grammars is not None:
             self.grammars.prepare()  # the grammar engine and the vocabulary, not the first grammar's wait
-        steps = {"prefill": self._prefill_fn, "prefill_context": self._prefill_context_fn, "decode": self._decode_fn}
+        steps = {"prefill": self._prefill_fn, "prefill_context": self._prefill_context_fn, "decode": self._decode_fn,
+                 "verify": self._verify_fn}
         run = Warmup(self.cfg, self.backend, steps, self.flat_decode, self.recipe_cache)
         for done, total, phase in run.progress():
             if phase == "done":  # what the Info call reports is set before the router hears that warmup is over

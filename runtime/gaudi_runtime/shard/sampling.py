@@ -384,13 +384,15 @@ class BatchSampler:
 
     # ------------------------------------------------------------------ the hot path
 
-    def __call__(self, logits: torch.Tensor, bitmask: torch.Tensor | None = None) -> SampleOutput:
+    def __call__(self, logits: torch.Tensor, bitmask: torch.Tensor | None = None,
+                 active: torch.Tensor | None = None) -> SampleOutput:
         """Choose the next token of every row from ``logits`` [>= B, V] (rows past B are ignored).
 
         ``bitmask`` [>= B, ceil(V / 32)] int32, on the logits' device: the tokens each row may take
         (``GrammarRows.fill``), or None when no row has a grammar. Records the chosen tokens (step
-        counters, lengths, penalty counts) for the next call; the grammar matchers advance in
-        ``accept``, once the tokens are on the host.
+        counters, lengths, penalty counts) for the next call, only for the ``active`` rows [B] bool when
+        given (a speculative step's later positions: the other rows' tokens there are thrown away); the
+        grammar matchers advance in ``accept``, once the tokens are on the host.
         """
         b = len(self.params)
         if logits.dim() != 2 or logits.shape[0] < b or logits.shape[1] != self.vocab_size:
@@ -414,7 +416,7 @@ class BatchSampler:
         if self.max_top_n > 0:
             top_logprobs, top_ids = torch.topk(logprobs_all, min(self.max_top_n, self.vocab_size), dim=-1)
 
-        self._record(next_ids)
+        self._record(next_ids, active)
         return SampleOutput(next_ids=next_ids, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
 
     def _choose(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -489,10 +491,13 @@ class BatchSampler:
             scores = scores.masked_fill(remove, neg_inf)
         return scores
 
-    def _record(self, next_ids: torch.Tensor) -> None:
-        self.steps = self.steps + 1
-        self.lengths = self.lengths + 1
+    def _record(self, next_ids: torch.Tensor, active: torch.Tensor | None = None) -> None:
+        taken = 1 if active is None else active.to(torch.int64)
+        self.steps = self.steps + taken
+        self.lengths = self.lengths + taken
         for counts in (self.counts, self.generated_counts):
             if counts is not None:
                 ones = torch.ones((next_ids.shape[0], 1), dtype=torch.float32, device=self.device)
+                if active is not None:
+                    ones = ones * active.unsqueeze(1)
                 counts.scatter_add_(1, next_ids.unsqueeze(1), ones)

@@ -16,6 +16,7 @@ from gaudi_runtime.shard.call_order import CallOrder
 from gaudi_runtime.shard.grammar import GrammarError
 from gaudi_runtime.shard.info import info_response
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput, StepResult, WarmupError
+from gaudi_runtime.shard.speculation import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,15 @@ def to_generations(step: StepResult, rank: int) -> pb.Generations:
     for rid, lps in step.prefill_logprobs.items():
         g.prefill.append(pb.PrefillLogprobs(request_id=rid, logprobs=lps))
     return g
+
+
+def spec_fields(stats: list[SpecStats]) -> dict:
+    """A decode call's speculation counts, summed over its steps (none: the fields stay unset)."""
+    if not stats:
+        return {}
+    return {"spec_drafts": sum(s.drafts for s in stats), "spec_draft_tokens": sum(s.draft_tokens for s in stats),
+            "spec_accepted_tokens": sum(s.accepted for s in stats),
+            "spec_accepted_per_pos": [sum(p) for p in zip(*(s.accepted_per_pos for s in stats))]}
 
 
 class ShardServicer(pb_grpc.TextGenerationServiceServicer):
@@ -85,6 +95,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             PrefillInput(id=r.id, input_ids=list(r.input_ids), params=to_params(r.parameters),
                          top_n_tokens=r.top_n_tokens, blocks=list(r.blocks), prefill_logprobs=r.prefill_logprobs,
                          images=list(r.images), cached_tokens=r.cached_tokens, adapter=r.adapter_index,
+                         max_new_tokens=r.max_new_tokens,
                          grammar=(r.grammar.type, r.grammar.value) if r.HasField("grammar") else None)
             for r in request.batch.requests
         ]
@@ -108,16 +119,17 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
                 batch_id, step = self.runner.decode([(b.id, list(b.request_ids)) for b in request.batches])
                 steps = [step]
                 for _ in range(1, request.steps):
-                    batch_id, step = self.runner.decode([(batch_id, step.request_ids)])
+                    batch_id, step = self.runner.decode([(batch_id, step.rows())])
                     steps.append(step)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.DecodeResponse(
             generations=to_generations(steps[0], self.rank),
             next_steps=[to_generations(s, self.rank) for s in steps[1:]],
-            batch=pb.CachedBatch(id=batch_id, request_ids=step.request_ids),
+            batch=pb.CachedBatch(id=batch_id, request_ids=step.rows()),
             forward_ns=sum(s.forward_ns for s in steps),
             unwarmed_shapes=self.runner.unwarmed_shapes,
+            **spec_fields([s.spec for s in steps if s.spec is not None]),
         )
 
     def _adjust_threads(self) -> None:

@@ -51,6 +51,54 @@ def sample(backend: Backend, sampler: BatchSampler, logits: torch.Tensor, rows: 
     return out
 
 
+def verify(backend: Backend, sampler: BatchSampler, logits: torch.Tensor,
+           tokens: np.ndarray) -> tuple[SampleOutput, list[list[int]]]:
+    """Sample a speculative step: `logits` [width, >= B, V] were computed over `tokens` [B, width] (each
+    row's fed token, then its drafts, -1 past them). Position j is sampled as plain decoding would sample
+    it, for the rows whose drafts before j were all accepted; a row goes on while its sampled token equals
+    its next draft. With a one-token (n-gram) draft this is speculative sampling: the draft is kept with
+    the probability the model gives it, and a rejected position's token is drawn from the rest.
+
+    Returns the emitted tokens flattened row by row (a row's in order), and each row's tokens."""
+    b, width = tokens.shape
+    active = np.ones(b, dtype=bool)
+    outs, emitting = [], []
+    for j in range(width):
+        mask = None if active.all() else torch.from_numpy(active).to(logits.device)
+        out = sampler(logits[j], None if j else _grammar_mask(backend, sampler, logits.shape[1]), mask)
+        backend.mark_step()
+        ids = out.next_ids[:b].cpu().numpy()
+        if j == 0 and sampler.grammar is not None:
+            sampler.accept(ids.tolist())  # rows with a grammar draft nothing: position 0 is their step
+        outs.append(out)
+        emitting.append(active.copy())
+        if j + 1 == width:
+            break
+        active &= ids == tokens[:, j + 1]
+        if not active.any():
+            break
+    return _flatten(outs, np.stack(emitting, axis=1))
+
+
+def _grammar_mask(backend: Backend, sampler: BatchSampler, rows: int) -> torch.Tensor | None:
+    return None if sampler.grammar is None else backend.upload(sampler.grammar.fill(rows))
+
+
+def _flatten(outs: list[SampleOutput], emitted: np.ndarray) -> tuple[SampleOutput, list[list[int]]]:
+    """The tokens of `outs` (one per position) that `emitted` [B, positions] marks, row by row."""
+    rows, cols = np.nonzero(emitted)  # row-major: each row's positions in order
+    device = outs[0].next_ids.device
+    r, c = torch.from_numpy(rows).to(device), torch.from_numpy(cols).to(device)
+    def pick(parts):
+        return None if parts[0] is None else torch.stack([p[:emitted.shape[0]] for p in parts], 1)[r, c]
+    out = SampleOutput(next_ids=pick([o.next_ids for o in outs]), logprobs=pick([o.logprobs for o in outs]),
+                       top_ids=pick([o.top_ids for o in outs]), top_logprobs=pick([o.top_logprobs for o in outs]))
+    ids = out.next_ids.tolist()
+    counts = emitted.sum(axis=1)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    return out, [ids[s:s + n] for s, n in zip(starts, counts)]
+
+
 def prompt_logprobs(compute_logits, hidden: torch.Tensor, ids: np.ndarray,
                     reqs: list[PrefillInput]) -> dict[int, list[float]]:
     """The log-probability of each prompt token after the ones before it, for the requests that want

@@ -48,6 +48,9 @@ def zero_inputs(phase: str, shape: tuple[int, ...], flat_decode: bool, block_siz
         rows, seq, blocks = shape
         return (zeros(rows, seq), zeros(rows, seq), zeros(rows, seq), zeros(rows), zeros(rows, blocks), zeros(rows),
                 zeros(rows))
+    if phase == "verify":
+        rows, width, blocks = shape
+        return zeros(rows, width), zeros(rows, width), zeros(rows, width), zeros(rows, blocks), zeros(rows), zeros(rows)
     rows, n = shape
     if flat_decode:  # n: blocks in all
         return (zeros(rows), zeros(rows), zeros(rows), zeros(n), zeros(n), torch.zeros(n, block_size, device=device),
@@ -63,6 +66,9 @@ def describe(phase: str, shape: tuple[int, ...], flat_decode: bool) -> tuple[str
     if phase == "prefill_context":
         return (f"prefill bucket (batch {shape[0]}, sequence {shape[1]}, {shape[2]} cached blocks)",
                 "--max-batch-prefill-tokens or --max-input-tokens (or --prefix-caching false)")
+    if phase == "verify":
+        return (f"speculative step (batch {shape[0]}, {shape[1]} tokens each, {shape[2]} cached blocks)",
+                "--speculate or --max-total-tokens")
     blocks = f"{shape[1]} blocks in all" if flat_decode else f"{shape[1]} blocks"
     return f"decode bucket (batch {shape[0]}, {blocks})", "--max-batch-size or --max-total-tokens"
 
@@ -124,11 +130,12 @@ class Warmup:
     def _run_phase(self, phase: str, phase_shapes: list[tuple[int, ...]]) -> Iterator[tuple[int, ...]]:
         """Run each shape's step, yielding the shape once it counts as warmed. Without padding (CPU, CUDA
         without graphs) nothing is compiled per shape: of the many prefill shapes with cached blocks, only
-        the one with the largest attention runs, to meet running out of memory at start rather than under
-        traffic; the others count as warmed."""
-        largest = largest_context_shape(phase_shapes, self.cfg.block_size) if phase == "prefill_context" else None
+        the one with the largest attention runs (as for speculative steps, also over cached blocks), to meet
+        running out of memory at start rather than under traffic; the others count as warmed."""
+        over_context = phase in ("prefill_context", "verify")
+        largest = largest_context_shape(phase_shapes, self.cfg.block_size) if over_context else None
         for shape in phase_shapes:
-            if self.backend.pads_to_buckets or phase != "prefill_context" or shape == largest:
+            if self.backend.pads_to_buckets or not over_context or shape == largest:
                 what, setting = describe(phase, shape, self.flat_decode)
                 args = zero_inputs(phase, shape, self.flat_decode, self.cfg.block_size, self.backend.torch_device)
                 run_step(what, setting, self.backend, self.steps[phase], args)
