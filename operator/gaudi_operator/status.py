@@ -63,7 +63,7 @@ _DOWNLOAD_RE = re.compile(
 _OOM_RE = re.compile(r"out of memory|\bOOM\b|RESOURCE_EXHAUSTED|failed to allocate", re.I)
 # How the runtime names a LoRA adapter that failed to download or load (launcher.resolve_adapter_dirs and
 # check_adapters, adapters.AdapterError): "... adapter 'sql' (org/sql-lora): ..." / "adapter 'sql' has rank 64 ...".
-_ADAPTER_RE = re.compile(r"\badapter '([^']+)'")
+_ADAPTER_RE = re.compile(r"(?:--lora-adapters|download failed).*?\badapter '([^']+)'")
 # What the runtime writes when its start made no progress for --warmup-stall-seconds (gaudi_runtime.progress).
 _STALL_RE = re.compile(r"start stalled", re.I)
 
