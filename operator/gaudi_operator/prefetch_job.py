@@ -1,6 +1,6 @@
 """The model-cache download Job of `spec.model.cache.prefetch`, and what it reports (pure).
 
-One Job per model, revision and claim, in the claim's namespace: its name is a hash of the three,
+One Job per model, revision and claim (and hub adapters, when there are: it fetches them first), in the claim's namespace: its name is a hash of the three,
 so every InferenceService naming them finds the same Job. None of them controls it: each adds an
 ownerReference of its own (not a controller one), and garbage collection deletes the Job with the
 last owner. The Job's template is never changed once created (a Job's pod template is immutable),
@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .spec import InferenceServiceSpec
+from .spec import InferenceServiceSpec, lora_adapters_flag
 
 CONTAINER = "download"
 DATA_DIR = "/data"
@@ -43,12 +43,16 @@ __all__ = ["CONTAINER", "KEY_LABEL", "Download", "download_key", "job_name", "la
 
 
 def download_key(namespace: str, spec: InferenceServiceSpec) -> str | None:
-    """What names the download: model, revision and claim (None without prefetch)."""
+    """What names the download: model, revision, claim and the hub adapters (None without prefetch).
+    Without adapters the key is what it was before they existed, so no Job is made again."""
     cache = spec.model.cache
     if not spec.model.prefetched or cache is None or cache.persistent_volume_claim is None:
         return None
-    text = "\0".join((namespace, spec.model.id, spec.model.revision or "", cache.persistent_volume_claim.claim_name))
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    parts = [namespace, spec.model.id, spec.model.revision or "", cache.persistent_volume_claim.claim_name]
+    # The adapters' order does not change what is fetched; their names do not either, but they name a
+    # failure in the Job's output, which every owner reads.
+    parts += sorted(a.flag_entry() for a in spec.model.hub_adapters)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
 def job_name(key: str) -> str:
@@ -88,6 +92,8 @@ def _args(spec: InferenceServiceSpec) -> list[str]:
     args = ["download", "--model-id", spec.model.id]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
+    if spec.model.hub_adapters:  # fetched first, into the same cache: the replicas find them offline
+        args += ["--lora-adapters", lora_adapters_flag(spec.model.hub_adapters)]
     return args + ["--huggingface-hub-cache", HUB_CACHE, "--progress", "json"]
 
 
@@ -131,7 +137,9 @@ def render_job(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, An
         "metadata": {"name": job_name(key), "namespace": namespace, "labels": _labels(key),
                      "annotations": {"gaudiserve.io/model": spec.model.id,
                                      "gaudiserve.io/revision": spec.model.revision or "",
-                                     "gaudiserve.io/claim": spec.model.cache.persistent_volume_claim.claim_name},
+                                     "gaudiserve.io/claim": spec.model.cache.persistent_volume_claim.claim_name,
+                                     **({"gaudiserve.io/adapters": lora_adapters_flag(spec.model.hub_adapters)}
+                                        if spec.model.hub_adapters else {})},
                      "ownerReferences": [owner_reference(body)]},
         "spec": {
             "backoffLimit": BACKOFF_LIMIT,
@@ -159,6 +167,7 @@ class Download:
     attempts: int = 0  # failed attempts
     reason: str | None = None  # of the failure, or of the last failed attempt
     message: str = ""
+    adapter: str | None = None  # the LoRA adapter whose download failed (spec.model.adapters[].name)
     pod: dict[str, Any] | None = None  # the attempt under way (its problems are the service's)
 
     def as_status(self) -> dict[str, Any]:
@@ -170,6 +179,8 @@ class Download:
             out["attempts"] = self.attempts
         if self.message:
             out["message"] = self.message
+        if self.adapter:
+            out["adapter"] = self.adapter
         return out
 
 
@@ -197,18 +208,21 @@ def _terminated(pod: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def _failure(pod: dict[str, Any]) -> tuple[str, str]:
-    """(reason, message) of a failed attempt: its exit code, and the error line of its termination message."""
+def _failure(pod: dict[str, Any]) -> tuple[str, str, str | None]:
+    """(reason, message, adapter) of a failed attempt: its exit code, and the error line of its termination
+    message (which names the LoRA adapter when the failure was one's)."""
     term = _terminated(pod)
     code = term.get("exitCode")
     event = last_event(term.get("message"))
     reason = EXIT_REASONS.get(code, "error") if isinstance(code, int) else "error"
     if event and event.get("event") == "error":
-        return str(event.get("reason") or reason), str(event.get("message") or "")
+        adapter = event.get("adapter")
+        return (str(event.get("reason") or reason), str(event.get("message") or ""),
+                adapter if isinstance(adapter, str) and adapter else None)
     if (pod.get("status") or {}).get("reason"):  # evicted, deadline exceeded: the kubelet's word
-        return reason, f"{pod['status']['reason']}: {pod['status'].get('message', '')}".rstrip(": ")
+        return reason, f"{pod['status']['reason']}: {pod['status'].get('message', '')}".rstrip(": "), None
     last = (term.get("message") or "").strip().splitlines()
-    return reason, (last[-1] if last else f"exit code {code}")
+    return reason, (last[-1] if last else f"exit code {code}"), None
 
 
 def _sorted(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -258,7 +272,7 @@ def observe(job: dict[str, Any], pods: list[dict[str, Any]], log_text: str | Non
     ordered = _sorted(pods)
     failed = [p for p in ordered if _phase(p) == "Failed"]
     attempts = max(int((job.get("status") or {}).get("failed") or 0), len(failed))
-    reason, message = _failure(failed[-1]) if failed else (None, "")
+    reason, message, adapter = _failure(failed[-1]) if failed else (None, "", None)
     progress = _progress(log_text, previous, name)
     if _condition(job, "Complete", "SuccessCriteriaMet"):
         return Download(name, "Complete", progress.get("total"), progress.get("total"),
@@ -268,11 +282,12 @@ def observe(job: dict[str, Any], pods: list[dict[str, Any]], log_text: str | Non
             cond = _condition(job, "Failed", "FailureTarget") or {}
             reason, message = "error", f"{cond.get('reason', 'Failed')}: {cond.get('message', '')}".rstrip(": ")
         return Download(name, "Failed", progress.get("done"), progress.get("total"), attempts=attempts,
-                        reason=reason, message=message)
+                        reason=reason, message=message, adapter=adapter)
     current = _current(pods)
     running = current is not None and _phase(current) == "Running"
     return Download(name, "Downloading" if running else "Pending", progress.get("done"), progress.get("total"),
-                    progress.get("file"), attempts=attempts, reason=reason, message=message, pod=current)
+                    progress.get("file"), attempts=attempts, reason=reason, message=message, adapter=adapter,
+                    pod=current)
 
 
 def _size(n: int, unit: str) -> str:

@@ -32,6 +32,7 @@ from .spec import (
     InferenceServiceSpec,
     LabelSelector,
     NetworkPolicyPeer,
+    lora_adapters_flag,
     parse_spec,
 )
 
@@ -109,6 +110,10 @@ def runtime_args(spec: InferenceServiceSpec) -> list[str]:
     args = ["launch", "--model-id", spec.model.id]
     if spec.model.revision:
         args += ["--revision", spec.model.revision]
+    if spec.model.adapters:
+        # Hub ids resolve in the hub cache as the model's does (offline from the claim with prefetch),
+        # paths on the claim as they are; the runtime refuses to start unless every one loads.
+        args += ["--lora-adapters", lora_adapters_flag(spec.model.adapters)]
     args += [
         "--hostname", "0.0.0.0",
         "--port", str(RUNTIME_PORT),

@@ -44,6 +44,14 @@ Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=32)]
 RESERVED_MOUNTS = ("/data", "/dev/shm", "/etc/gaudi-serve/quant")
 # A hub repository id (`org/name`, or a legacy single name): what a download Job can fetch.
 HUB_ID = r"^[A-Za-z0-9][-A-Za-z0-9_.]*(/[A-Za-z0-9][-A-Za-z0-9_.]*)?$"
+# spec.model.adapters: a name a request gives as OpenAI's `model` (or TGI's adapter_id), a source that is a
+# hub id or a path on the cache claim (mounted at /data), a hub revision. None of them may hold what the
+# runtime's --lora-adapters syntax uses to split entries (`,`, spaces, `=`, `@`).
+ADAPTER_NAME = r"^[A-Za-z0-9][-A-Za-z0-9_.:/]*$"
+ADAPTER_PATH_PREFIX = "/data/"
+ADAPTER_SOURCE = r"^([A-Za-z0-9][-A-Za-z0-9_.]*(/[A-Za-z0-9][-A-Za-z0-9_.]*)?|/data/[-A-Za-z0-9_./]+)$"
+REVISION = r"^[A-Za-z0-9][-A-Za-z0-9_.+/]*$"
+MAX_ADAPTERS = 32
 
 # Rules the CRD's CEL also enforces at admission, with the same messages.
 API_KEY_ENV_MESSAGE = "spec.env must not set API_KEY when spec.apiKeySecretRef is set (the key comes from the Secret)"
@@ -57,6 +65,13 @@ PREFETCH_READ_ONLY_MESSAGE = ("spec.model.cache.persistentVolumeClaim.readOnly m
 PREFETCH_ID_MESSAGE = "spec.model.id must be a hub id (org/name) with spec.model.cache.prefetch"
 RECIPES_MESSAGE = ("spec.model.cache.recipes needs a cache the pods can write: a persistentVolumeClaim that is not "
                    "readOnly (or prefetch), or ephemeral")
+ADAPTER_BASE_NAME_MESSAGE = ("spec.model.adapters: an adapter's name must differ from spec.model.id "
+                             "(the base model's name on /v1/models)")
+ADAPTER_CLAIM_MESSAGE = ("spec.model.adapters: a source that is a path (/data/...) needs "
+                         "spec.model.cache.persistentVolumeClaim (the claim that holds it)")
+ADAPTER_REVISION_MESSAGE = "spec.model.adapters[].revision is for a hub source only (a path on the claim has none)"
+ADAPTER_FP8_MESSAGE = ("spec.model.adapters cannot be combined with spec.precision fp8 yet "
+                       "(the runtime has no float8 adapter path)")
 SELECTOR_VALUES_MESSAGE = ("spec.networkPolicy.from: a matchExpressions entry needs values with In or NotIn, "
                            "and none with Exists or DoesNotExist")
 
@@ -74,8 +89,8 @@ PRESTOP_SECONDS = 5
 DRAIN_MARGIN_SECONDS = 30  # preStop 5 s, cut requests 5 s, the shards 10 s, 10 s spare
 
 __all__ = [
-    "ALLOWED_SHARDS", "API_KEY_ENV", "FIELD_MANAGER", "GROUP", "PLURAL", "PRESTOP_SECONDS", "RUNTIME_PORT",
-    "VERSION", "Autoscaling", "InferenceServiceSpec", "SpecError", "parse_spec",
+    "ALLOWED_SHARDS", "API_KEY_ENV", "Adapter", "FIELD_MANAGER", "GROUP", "PLURAL", "PRESTOP_SECONDS", "RUNTIME_PORT",
+    "VERSION", "Autoscaling", "InferenceServiceSpec", "SpecError", "lora_adapters_flag", "parse_spec",
 ]
 
 
@@ -130,17 +145,63 @@ class CacheVolume(_Model):
         return self
 
 
+class Adapter(_Model):
+    """A LoRA adapter served beside the model (the runtime's --lora-adapters)."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=ADAPTER_NAME)]
+    source: Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=ADAPTER_SOURCE)]
+    revision: Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=REVISION)] | None = None
+
+    @model_validator(mode="after")
+    def _revision_of_a_hub_source(self) -> Adapter:
+        if self.revision is not None and self.is_path:
+            raise ValueError(ADAPTER_REVISION_MESSAGE)
+        return self
+
+    @property
+    def is_path(self) -> bool:
+        """A directory on the cache claim, not a hub id: nothing to download."""
+        return self.source.startswith("/")
+
+    def flag_entry(self) -> str:
+        """This adapter in the runtime's --lora-adapters syntax: `name=source[@revision]`."""
+        return f"{self.name}={self.source}" + (f"@{self.revision}" if self.revision else "")
+
+
+def lora_adapters_flag(adapters: list[Adapter] | tuple[Adapter, ...]) -> str:
+    """The value of --lora-adapters for these adapters, in order."""
+    return ",".join(a.flag_entry() for a in adapters)
+
+
 class ModelSource(_Model):
     id: str = Field(min_length=1)
     revision: str | None = None
     hub_token_secret_ref: SecretKeyRef | None = None
     cache: CacheVolume | None = None
+    adapters: list[Adapter] = Field([], max_length=MAX_ADAPTERS)
 
     @model_validator(mode="after")
     def _prefetch_a_hub_id(self) -> ModelSource:
         if self.cache is not None and self.cache.prefetch and not re.fullmatch(HUB_ID, self.id):
             raise ValueError(PREFETCH_ID_MESSAGE)
         return self
+
+    @model_validator(mode="after")
+    def _adapters(self) -> ModelSource:
+        names = [a.name for a in self.adapters]
+        if len(set(names)) < len(names):  # a list keyed by name (x-kubernetes-list-type: map)
+            raise ValueError("spec.model.adapters: a name appears twice")
+        if self.id in names:
+            raise ValueError(ADAPTER_BASE_NAME_MESSAGE)
+        claim = self.cache is not None and self.cache.persistent_volume_claim is not None
+        if any(a.is_path for a in self.adapters) and not claim:
+            raise ValueError(ADAPTER_CLAIM_MESSAGE)
+        return self
+
+    @property
+    def hub_adapters(self) -> list[Adapter]:
+        """The adapters a download fetches from the hub (a path on the claim is there already)."""
+        return [a for a in self.adapters if not a.is_path]
 
     @property
     def prefetched(self) -> bool:
@@ -401,6 +462,8 @@ class InferenceServiceSpec(_Model):
             raise ValueError("spec.shards must be one of 1, 2, 4 or 8 (Gaudi cards per replica)")
         if self.precision == "fp8" and (self.quantization is None or self.quantization.config_map_ref is None):
             raise ValueError("spec.quantization.configMapRef is required when spec.precision is fp8")
+        if self.precision == "fp8" and self.model.adapters:
+            raise ValueError(ADAPTER_FP8_MESSAGE)
         if self.api_key_secret_ref is not None and any(e.get("name") == API_KEY_ENV for e in self.env):
             raise ValueError(API_KEY_ENV_MESSAGE)
         for field, items in (("env", self.env), ("imagePullSecrets", self.image_pull_secrets)):

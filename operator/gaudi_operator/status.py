@@ -30,13 +30,13 @@ from .spec import InferenceServiceSpec
 
 MANAGED_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "selector",
                 "url", "readySummary", "warmupSummary", "warmup", "conditions", "autoscaling", "download",
-                "downloadSummary", "startup", "gateway")
+                "downloadSummary", "startup", "gateway", "adapters")
 
 IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 CONTAINER_CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
 # Most telling first: this is the order in which a problem is chosen for the conditions.
 PROBLEM_ORDER = (
-    "InvalidSpec", "ModelDownloadFailed", "WarmupOutOfMemory", "StartupStalled", "OOMKilled", "CrashLoopBackOff",
+    "InvalidSpec", "AdapterFailed", "ModelDownloadFailed", "WarmupOutOfMemory", "StartupStalled", "OOMKilled", "CrashLoopBackOff",
     *CONTAINER_CONFIG_REASONS, *IMAGE_PULL_REASONS, "PodFailed", "ProgressDeadlineExceeded", "AutoscalerNotInstalled",
     "GatewayAPINotInstalled", "EndpointPickerNotConfigured", "Unschedulable",
 )
@@ -61,6 +61,9 @@ _DOWNLOAD_RE = re.compile(
     r"RepositoryNotFound|GatedRepo|RevisionNotFound|EntryNotFound|LocalEntryNotFound|HfHubHTTPError"
     r"|40[134] Client Error|failed to download|download failed|could not download", re.I)
 _OOM_RE = re.compile(r"out of memory|\bOOM\b|RESOURCE_EXHAUSTED|failed to allocate", re.I)
+# How the runtime names a LoRA adapter that failed to download or load (launcher.resolve_adapter_dirs and
+# check_adapters, adapters.AdapterError): "... adapter 'sql' (org/sql-lora): ..." / "adapter 'sql' has rank 64 ...".
+_ADAPTER_RE = re.compile(r"(?:--lora-adapters|download failed).*?\badapter '([^']+)'")
 # What the runtime writes when its start made no progress for --warmup-stall-seconds (gaudi_runtime.progress).
 _STALL_RE = re.compile(r"start stalled", re.I)
 
@@ -127,6 +130,10 @@ def _crash_problem(pod: str, cs: dict[str, Any]) -> Problem:
     if text and _OOM_RE.search(text) and "warmup" in text.lower():
         return Problem("WarmupOutOfMemory", f"pod {pod}: out of device memory during warmup; lower "
                                             f"maxBatchTotalTokens/maxBatchSize or the bucket sizes: {last_line}")
+    adapter = next((m for line in reversed(text.splitlines()) if (m := _ADAPTER_RE.search(line))), None)
+    if adapter:  # before the download's rule: an adapter's failed download names the adapter
+        return Problem("AdapterFailed", f"pod {pod}: LoRA adapter {adapter.group(1)!r} (spec.model.adapters) failed "
+                                        f"to load (restarts: {restarts}): {adapter.string.strip()}")
     if text and _DOWNLOAD_RE.search(text):
         return Problem("ModelDownloadFailed", f"pod {pod}: could not download the model (check model.id, "
                                               f"revision and hubTokenSecretRef): {last_line}")
@@ -253,6 +260,8 @@ def _download_problem(download: Download | None, spec: InferenceServiceSpec) -> 
     """A failed download names its cause and what to check; a stuck attempt, its pod's problem."""
     if download is None:
         return None
+    if download.state == "Failed" and download.adapter:
+        return _adapter_download_problem(download, spec)
     if download.state == "Failed":
         advice = DOWNLOAD_ADVICE.get(download.reason or "", "")
         ref = spec.model.hub_token_secret_ref
@@ -268,6 +277,20 @@ def _download_problem(download: Download | None, spec: InferenceServiceSpec) -> 
     st = pod.get("status") or {}
     problem = _pod_problem((pod.get("metadata") or {}).get("name", "?"), st, list(st.get("containerStatuses") or []), 0)
     return Problem(problem.reason, f"download {problem.message}") if problem else None
+
+
+def _adapter_download_problem(download: Download, spec: InferenceServiceSpec) -> Problem:
+    """A LoRA adapter's download failed (the Job fetches them before the model): name it and what to check."""
+    adapter = next((a for a in spec.model.adapters if a.name == download.adapter), None)
+    source = f" ({adapter.source}{'@' + adapter.revision if adapter and adapter.revision else ''})" if adapter else ""
+    advice = {"not_found": "no such adapter repository, revision or safetensors weights: check its source and "
+                           "revision in spec.model.adapters",
+              "unauthorized": "the hub refused the token for this adapter: check spec.model.hubTokenSecretRef and "
+                              "that its account may read the adapter"}.get(download.reason or "",
+                                                                           DOWNLOAD_ADVICE.get(download.reason or "", ""))
+    detail = "; ".join(x for x in (advice, download.message) if x)
+    return Problem("AdapterFailed", f"download job {download.job} failed on LoRA adapter {download.adapter!r}{source}: "
+                                    f"{download.reason}: {detail} (delete the Job to try again once fixed)")
 
 
 def observe_fleet(spec: InferenceServiceSpec, template_hash: str, observed: Observed, no_picker: bool = False) -> Fleet:
@@ -384,6 +407,8 @@ def _downloaded(download: Download, spec: InferenceServiceSpec) -> Condition:
     cache = spec.model.cache
     claim = cache.persistent_volume_claim.claim_name if cache and cache.persistent_volume_claim else "?"
     what = f"{spec.model.id}@{spec.model.revision or 'default branch'} in claim {claim}"
+    if spec.model.hub_adapters:
+        what += f" with {len(spec.model.hub_adapters)} LoRA adapter(s)"
     if download.state == "Complete":
         took = f" in {download.seconds:.1f}s" if download.seconds is not None else ""
         return Condition(True, "Downloaded", f"{what}: {download_summary(download)}{took} (job {download.job})")
@@ -467,7 +492,22 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: R
     startup = _startup(observed.startup) or (body.get("status") or {}).get("startup")
     if startup:
         status["startup"] = startup
+    adapters = _served_adapters(spec, fleet, (body.get("status") or {}).get("adapters"))
+    if adapters:
+        status["adapters"] = adapters
     return status
+
+
+def _served_adapters(spec: InferenceServiceSpec, fleet: Fleet, previous: Any) -> list[dict[str, str]] | None:
+    """The adapters the ready pods serve. A pod of the current template is ready only once every adapter of
+    spec.model.adapters loaded (the runtime refuses to start otherwise), so those are what it serves; while
+    only pods of an earlier template are ready, what the status said of them stays."""
+    if not fleet.ready:
+        return None
+    if not any(s.ready and s.updated for s in fleet.active):
+        return previous if isinstance(previous, list) else None
+    return [{"name": a.name, "source": a.source, **({"revision": a.revision} if a.revision else {})}
+            for a in spec.model.adapters] or None
 
 
 def latest_ready_pod(pods: list[dict[str, Any]], template_hash: str) -> dict[str, Any] | None:

@@ -47,9 +47,10 @@ DOWNLOAD_SECONDS_ENV = "GAUDI_SERVE_DOWNLOAD_SECONDS"
 class DownloadError(Exception):
     """A download that cannot complete; `reason` is one of `download_events.EXIT_CODES`."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, adapter: str | None = None):
         super().__init__(message)
         self.reason = reason
+        self.adapter = adapter  # the LoRA adapter (its name) whose download failed, when it was one
 
     @property
     def exit_code(self) -> int:
@@ -391,6 +392,24 @@ def _http_error(repo_id: str, e: Exception) -> DownloadError:
     return DownloadError("error", _first_line(e))
 
 
+def fetch_adapters(lora_adapters: str | None, cache_dir: str | None, reporter: report.Reporter) -> None:
+    """Each hub adapter of a --lora-adapters value into the cache (its own `done` event each), before the
+    model, so that the model's `done` stays the last line of a success. Raises DownloadError naming it."""
+    from gaudi_runtime.adapters import AdapterError, parse_specs
+
+    try:
+        specs = parse_specs(lora_adapters, None)
+    except AdapterError as e:
+        raise DownloadError("error", f"--lora-adapters: {e}") from None
+    for a in specs:
+        if a["source"].startswith((os.sep, ".")) or os.path.isdir(a["source"]):
+            continue  # a directory: nothing to fetch
+        try:
+            ensure_snapshot(a["source"], a["revision"], cache_dir, reporter)
+        except DownloadError as e:
+            raise DownloadError(e.reason, f"adapter {a['name']!r} ({a['source']}): {e}", a["name"]) from e
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gaudi-serve download", description="Fetch a model's serving files from the Hugging Face hub into the "
                                 "hub cache: resumable, checked, with progress.",
@@ -402,6 +421,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--huggingface-hub-cache", default=env("HUGGINGFACE_HUB_CACHE"),
                    help="Cache directory (default: huggingface_hub's, ~/.cache/huggingface/hub). "
                         "[env: HUGGINGFACE_HUB_CACHE]")
+    p.add_argument("--lora-adapters", default=env("LORA_ADAPTERS"),
+                   help="LoRA adapters, as `launch` takes them (`id`, `id@revision`, `name=id[@revision]`, "
+                        "comma-separated): each hub adapter is fetched before the model (a local directory is "
+                        "skipped), so that an offline `launch` finds them. [env: LORA_ADAPTERS]")
     p.add_argument("--progress", choices=("auto", "bar", "json"), default="auto",
                    help="auto: a bar on a terminal, JSON lines on stdout otherwise. [default: auto]")
     return p
@@ -418,9 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     reporter = report.for_output(args.progress, sys.stdout)
     signal.signal(signal.SIGTERM, _interrupt)  # a deleted Job's pod: keep the partial file for the next run
     try:
+        fetch_adapters(args.lora_adapters, args.huggingface_hub_cache, reporter)
         ensure_snapshot(args.model_id, args.revision, args.huggingface_hub_cache, reporter)
     except DownloadError as e:
-        reporter.error(e.reason, str(e))
+        reporter.error(e.reason, str(e), adapter=e.adapter)
         return e.exit_code
     except KeyboardInterrupt:
         reporter.error("interrupted", "stopped by a signal; the next run resumes where this one stopped")

@@ -11,7 +11,9 @@ object per line on stdout, every line a complete JSON object with an "event" key
   "revision": REV, "commit": SHA}``: the last line of a success (exit code 0). ``path`` is the
   snapshot directory to serve (`--model-id`); ``fetched`` the bytes this run transferred (0 when the
   cache was complete); ``revision`` as asked (null: the default branch), ``commit`` what it resolved to.
-* ``{"event": "error", "reason": REASON, "message": TEXT}``: the last line of a failure, whose exit
+  With ``--lora-adapters``, each hub adapter's ``done`` comes first (``repo`` says whose), the model's last.
+* ``{"event": "error", "reason": REASON, "message": TEXT[, "adapter": NAME]}``: the last line of a
+  failure (``adapter``: the LoRA adapter of ``--lora-adapters`` whose download failed), whose exit
   code is the reason's (see `EXIT_CODES`). Reasons: ``unauthorized`` (the hub refused access: missing
   or wrong HF_TOKEN, gated or private repository), ``not_found`` (no such repository, revision or
   weights), ``no_space`` (the cache volume is full), ``not_cached`` (HF_HUB_OFFLINE is set and the
@@ -42,7 +44,7 @@ class Reporter(Protocol):
 
     def done(self, result: dict) -> None: ...
 
-    def error(self, reason: str, message: str) -> None: ...
+    def error(self, reason: str, message: str, adapter: str | None = None) -> None: ...
 
 
 class JsonLines:
@@ -61,8 +63,8 @@ class JsonLines:
     def done(self, result: dict) -> None:
         self._emit({"event": "done", **result})
 
-    def error(self, reason: str, message: str) -> None:
-        self._emit({"event": "error", "reason": reason, "message": message})
+    def error(self, reason: str, message: str, adapter: str | None = None) -> None:
+        self._emit({"event": "error", "reason": reason, "message": message, **({"adapter": adapter} if adapter else {})})
 
 
 class TerminalBar:
@@ -94,7 +96,7 @@ class TerminalBar:
               f"{result['seconds']:.1f}s", file=sys.stderr)
         print(result["path"], file=self.stdout)
 
-    def error(self, reason: str, message: str) -> None:
+    def error(self, reason: str, message: str, adapter: str | None = None) -> None:
         self._close()
         print(f"error: {reason}: {message}", file=sys.stderr)
 
@@ -117,7 +119,7 @@ class LogLines:
         self.log.info("model %s at commit %s: %d bytes in the cache (%d fetched) in %.1fs", result["repo"],
                       result["commit"], result["bytes"], result["fetched"], result["seconds"])
 
-    def error(self, reason: str, message: str) -> None:
+    def error(self, reason: str, message: str, adapter: str | None = None) -> None:
         self.log.error("download failed (%s): %s", reason, message)
 
 

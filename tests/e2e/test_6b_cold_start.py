@@ -345,3 +345,75 @@ def test_a_download_the_hub_refuses_fails_naming_the_token_secret(cluster: Clust
     events = kube.core.list_namespaced_event(
         ns, field_selector="involvedObject.kind=InferenceService,involvedObject.name=refused,type=Warning").items
     assert any("stale-token" in e.message for e in events), [e.message for e in events]
+
+
+def _hub_adapters(hub: HubStandIn, tmp_path: Path) -> dict[str, str]:
+    """Two LoRA adapters of the hub's tiny model (random, so each changes the greedy tokens), served by
+    the stand-in as org/tiny-sql and org/tiny-chat: repo id -> its commit."""
+    from tests.runtime.lora_adapters import make_adapter
+
+    model_dir = tmp_path / "base"
+    model_dir.mkdir()
+    for name, data in hub.repos[MODEL].files.items():
+        (model_dir / name).write_bytes(data)
+    out = {}
+    for seed, repo in enumerate(("org/tiny-sql", "org/tiny-chat"), start=1):
+        adapter = make_adapter(model_dir, tmp_path / repo.split("/")[1], seed=seed, rank=4)
+        hub.repos[repo] = StandInRepo({p.name: p.read_bytes() for p in adapter.iterdir() if p.is_file()})
+        out[repo] = hub.repos[repo].commit
+    return out
+
+
+def _greedy(url: str, adapter: str | None) -> list[int]:
+    params: dict[str, Any] = {"max_new_tokens": 8, "details": True, **({"adapter_id": adapter} if adapter else {})}
+    code, body = http_json("POST", url + "/generate", {"inputs": "The adapter says", "parameters": params}, 60)
+    assert code == 200, body
+    return [t["id"] for t in body["details"]["tokens"]]
+
+
+def test_two_hub_adapters_are_downloaded_with_the_model_served_and_listed(
+        cluster: Cluster, operator: OperatorProcess, ns: str, claim: str, cleanup: list[str], processes: list,
+        hub: HubStandIn, tmp_path: Path) -> None:
+    """spec.model.adapters with prefetch: the download Job (a real `gaudi-serve download --lora-adapters`)
+    fetches both adapters and the model into the claim; the runtime serves them offline; the status lists
+    them once Ready, and a request through the pod IP picks each by its name."""
+    kube, claim_dir = cluster.kube, tmp_path / "claim"
+    commits = _hub_adapters(hub, tmp_path)
+    _secret(cluster, ns, "hf-token-lora", hub.token or "")
+    adapters = [{"name": "sql", "source": "org/tiny-sql", "revision": commits["org/tiny-sql"]},
+                {"name": "chat", "source": "org/tiny-chat"}]
+    model = {"id": MODEL, "hubTokenSecretRef": {"name": "hf-token-lora"}, "adapters": adapters,
+             "cache": {"persistentVolumeClaim": {"claimName": claim}, "prefetch": True}}
+    cleanup.append("lora")
+    cluster.kubectl.apply(isvc_manifest("lora", ns, shards=1, manual=True, model=model,
+                                        env=[{"name": "HF_ENDPOINT", "value": hub.url}], serving=SERVING,
+                                        batching={**BATCHING, "warmup": False}))  # warmup is not the point here
+
+    job = wait_for(lambda: [j for j in download_jobs(cluster, ns)
+                            if [o["name"] for o in j["metadata"]["ownerReferences"]] == ["lora"]], 60,
+                   "the Job of the service with adapters")[0]
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--lora-adapters") + 1] == f"sql=org/tiny-sql@{commits['org/tiny-sql']},chat=org/tiny-chat"
+    pod = wait_for(lambda: job_pod(cluster, ns, job), 60, "its pod running")
+    out = tmp_path / "download.log"
+    proc = run_container(cluster, pod, claim_dir, out, processes)
+    assert proc.wait(timeout=300) == 0, out.read_text()[-3000:]
+    end_container(cluster, pod, 0, out)
+    done = [e["repo"] for line in out.read_text().splitlines() if (e := json.loads(line))["event"] == "done"]
+    assert done == ["org/tiny-sql", "org/tiny-chat", MODEL]  # the adapters first, the model's line last
+
+    (serving,) = wait_for(lambda: (p := kube.live_pods(ns, "lora")) and p[0]["status"].get("podIP") and p, 60,
+                          "the pod running once Downloaded")
+    requests = len(hub.requests)
+    status, url = serve(cluster, ns, "lora", serving, claim_dir, tmp_path, processes, hold_warmup=False)
+    assert len(hub.requests) == requests, hub.requests[requests:]  # offline: the adapters came from the claim
+    status = wait_for(lambda: (s := kube.status(ns, "lora")).get("adapters") and s, 30, "status.adapters")
+    assert status["adapters"] == adapters
+
+    code, models = http_json("GET", url + "/v1/models")
+    assert code == 200 and {"sql", "chat"} <= {m["id"] for m in models["data"]}, models
+    base, sql, chat = _greedy(url, None), _greedy(url, "sql"), _greedy(url, "chat")
+    assert len({tuple(base), tuple(sql), tuple(chat)}) == 3, (base, sql, chat)
+    code, body = http_json("POST", url + "/v1/completions", {"model": "chat", "prompt": "The adapter says",
+                                                            "max_tokens": 8, "temperature": 0}, 60)
+    assert code == 200 and body["model"] == "chat", body

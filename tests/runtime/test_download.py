@@ -254,3 +254,35 @@ def test_launch_answers_the_probes_while_it_downloads_and_ends_a_stalled_downloa
     assert code == STALL_EXIT_CODE
     assert message.read_text().startswith("start stalled: no progress for ") and "while downloading the model" in \
         message.read_text()
+
+
+def test_lora_adapters_are_fetched_before_the_model_and_a_missing_one_is_named(tiny_files, tmp_path):
+    """`download --lora-adapters` (what the operator's download Job runs for spec.model.adapters): each hub
+    adapter at its revision into the same cache, its `done` line before the model's (the last line stays
+    the model's); an adapter the hub lacks fails the download before the model, its error naming it."""
+    path = tmp_path / "adapter_model.safetensors"
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((2, 4), np.float32)},
+              str(path))
+    adapter = {"adapter_config.json": b'{"peft_type": "LORA", "r": 2}', "adapter_model.safetensors": path.read_bytes(),
+               "README.md": b"# sql\n"}
+    hub = HubStandIn({"org/tiny": StandInRepo(tiny_files), "org/sql": StandInRepo(adapter)}).start()
+    try:
+        commit = hub.repos["org/sql"].commit
+        code, events, err = download(hub, tmp_path, "--model-id", "org/tiny",
+                                     "--lora-adapters", f"sql=org/sql@{commit},local={tmp_path}")
+        assert code == 0, err
+        done = [e for e in events if e["event"] == "done"]
+        assert [(e["repo"], e["revision"]) for e in done] == [("org/sql", commit), ("org/tiny", None)]
+        assert events[-1] is done[-1]
+        assert served(done[0]["path"]) == {k: v for k, v in adapter.items() if k != "README.md"}
+
+        hub.requests.clear()
+        code, events, err = download(hub, tmp_path / "other", "--model-id", "org/tiny",
+                                     "--lora-adapters", "sql=org/sql,chat=org/chat@main")
+        assert code == 4, err
+        last = events[-1]
+        assert (last["event"], last["reason"], last["adapter"]) == ("error", "not_found", "chat")
+        assert last["message"].startswith("adapter 'chat' (org/chat): ")
+        assert not any("/org/tiny/" in r["path"] for r in hub.requests)  # the model waits for its adapters
+    finally:
+        hub.stop()
