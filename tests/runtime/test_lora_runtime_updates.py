@@ -296,6 +296,31 @@ def test_metrics_count_a_loaded_adapters_requests(server, made):
     assert count() == 1.0
 
 
+def test_two_shards_start_without_adapters_and_load_each_ones_slice(made, tmp_path):
+    """No adapter at start: every layer still has its slots; each shard writes its slice of a loaded
+    adapter (column-parallel q/v, row-parallel o/down), and the tokens are peft's."""
+    model_dir, adapters = made
+    srv = launch(model_dir, tmp_path, "--device", "cpu", "--num-shard", "2", *SMALL_ARGS, "--model-name", "base",
+                 "--max-lora-rank", "4", env={**SMALL_ENV, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    srv.model_dir = model_dir
+    try:
+        srv.wait_ready()
+
+        async def run():
+            async with aiohttp.ClientSession() as s:
+                unknown = await v1_status(s, srv, "chat")
+                answers = [await load(s, srv, name, adapters[name]) for name in ("chat", "code")]
+                return unknown, answers, {name: await generate_ids(s, srv, name) for name in ("chat", "code")}
+
+        unknown, answers, got = asyncio.run(run())
+    finally:
+        srv.stop()
+    assert unknown[0] == 404  # with runtime updating `model` is checked even before any adapter is loaded
+    assert [a[0] for a in answers] == [200, 200]
+    for name, ids in got.items():
+        assert ids == peft_greedy(model_dir, adapters[name], PROMPT, 12), name
+
+
 async def test_the_endpoints_are_absent_without_the_opt_in(make_server):
     s = make_server()
     async with aiohttp.ClientSession() as session:
