@@ -78,6 +78,13 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
      "waits until one leaves (default: every adapter given)."),
     ("--max-lora-rank", None, int, 16, "Largest adapter rank; every adapter is padded to it, so shapes "
      "stay the same whichever adapters a batch uses."),
+    ("--allow-runtime-lora-updating", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", _bool, False, "Serve vLLM's "
+     "`POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (absent otherwise: 404), to add and "
+     "remove adapters while serving. Anyone who can reach the API can then load files the server can read."),
+    ("--max-cpu-loras", None, int, None, "Most adapters loaded at once: the slots of the adapters' stacked "
+     "weights, allocated at start and all held on the device (vLLM's name; it keeps them in host memory). A "
+     "load with every slot taken is refused (default: the adapters given; with --allow-runtime-lora-updating "
+     "4 more, and at least --max-loras)."),
     ("--max-concurrent-requests", None, int, 128, "Requests in flight before new ones get 429."),
     ("--max-stop-sequences", None, int, 4, "Most stop sequences in one request."),
     ("--max-top-n-tokens", None, int, 5, "Largest top_n_tokens a request may ask for."),
@@ -272,6 +279,8 @@ class Config:
     lora_adapters: list[dict] = field(default_factory=list)
     max_loras: int = 0
     max_lora_rank: int = 16
+    allow_runtime_lora_updating: bool = False
+    max_cpu_loras: int = 0  # adapter slots besides slot 0 (the base model)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -532,13 +541,31 @@ def _derive_adapters(v: dict[str, object]) -> None:
     v["lora_adapters"] = adapters
     if v["max_lora_rank"] < 1:
         raise ConfigError("--max-lora-rank must be positive")
-    if v["max_loras"] is None:
-        v["max_loras"] = len(adapters)
-    elif adapters and v["max_loras"] < 1:
-        raise ConfigError("--max-loras must be positive")
-    if adapters and v["quantize"]:
+    _derive_adapter_slots(v, len(adapters))
+    if (adapters or v["allow_runtime_lora_updating"]) and v["quantize"]:
         raise ConfigError("--quantize fp8 cannot be combined with LoRA adapters yet (the adapters' matmuls "
                           "run in --dtype beside float8 layers that are not built)")
+
+
+# Free adapter slots at start when adapters may be loaded while serving and --max-cpu-loras is not given.
+RUNTIME_LORA_SLOTS = 4
+
+
+def _derive_adapter_slots(v: dict[str, object], given: int) -> None:
+    """--max-cpu-loras (the slots, fixed at start: shapes never change) and --max-loras (per batch)."""
+    runtime = v["allow_runtime_lora_updating"]
+    if v["max_loras"] is not None and (given or runtime) and v["max_loras"] < 1:
+        raise ConfigError("--max-loras must be positive")
+    slots = v["max_cpu_loras"]
+    if slots is None:
+        slots = max(given + RUNTIME_LORA_SLOTS, v["max_loras"] or 0) if runtime else given
+    elif slots < given:
+        raise ConfigError(f"--max-cpu-loras {slots} is fewer than the {given} adapters given")
+    elif v["max_loras"] is not None and slots < v["max_loras"]:
+        raise ConfigError(f"--max-cpu-loras ({slots}) must be >= --max-loras ({v['max_loras']})")
+    v["max_cpu_loras"] = slots
+    if v["max_loras"] is None:
+        v["max_loras"] = slots  # every adapter loaded may run in one batch
 
 
 def _derive_quantization(v: dict[str, object]) -> None:

@@ -125,3 +125,26 @@ def test_hpu_graphs_with_lora_adapters_are_those_warmup_captured(lora_dirs, fake
     cpu = ModelRunner(cfg, str(model_dir), Backend(torch.device("cpu")))
     assert generate(cpu, adapters=slots) == on_hpu
     assert generate(cpu) != on_hpu  # the adapters change the tokens
+
+
+def test_adapters_loaded_after_warmup_replay_its_graphs_and_give_the_start_adapters_tokens(lora_dirs, fake_hpu,
+                                                                                          model_dir):
+    """With runtime LoRA updating every targetable layer has its slots from the start, so writing
+    adapters into them after warmup (what the shard's LoadAdapter does) changes no shape: serving
+    replays the graphs warmup captured, which read the new weights, and the tokens are those of the
+    same adapters given at start."""
+    from gaudi_runtime.device.hpu import HpuBackend
+    from gaudi_runtime.models.lora import read_new_adapter, write_adapter
+
+    a, b = lora_dirs
+    cfg = config(model_dir, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", MAX_CPU_LORAS="2")
+    hpu = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
+    list(hpu.warmup())
+    warmed = len(fake_hpu["captures"])
+    for slot, (name, path) in enumerate([("a", a), ("b", b)], start=1):
+        write_adapter(hpu.model, slot, read_new_adapter(hpu.model, cfg, str(model_dir), name, str(path)))
+    slots = [1, 0, 2, 1, 2]
+    on_hpu = generate(hpu, adapters=slots)
+    assert len(fake_hpu["captures"]) == warmed and hpu.unwarmed_shapes == 0
+    cpu = ModelRunner(config(model_dir, LORA_ADAPTERS=f"a={a},b={b}"), str(model_dir), Backend(torch.device("cpu")))
+    assert generate(cpu, adapters=slots) == on_hpu

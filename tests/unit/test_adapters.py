@@ -13,7 +13,7 @@ from gaudi_runtime.adapters import AdapterError, check_adapter, parse_specs
 from gaudi_runtime.config import ConfigError, resolve
 from gaudi_runtime.router import adapters as router_adapters
 from gaudi_runtime.router.errors import ModelNotFoundError, ValidationError
-from gaudi_runtime.router.prefix_cache import adapter_roots, root_hash
+from gaudi_runtime.router.prefix_cache import PrefixCache, root_hash
 from gaudi_runtime.router.scheduler import Waiting, select_prefill
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.runtime.lora_adapters import make_adapter
@@ -147,14 +147,49 @@ def test_one_batch_mixes_the_base_model_and_adapters_as_peft_computes_them(tiny,
 # --- selection, scheduling, prefix cache ----------------------------------------------------------
 
 def test_requests_select_adapters_by_name():
-    cfg = config(LORA_ADAPTERS="a=/x,b=/y", MODEL_NAME="base")
-    assert [router_adapters.tgi_slot(cfg, n) for n in (None, "base", "/m", "a", "b")] == [0, 0, 0, 1, 2]
-    assert router_adapters.openai_slot(cfg, "b") == 2 and router_adapters.name(cfg, 2) == "b"
+    table = router_adapters.AdapterTable(config(LORA_ADAPTERS="a=/x,b=/y", MODEL_NAME="base"))
+    assert [router_adapters.tgi_slot(table, n)[0] for n in (None, "base", "/m", "a", "b")] == [0, 0, 0, 1, 2]
+    assert router_adapters.openai_slot(table, "b") == (2, 2) and table.name(2) == "b"
     with pytest.raises(ValidationError, match="not a served adapter"):
-        router_adapters.tgi_slot(cfg, "c")
+        router_adapters.tgi_slot(table, "c")
     with pytest.raises(ModelNotFoundError):
-        router_adapters.openai_slot(cfg, "c")
-    assert router_adapters.openai_slot(config(), "anything") == 0  # no adapters: `model` is ignored, as TGI does
+        router_adapters.openai_slot(table, "c")
+    # No adapters: `model` is ignored, as TGI does; unless adapters may be loaded while serving.
+    assert router_adapters.openai_slot(router_adapters.AdapterTable(config()), "anything") == (0, 0)
+    runtime = router_adapters.AdapterTable(config(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True"))
+    with pytest.raises(ModelNotFoundError):
+        router_adapters.openai_slot(runtime, "anything")
+
+
+def test_an_unloaded_adapters_slot_waits_for_its_requests_and_a_reload_is_a_new_load():
+    table = router_adapters.AdapterTable(config(LORA_ADAPTERS="a=/x", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
+                                                MAX_CPU_LORAS="2"))
+    assert len(table.slots) == 3 and table.free_slot(busy=set()) == 2
+    first = table.slot("a"), table.entry(1).load_id
+    assert table.remove("a").name == "a" and table.slot("a") is None
+    assert table.free_slot(busy={1}) == 2  # a request still runs with `a`: its slot is not reused
+    assert table.name(1) == "a" and not table.current(*first)  # ... and still names it; new requests 404
+    table.put(2, "b", "/y", "d")
+    assert table.free_slot(busy={1}) is None and table.free_slot(busy=set()) == 1
+    table.put(1, "b", "/y2", "d2")  # `b` reloaded in place: slot 1 now, slot 2 drains
+    assert table.slot("b") == 1 and [a.source for a in table.served()] == ["/y2"]
+    assert table.free_slot(busy={2}) is None and table.free_slot(busy=set()) == 2
+
+
+@pytest.mark.parametrize("env, slots, max_loras", [
+    ({}, 1, 1), ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}, 5, 5),
+    ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "MAX_LORAS": "8"}, 8, 8),
+    ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "MAX_CPU_LORAS": "2", "MAX_LORAS": "1"}, 2, 1)])
+def test_adapter_slots_are_fixed_at_start(env, slots, max_loras):
+    cfg = config(LORA_ADAPTERS="a=/x", **env)
+    assert (cfg.max_cpu_loras, cfg.max_loras) == (slots, max_loras)
+
+
+@pytest.mark.parametrize("env, message", [({"MAX_CPU_LORAS": "0"}, "fewer than the 1 adapters"),
+                                          ({"MAX_CPU_LORAS": "2", "MAX_LORAS": "3"}, "must be >= --max-loras")])
+def test_bad_slot_counts_are_refused(env, message):
+    with pytest.raises(ConfigError, match=message):
+        config(LORA_ADAPTERS="a=/x", **env)
 
 
 def test_max_loras_bounds_the_distinct_adapters_in_a_batch():
@@ -167,7 +202,9 @@ def test_max_loras_bounds_the_distinct_adapters_in_a_batch():
 def test_each_adapter_roots_its_own_block_hashes():
     cfg = config(LORA_ADAPTERS="a=/x,b=/y")
     cfg.lora_adapters[0]["digest"], cfg.lora_adapters[1]["digest"] = "d1", "d2"
-    roots = adapter_roots(cfg, root_hash(cfg))
+    table = router_adapters.AdapterTable(cfg)
+    cache = PrefixCache(cfg, None, table)
+    roots = [cache.slot_root(i) for i in range(3)]
     assert roots[0] == root_hash(cfg) and len(set(roots)) == 3
-    cfg.lora_adapters[0]["digest"] = "changed"
-    assert adapter_roots(cfg, root_hash(cfg))[1] != roots[1]  # new weights under the same name: new blocks
+    table.put(1, "a", "/x", "changed")
+    assert cache.slot_root(1) != roots[1]  # new weights under the same name: new blocks

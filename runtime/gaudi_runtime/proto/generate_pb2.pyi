@@ -320,3 +320,21 @@ class CompileGrammarResponse(_message.Message):
     error: str
     compile_ns: int
     def __init__(self, error: _Optional[str] = ..., compile_ns: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("slot", "name", "path", "sequence")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    name: str
+    path: str
+    sequence: int
+    def __init__(self, slot: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("load_ns",)
+    LOAD_NS_FIELD_NUMBER: _ClassVar[int]
+    load_ns: int
+    def __init__(self, load_ns: _Optional[int] = ...) -> None: ...

@@ -69,6 +69,11 @@ class TextGenerationServiceStub:
                 request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarRequest.SerializeToString,
                 response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/gaudi_serve.generate.v1.TextGenerationService/LoadAdapter',
+                request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -123,6 +128,12 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +171,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.CompileGrammar,
                     request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarRequest.FromString,
                     response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +367,33 @@ class TextGenerationService:
             '/gaudi_serve.generate.v1.TextGenerationService/CompileGrammar',
             gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarRequest.SerializeToString,
             gaudi__runtime_dot_proto_dot_generate__pb2.CompileGrammarResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gaudi_serve.generate.v1.TextGenerationService/LoadAdapter',
+            gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+            gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

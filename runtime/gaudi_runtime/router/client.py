@@ -99,6 +99,11 @@ class ShardClient:
     def decode(self, batches: list[pb.CachedBatch], steps: int = 1) -> Awaitable[pb.DecodeResponse]:
         return self._all("Decode", pb.DecodeRequest(batches=batches, sequence=next(self._sequence), steps=steps))
 
+    def load_adapter(self, slot: int, name: str, path: str) -> Awaitable[pb.LoadAdapterResponse]:
+        """Every shard writes the LoRA adapter at `path` into `slot`, between two steps in call order."""
+        return self._all("LoadAdapter", pb.LoadAdapterRequest(slot=slot, name=name, path=path,
+                                                              sequence=next(self._sequence)))
+
     def clear(self, batch_id: int | None) -> Awaitable[pb.ClearCacheResponse]:
         """Drop one cached batch, or every one (None)."""
         req = pb.ClearCacheRequest(sequence=next(self._sequence))

@@ -17,10 +17,12 @@ from gaudi_runtime import progress
 from gaudi_runtime.config import Config
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.router import shard_info
+from gaudi_runtime.router.adapters import AdapterTable
 from gaudi_runtime.router.batching import BatchingLoop
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.engine_metrics import EngineMetrics
+from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.grammar_check import ShardGrammars, check_grammars
 from gaudi_runtime.router.kv_events import AllBlocksCleared, make_kv_events
 from gaudi_runtime.router.live_requests import Requests
@@ -57,7 +59,8 @@ class BatchingEngine:
         self.warmup_progress = {"done": 0, "total": 0, "phase": "prefill"}
         self.shard_info: pb.InfoResponse | None = None
         self.in_flight = 0  # generate() iterators open (--max-concurrent-requests)
-        self.requests = Requests(cfg, self.metrics)
+        self.adapters = AdapterTable(cfg)  # the LoRA adapters served now (router/adapters.py)
+        self.requests = Requests(cfg, self.metrics, self.adapters)
         self.kv_events = self.requests.prefix.events = make_kv_events(cfg.kv_events_config)
         self.output = OutputProcessor(tokenizer, self.requests)
         self.grammars = None if cfg.disable_grammar_support else ShardGrammars(client, cfg.grammar_compile_timeout_s)
@@ -178,6 +181,10 @@ class BatchingEngine:
             raise GenerationError(f"the shards failed: {self.failure}")
         if self.in_flight >= self.cfg.max_concurrent_requests:
             raise OverloadedError("Model is overloaded")
+        if not self.adapters.current(request.adapter, request.adapter_load):
+            # Unloaded (or reloaded) between its validation and now: its slot may hold another adapter.
+            raise ValidationError(f"the LoRA adapter {self.adapters.name(request.adapter)!r} was unloaded "
+                                  "before the request started")
         state = self.requests.add(request, self.tokenizer)
         self.in_flight += 1
         self.batching.wake()

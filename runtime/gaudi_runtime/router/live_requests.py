@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from gaudi_runtime.config import Config
+from gaudi_runtime.router.adapters import AdapterTable
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.detokenizer import IncrementalDetokenizer, StopSequenceMatcher
 from gaudi_runtime.router.engine_metrics import EngineMetrics
@@ -62,12 +63,13 @@ class RequestState:
 class Requests:
     """The waiting queue, the live requests and the KV blocks they hold."""
 
-    def __init__(self, cfg: Config, metrics: EngineMetrics):
+    def __init__(self, cfg: Config, metrics: EngineMetrics, adapters: AdapterTable | None = None):
         self.cfg = cfg
         self.metrics = metrics
+        self.adapters = adapters or AdapterTable(cfg)
         self.waiting: deque[RequestState] = deque()
         self.allocator: BlockAllocator | None = None  # set once the shards said how many blocks they hold
-        self.prefix = PrefixCache(cfg, metrics)
+        self.prefix = PrefixCache(cfg, metrics, self.adapters)
         self._live: dict[int, RequestState] = {}
         self._ids = itertools.count(1)
 
@@ -79,7 +81,7 @@ class Requests:
         self._live[state.id] = state
         self.waiting.append(state)
         if request.adapter:
-            self.metrics.lora_request(self.cfg.lora_adapters[request.adapter - 1]["name"])
+            self.metrics.lora_request(self.adapters.name(request.adapter))
         self.report_load()
         return state
 
@@ -95,6 +97,10 @@ class Requests:
             view.append(Waiting(len(state.req.input_ids), state.req.stopping.max_new_tokens, cached, held,
                                 chunkable(state.req), state.req.adapter))
         return view
+
+    def busy_adapters(self) -> set[int]:
+        """The adapter slots of every live request, waiting or running: none of them may be reused."""
+        return {s.req.adapter for s in self._live.values()}
 
     def running_adapters(self) -> frozenset[int]:
         """The adapter slots of the requests taken for a prefill and not ended (0: the base model)."""
@@ -159,15 +165,14 @@ class Requests:
         a = self.allocator
         kv_usage = 1 - a.free_count / a.num_blocks if a is not None and a.num_blocks else 0.0
         self.metrics.load(len(self.waiting), len(self._live) - len(self.waiting), kv_usage)
-        if self.cfg.lora_adapters:
+        if self.adapters.selects:
             self._report_adapters()
 
     def _report_adapters(self) -> None:
-        names = [a["name"] for a in self.cfg.lora_adapters]
         waiting = {s.req.adapter for s in self.waiting}
         running = {s.req.adapter for s in self._live.values() if s.started is not None}
-        self.metrics.lora_load(self.cfg.max_loras, [names[i - 1] for i in sorted(running - {0})],
-                               [names[i - 1] for i in sorted(waiting - {0})])
+        self.metrics.lora_load(self.cfg.max_loras, [self.adapters.name(i) for i in sorted(running - {0})],
+                               [self.adapters.name(i) for i in sorted(waiting - {0})])
 
     def end_all(self, error: Exception) -> None:
         """End every live request with `error` (the shards failed)."""

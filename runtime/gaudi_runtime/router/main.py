@@ -16,6 +16,7 @@ from aiohttp import web
 
 from gaudi_runtime import progress
 from gaudi_runtime.config import Config
+from gaudi_runtime.router.adapter_updates import AdapterUpdates
 from gaudi_runtime.router.client import ShardClient
 from gaudi_runtime.router.drain import DRAIN, shut_down
 from gaudi_runtime.router.engine import BatchingEngine
@@ -57,6 +58,8 @@ async def serve(cfg: Config, model_dir: str) -> int:
     engine = BatchingEngine(cfg, client, tokenizer, metrics)
     app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg))
     app[STATE].tracer = tracer = make_tracer(cfg)
+    if cfg.allow_runtime_lora_updating:
+        app[STATE].adapter_updates = AdapterUpdates(cfg, model_dir, engine.adapters, client, engine.requests)
     log_tool_format(cfg, tokenizer)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()

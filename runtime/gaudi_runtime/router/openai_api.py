@@ -170,8 +170,9 @@ async def run_completions(request: web.Request, body: dict, rec: RequestRecorder
     state = get_state(request)
     with recorded(rec):
         req = parse_request(CompletionRequest, body)
-        slot = adapters.openai_slot(state.config, req.model)
-        reqs = [replace(r, adapter=slot) for r in completion_requests(req, state.config, state.tokenizer)]
+        slot, load = adapters.openai_slot(state.adapters, req.model)
+        reqs = [replace(r, adapter=slot, adapter_load=load)
+                for r in completion_requests(req, state.config, state.tokenizer)]
         await admit(state, rec, reqs)
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", served_name(state, slot))
     if req.stream:
@@ -264,13 +265,13 @@ async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> we
     state = get_state(request)
     with recorded(rec):
         req = parse_request(ChatCompletionRequest, body)
-        slot = adapters.openai_slot(state.config, req.model)
+        slot, load = adapters.openai_slot(state.adapters, req.model)
         check_chat_schemas(req, state.config)
         params = chat_parameters(req, state.config)
         tools = chat_tools(req, state.config, state.tokenizer.chat_template)
         prompt = chat_prompt(req, state.tokenizer, tools, images_allowed=state.images is not None)
         images = await prompt_images(state, prompt)
-        reqs = [replace(r, adapter=slot)
+        reqs = [replace(r, adapter=slot, adapter_load=load)
                 for r in chat_requests(prompt, images, params, req, state.config, state.tokenizer, tools)]
         await admit(state, rec, reqs)
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", served_name(state, slot))
@@ -290,7 +291,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
 
 def served_name(state: AppState, slot: int) -> str:
     """The `model` of a response: the adapter's name, else the base model's."""
-    return adapters.name(state.config, slot) or model_name(state)
+    return state.adapters.name(slot) or model_name(state)
 
 
 async def handle_models(request: web.Request) -> web.Response:
@@ -299,5 +300,5 @@ async def handle_models(request: web.Request) -> web.Response:
     card = {"object": "model", "created": int(state.started), "owned_by": "gaudi-serve"}
     base = model_name(state)
     data = [{"id": base, **card, "root": state.config.model_id, "parent": None}]
-    data += [{"id": a["name"], **card, "root": a["source"], "parent": base} for a in state.config.lora_adapters]
+    data += [{"id": a.name, **card, "root": a.source, "parent": base} for a in state.adapters.served()]
     return web.json_response({"object": "list", "data": data})

@@ -36,6 +36,7 @@ import hashlib
 from array import array
 
 from gaudi_runtime.config import Config
+from gaudi_runtime.router.adapters import AdapterTable
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.kv_events import KvEvents, removed, stored
@@ -48,11 +49,10 @@ def root_hash(cfg: Config) -> bytes:
     return hashlib.sha256(salt.encode()).digest()
 
 
-def adapter_roots(cfg: Config, base: bytes) -> list[bytes]:
-    """The root of each adapter slot's chains: the base model's for slot 0, then one per adapter, seeded
-    with its name and the digest of its files (the launcher's `Config.lora_adapters[i]["digest"]`)."""
-    return [base] + [hashlib.sha256(base + f"|lora|{a['name']}|{a['digest']}".encode()).digest()
-                     for a in cfg.lora_adapters]
+def adapter_root(base: bytes, name: str, digest: str) -> bytes:
+    """The root of an adapter's chains, seeded with its name and the digest of its files: an adapter
+    reloaded with other weights under the same name has a new root, so none of its old blocks match."""
+    return hashlib.sha256(base + f"|lora|{name}|{digest}".encode()).digest()
 
 
 def chain_hashes(tokens: list[int], block_size: int, parent: bytes, extras: dict[int, bytes] | None = None,
@@ -85,13 +85,12 @@ def image_extras(image_starts: list[int], images: list[bytes], block_size: int) 
 class PrefixCache:
     """The lookups and registrations of each request's blocks (a no-op with --prefix-caching false)."""
 
-    def __init__(self, cfg: Config, metrics: EngineMetrics):
+    def __init__(self, cfg: Config, metrics: EngineMetrics, adapters: AdapterTable | None = None):
         self.enabled = cfg.prefix_caching
         self.block_size = cfg.block_size
         self.speculates = cfg.speculate > 0
         self.root = root_hash(cfg)
-        self.roots = adapter_roots(cfg, self.root)
-        self.adapter_names = [None] + [a["name"] for a in cfg.lora_adapters]
+        self.adapters = adapters or AdapterTable(cfg)
         self.metrics = metrics
         self.events: KvEvents | None = None  # where registrations and removals are announced
 
@@ -103,9 +102,15 @@ class PrefixCache:
     def prompt_hashes(self, state) -> list[bytes]:
         """The hashes of the full blocks of `state`'s prompt (computed once)."""
         if state.block_hashes is None:
-            state.block_hashes = chain_hashes(state.req.input_ids, self.block_size, self.roots[state.req.adapter],
+            state.block_hashes = chain_hashes(state.req.input_ids, self.block_size, self.slot_root(state.req.adapter),
                                               self._extras(state))
         return state.block_hashes
+
+    def slot_root(self, slot: int) -> bytes:
+        """The root of the chains of a request in adapter slot `slot` (the adapter it was given: a
+        slot is not reused while a request holds it)."""
+        entry = self.adapters.entry(slot)
+        return self.root if entry is None else adapter_root(self.root, entry.name, entry.digest)
 
     def _extras(self, state) -> dict[int, bytes] | None:
         req = state.req
@@ -173,7 +178,7 @@ class PrefixCache:
         hashes = self.prompt_hashes(state)
         first = len(hashes)
         tokens = prompt + state.output_ids[:fed]
-        parent = hashes[-1] if hashes else self.roots[state.req.adapter]
+        parent = hashes[-1] if hashes else self.slot_root(state.req.adapter)
         new = chain_hashes(tokens[first * self.block_size:], self.block_size, parent, self._extras(state), first)
         self._register(allocator, state, hashes + new, tokens, first)
 
@@ -195,5 +200,5 @@ class PrefixCache:
         bs, i, j = self.block_size, run[0], run[-1] + 1
         parent = hashes[i - 1] if i else None  # the root is no block: a first block has no parent
         # vLLM names an adapter's blocks by its LoRA id and name; ours are the adapter's slot and name.
-        lora = (adapter, self.adapter_names[adapter]) if adapter else (None, None)
+        lora = (adapter, self.adapters.name(adapter)) if adapter else (None, None)
         self.events.add(stored(hashes[i:j], parent, tokens[i * bs:j * bs], bs, *lora))

@@ -136,6 +136,9 @@ class Info(Open):
                                             "(--lora-adapters), selected by `parameters.adapter_id` or `model`")
     max_loras: int | None = Field(None, description="Most distinct adapters in one running batch")
     max_lora_rank: int | None = None
+    max_cpu_loras: int | None = Field(None, description="Most adapters loaded at once (--max-cpu-loras)")
+    runtime_lora_updating: bool | None = Field(None, description="/v1/load_lora_adapter and "
+                                               "/v1/unload_lora_adapter are served")
 
 
 # --- TGI -------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 import gaudi_runtime
-from gaudi_runtime.router import docs_ui, openai_api, tgi_api
+from gaudi_runtime.router import docs_ui, lora_api, openai_api, tgi_api
 from gaudi_runtime.router import response_models as rm
 from gaudi_runtime.router.http_common import read_body, recorder
 from gaudi_runtime.router.openapi import openapi_document
@@ -106,8 +106,16 @@ ROUTES = (
 )
 
 
-def add_routes(app: web.Application) -> None:
-    for route in ROUTES:
+# vLLM's runtime LoRA updating: served only with --allow-runtime-lora-updating (404 otherwise, as in vLLM);
+# answers in vLLM's shapes (text on success, its error object), so left out of the OpenAPI document.
+LORA_ROUTES = (
+    Route("POST", "/v1/load_lora_adapter", lora_api.handle_load, tag=OPENAI, documented=False),
+    Route("POST", "/v1/unload_lora_adapter", lora_api.handle_unload, tag=OPENAI, documented=False),
+)
+
+
+def add_routes(app: web.Application, runtime_lora_updating: bool = False) -> None:
+    for route in ROUTES + (LORA_ROUTES if runtime_lora_updating else ()):
         app.router.add_route(route.method, route.path, route.handler)
 
 

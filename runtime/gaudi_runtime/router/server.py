@@ -17,6 +17,7 @@ import logging
 from aiohttp import web
 
 from gaudi_runtime.config import Config
+from gaudi_runtime.router.adapters import AdapterTable
 from gaudi_runtime.router.drain import DRAIN, Drain
 from gaudi_runtime.router.errors import (
     ModelNotFoundError,
@@ -134,7 +135,10 @@ def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
     drain = Drain()  # admission during a graceful shutdown (router/drain.py)
     app = web.Application(middlewares=[drain.middleware, *_middlewares(config, engine)],
                           client_max_size=config.max_request_bytes)
-    app[STATE] = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, images=images)
+    # The engine's adapter table, which its requests are numbered by; a stand-in engine (tests) has none.
+    adapters = getattr(engine, "adapters", None) or AdapterTable(config)
+    app[STATE] = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, images=images,
+                          adapters=adapters)
     app[METRICS] = metrics
     app[DRAIN] = drain
 
@@ -145,7 +149,7 @@ def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
 
         app.on_response_prepare.append(add_cors)
 
-    add_routes(app)
+    add_routes(app, config.allow_runtime_lora_updating)
     return app
 
 

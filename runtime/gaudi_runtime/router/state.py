@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from gaudi_runtime.config import Config
+from gaudi_runtime.router.adapters import AdapterTable
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.types import Engine
@@ -22,6 +23,8 @@ class AppState:
     started: float = field(default_factory=time.time)
     images: object | None = None  # router.images.ImagePrompter of a vision model, else None
     tracer: object | None = None  # router.tracing.RequestTracer with --otlp-endpoint, else None
+    adapters: AdapterTable | None = None  # the LoRA adapters served now (the engine's; build_app sets it)
+    adapter_updates: object | None = None  # router.adapter_updates.AdapterUpdates with runtime LoRA updating
 
 
 STATE = web.AppKey("gaudi_serve_state", AppState)

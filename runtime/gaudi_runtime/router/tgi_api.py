@@ -11,7 +11,7 @@ from aiohttp import web
 
 import gaudi_runtime
 from gaudi_runtime import progress
-from gaudi_runtime.router import json_text, sse
+from gaudi_runtime.router import adapters, json_text, sse
 from gaudi_runtime.router.http_common import (
     admit,
     finite_logprob,
@@ -110,7 +110,9 @@ async def validated_job(state: AppState, body: dict | GenerateRequest, *, stream
     """A TGI body, its images fetched for a vision model, validated."""
     req = body if isinstance(body, GenerateRequest) else parse_generate(body)
     images = await prompt_images(state, req.inputs)
-    return validate_generate(req, state.config, state.tokenizer, stream=stream, images=images)
+    job = validate_generate(req, state.config, state.tokenizer, stream=stream, images=images)
+    job.request.adapter, job.request.adapter_load = adapters.tgi_slot(state.adapters, req.parameters.adapter_id)
+    return job
 
 
 async def run_generate(request: web.Request, body: dict | GenerateRequest, rec: RequestRecorder, *,
@@ -249,8 +251,10 @@ def info_body(state: AppState) -> dict:
         "max_waiting_tokens": c.max_waiting_tokens,
         "max_batch_size": c.max_batch_size,
         "prefix_caching": c.prefix_caching,
-        "lora_adapters": [a["name"] for a in c.lora_adapters],
+        "lora_adapters": [a.name for a in state.adapters.served()],
         "max_loras": c.max_loras,
+        "max_cpu_loras": c.max_cpu_loras,
+        "runtime_lora_updating": c.allow_runtime_lora_updating,
         "max_lora_rank": c.max_lora_rank,
         "router": "gaudi-serve-router",
         "version": gaudi_runtime.__version__,

@@ -54,6 +54,7 @@ class ValidRequest:
     image_starts: list[int] = field(default_factory=list)  # where each image's placeholder tokens start
     grammar: GrammarSpec | None = None  # constrained generation
     adapter: int = 0  # LoRA adapter slot (router/adapters.py): 0 the base model
+    adapter_load: int = 0  # the load of that adapter it was given (AdapterTable: unique per load)
 
 
 @dataclass(frozen=True)

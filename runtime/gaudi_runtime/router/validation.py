@@ -16,7 +16,6 @@ from typing import Protocol
 
 from gaudi_runtime.config import Config
 from gaudi_runtime.params import SamplingParameters, samples
-from gaudi_runtime.router import adapters
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.request_models import (
     MAX_SEED,
@@ -130,7 +129,6 @@ def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParam
         details=params.details,
         return_full_text=params.return_full_text,
         grammar=grammar,
-        adapter=adapters.tgi_slot(config, params.adapter_id),
     )
     return GenerateJob(request=request, best_of=best_of)
 

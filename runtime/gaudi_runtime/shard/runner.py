@@ -70,7 +70,8 @@ class ModelRunner:
         attention = backend.attention(cfg.use_flash_attention, cfg.flash_attention_recompute, cfg.cpu_paged_attention)
         rope = (cfg.rope_scaling, cfg.rope_factor) if cfg.rope_scaling else None  # --rope-scaling/--rope-factor
         self.model = load_model(model_dir, self.dtype, device, rank, world_size, process_group, rope=rope)
-        self.adapter_rows = load_adapters(self.model, cfg, model_dir)  # None: no --lora-adapters
+        self.model_dir = model_dir
+        self.adapter_rows = load_adapters(self.model, cfg, model_dir)  # None: no adapters now or later
         use_attention(self.model, attention)
         # FP8 (--quantize / QUANT_CONFIG) swaps layers after load; --kv-cache-dtype sets the cache's scales.
         self.model = quantize_loaded(self.model, cfg, backend.name, self.dtype, rank, world_size)
@@ -177,7 +178,7 @@ class ModelRunner:
     def prefill(self, batch_id: int, reqs: list[PrefillInput]) -> StepResult:
         """Compute each prompt after its cached tokens (all of it when none are), keep the batch."""
         inputs.check_cached(reqs, self.cfg.block_size)
-        inputs.check_adapters(reqs, len(self.cfg.lora_adapters))
+        inputs.check_adapters(reqs, self.cfg.max_cpu_loras if self.adapter_rows is not None else 0)
         tables = inputs.block_tables(reqs, self.cfg)
         sampler = prefill_sampler(reqs, self.model.vocab_size, self.device, self.grammars)
         t0 = time.perf_counter_ns()

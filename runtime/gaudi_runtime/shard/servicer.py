@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from gaudi_runtime.adapters import AdapterError
 from gaudi_runtime.device.cpu_threads import AdaptiveThreads
+from gaudi_runtime.models.lora import read_new_adapter, write_adapter
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
@@ -131,6 +134,28 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             unwarmed_shapes=self.runner.unwarmed_shapes,
             **spec_fields([s.spec for s in steps if s.spec is not None]),
         )
+
+    async def LoadAdapter(self, request, context):
+        """Read and check the adapter beside the serving loop, then write its slot in call order (the
+        turn is taken even when the adapter is refused: later calls wait for this number)."""
+        t0 = time.perf_counter_ns()
+        runner = self.runner
+        try:
+            parts = await asyncio.get_running_loop().run_in_executor(
+                None, read_new_adapter, runner.model, runner.cfg, runner.model_dir, request.name, request.path)
+            error = None
+        except (AdapterError, OSError, ValueError) as e:
+            parts, error = None, str(e)
+        async with self.order.turn(request.sequence):
+            if parts is not None and not 0 < request.slot <= runner.cfg.max_cpu_loras:
+                error = f"adapter slot {request.slot}: this shard has slots 1..{runner.cfg.max_cpu_loras}"
+            elif parts is not None:
+                write_adapter(runner.model, request.slot, parts)
+                runner.backend.mark_step()  # the writes reach the device before the next step reads them
+        if error is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        log.info("LoRA adapter %r loaded into slot %d from %s", request.name, request.slot, request.path)
+        return pb.LoadAdapterResponse(load_ns=time.perf_counter_ns() - t0)
 
     def _adjust_threads(self) -> None:
         if self.threads is not None:

@@ -1,0 +1,123 @@
+"""LoRA adapters loaded and unloaded while serving (vLLM's runtime LoRA updating, opt-in with
+`--allow-runtime-lora-updating` / `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`).
+
+A load resolves `lora_path` (a local directory, or a hub id fetched into the hub cache as the model
+is), checks it against the model and `--max-lora-rank` here (`adapters.check_adapter`: nothing
+changes when it fails), takes a free slot (`AdapterTable.free_slot`: no adapter served there and no
+request holding it), has every shard write it there (`ShardClient.load_adapter`, numbered like the
+batch calls), and only then serves the name: a request for it is made after the write, so the
+shards run it after the write. Its digest salts its prefix-cache root, so an adapter reloaded with
+other weights under the same name never reads the old one's blocks.
+
+An unload stops serving the name at once (a new request for it: 404 on /v1, 422 on TGI's routes);
+requests that already have the adapter keep its slot until they end, and only then may a load reuse
+the slot. Loads and unloads run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+from gaudi_runtime.config import Config
+from gaudi_runtime.router.adapters import AdapterTable
+from gaudi_runtime.router.client import ShardClient, ShardError
+from gaudi_runtime.router.live_requests import Requests
+
+log = logging.getLogger(__name__)
+
+
+class UpdateError(Exception):
+    """A load or unload refused: HTTP `status`, vLLM's error `kind` and a message saying why."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+def resolve_path(cfg: Config, lora_path: str) -> str:
+    """`lora_path` as a local directory: as is, or a hub id's snapshot (fetched as the model's is:
+    HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE, the hub cache). 404 NotFoundError when neither is found."""
+    if os.path.isdir(lora_path):
+        return os.path.abspath(lora_path)
+    if lora_path.startswith((os.sep, ".")) or lora_path.count("/") != 1:
+        raise UpdateError(404, "NotFoundError", f"No adapter found for {lora_path}")
+    from gaudi_runtime.download import DownloadError, ensure_snapshot
+
+    try:
+        return ensure_snapshot(lora_path, None, cfg.huggingface_hub_cache, None)["path"]
+    except DownloadError as e:
+        raise UpdateError(404, "NotFoundError", f"No adapter found for {lora_path}: {e}") from None
+
+
+def check_files(cfg: Config, model_dir: str, name: str, path: str) -> str:
+    """The adapter's digest once it fits the model and --max-lora-rank; 400 saying what is wrong otherwise."""
+    from gaudi_runtime.adapters import AdapterError, check_adapter, digest
+
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    try:
+        check_adapter(name, path, model_config, cfg.max_lora_rank)
+        return digest(path)
+    except (AdapterError, OSError) as e:
+        raise UpdateError(400, "BadRequestError", f"Loading lora {name} failed: {e}") from None
+
+
+class AdapterUpdates:
+    """What /v1/load_lora_adapter and /v1/unload_lora_adapter do (router/lora_api.py answers)."""
+
+    def __init__(self, cfg: Config, model_dir: str, table: AdapterTable, client: ShardClient, requests: Requests):
+        self.cfg, self.model_dir = cfg, model_dir
+        self.table, self.client, self.requests = table, client, requests
+        self._one_at_a_time = asyncio.Lock()
+
+    async def load(self, name: str, lora_path: str, inplace: bool = False) -> str:
+        if not name or not lora_path:
+            raise UpdateError(400, "InvalidUserInput", "Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.table.base_names:
+            raise UpdateError(400, "InvalidUserInput",
+                              f"The lora adapter name '{name}' conflicts with a served base model.")
+        async with self._one_at_a_time:
+            if self.table.slot(name) is not None and not inplace:
+                raise UpdateError(400, "InvalidUserInput", f"The lora adapter '{name}' has already been loaded. "
+                                  "If you want to load the adapter in place, set 'load_inplace' to True.")
+            path = await asyncio.to_thread(resolve_path, self.cfg, lora_path)
+            digest = await asyncio.to_thread(check_files, self.cfg, self.model_dir, name, path)
+            slot = self.table.free_slot(self.requests.busy_adapters())
+            if slot is None:
+                raise UpdateError(400, "BadRequestError", self._full(name))
+            await self._write(slot, name, path)
+            self.table.put(slot, name, lora_path, digest)
+            self.requests.report_load()
+        log.info("Loaded new LoRA adapter: name '%s', path '%s' (slot %d)", name, path, slot)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def _full(self, name: str) -> str:
+        served = [a.name for a in self.table.served()]
+        draining = len(self.table.slots) - 1 - len(served)
+        held = f"; {draining} more held by requests of unloaded or reloaded adapters" if draining else ""
+        return (f"Loading lora {name} failed: all {len(self.table.slots) - 1} adapter slots (--max-cpu-loras) "
+                f"are in use (loaded: {', '.join(served) or 'none'}{held}); unload an adapter first, or start "
+                "with a larger --max-cpu-loras")
+
+    async def _write(self, slot: int, name: str, path: str) -> None:
+        try:
+            await self.client.load_adapter(slot, name, path)
+        except ShardError as e:
+            cause = e.__cause__
+            if cause is not None and cause.code().name == "INVALID_ARGUMENT":
+                raise UpdateError(400, "BadRequestError", f"Loading lora {name} failed: {cause.details()}") from None
+            raise UpdateError(500, "InternalServerError", f"Loading lora {name} failed: {e}") from None
+
+    async def unload(self, name: str) -> str:
+        if not name:
+            raise UpdateError(400, "InvalidUserInput", "'lora_name' needs to be provided to unload a LoRA adapter.")
+        async with self._one_at_a_time:
+            removed = self.table.remove(name)
+            if removed is None:
+                raise UpdateError(404, "NotFoundError", f"The lora adapter '{name}' cannot be found.")
+            self.requests.report_load()
+        log.info("Removed LoRA adapter: name '%s'", name)
+        return f"Success: LoRA adapter '{name}' removed successfully."

@@ -1,0 +1,57 @@
+"""vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (router/adapter_updates.py
+does the work), in vLLM's shapes: bodies `{"lora_name", "lora_path", "load_inplace"}` and
+`{"lora_name"}`; a success is 200 with a line of text, a refusal vLLM's error object
+`{"error": {"message", "type", "param", "code"}}` (400 bad input, 404 an adapter not found)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gaudi_runtime.router.adapter_updates import UpdateError
+from gaudi_runtime.router.errors import ValidationError
+from gaudi_runtime.router.state import get_state
+from gaudi_runtime.router.validation import parse_json_body
+
+
+def vllm_error(status: int, kind: str, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                             status=status)
+
+
+async def _body(request: web.Request, fields: dict[str, type]) -> dict:
+    """The body's fields, each of its type (absent: None); UpdateError (400) otherwise."""
+    try:
+        body = parse_json_body(await request.read())
+    except ValidationError as e:
+        raise UpdateError(400, "BadRequestError", str(e)) from None
+    for name, typ in fields.items():
+        if body.get(name) is not None and not isinstance(body[name], typ):
+            raise UpdateError(400, "BadRequestError", f"'{name}' must be a {typ.__name__}")
+    return body
+
+
+async def _answer(request: web.Request, run) -> web.Response:
+    updates = get_state(request).adapter_updates
+    if updates is None:  # an app built without the shards' updater (a stand-in engine)
+        return vllm_error(503, "ServiceUnavailableError", "LoRA adapters cannot be loaded on this server")
+    try:
+        return web.Response(text=await run(updates))
+    except UpdateError as e:
+        return vllm_error(e.status, e.kind, str(e))
+
+
+async def handle_load(request: web.Request) -> web.Response:
+    async def run(updates):
+        body = await _body(request, {"lora_name": str, "lora_path": str, "load_inplace": bool})
+        return await updates.load(body.get("lora_name") or "", body.get("lora_path") or "",
+                                  bool(body.get("load_inplace")))
+
+    return await _answer(request, run)
+
+
+async def handle_unload(request: web.Request) -> web.Response:
+    async def run(updates):
+        body = await _body(request, {"lora_name": str})
+        return await updates.unload(body.get("lora_name") or "")
+
+    return await _answer(request, run)
