@@ -290,3 +290,28 @@ def test_metrics_name_the_adapters_running_and_count_their_requests(server):
     assert seen is not None, [line for line in text.splitlines() if "lora" in line]
     assert abs(float(seen.group(1)) - started) < 60
     assert count(metrics(), "code") == count(before, "code") + 1
+
+
+def test_adapters_with_chunked_prompts_and_speculation_give_peft_tokens(made, tmp_path):
+    """Prompts longer than the prefill budget (chunks between decode steps) and n-gram drafts verified
+    per adapter row: still transformers + peft's greedy tokens, adapter rows mixed with base rows."""
+    model_dir, adapters = made("llama")
+    srv = launch(model_dir, tmp_path, "--device", "cpu", "--model-name", "base", *SMALL_ARGS,
+                 "--max-batch-prefill-tokens", "16", "--speculate", "3",
+                 "--lora-modules", *(f"{name}={path}" for name, path in adapters.items()), env=SMALL_ENV)
+    prompts = [PROMPTS[1] + " " + PROMPTS[1], "the cat the cat the cat the cat the cat the cat the cat the cat"]
+    try:
+        srv.wait_ready()
+
+        async def run():
+            async with aiohttp.ClientSession() as s:
+                jobs = [(a, p) for a in (None, *ADAPTERS) for p in prompts]
+                got = await asyncio.gather(*(generate_ids(s, srv.url, p, 24, a) for a, p in jobs))
+                return dict(zip(jobs, got))
+
+        for (adapter, prompt), ids in asyncio.run(run()).items():
+            assert ids == peft_greedy(model_dir, None if adapter is None else adapters[adapter], prompt, 24), adapter
+        info = get_json(srv.url + "/info")[1]
+        assert info["prefill_chunks"] > 0 and info["speculate"] == 3
+    finally:
+        srv.stop()
