@@ -87,24 +87,8 @@ esac
 [ -f "$overhead_model/config.json" ] || "$ours/gaudi-serve" tiny-model "$overhead_model" --size overhead \
   --dtype bfloat16 --tokenizer-from "$model" >&2
 
-server=""
-stop_server() {
-  if [ -n "$server" ] && kill -0 "$server" 2>/dev/null; then
-    kill -TERM -- "-$server" 2>/dev/null || kill -TERM "$server"
-    wait "$server" 2>/dev/null || true
-  fi
-  server=""
-}
-trap stop_server EXIT
-
-wait_ready() {  # $1: path that answers 200 once the server can serve; deadline 600 s
-  local deadline=$((SECONDS + 600))
-  until curl -sf -o /dev/null "$url$1"; do
-    kill -0 "$server" 2>/dev/null || { echo "server exited; log: $2" >&2; tail -20 "$2" >&2; exit 1; }
-    [ $SECONDS -lt $deadline ] || { echo "server not ready in 600 s; log: $2" >&2; exit 1; }
-    sleep 1  # poll interval of a deadline-bounded wait
-  done
-}
+# shellcheck source=bench/server.sh
+source "$root/bench/server.sh"
 
 start_ours() {  # $1: log file; $2...: extra `launch` arguments; OURS_EXTRA_ENV: extra environment;
   # OURS_MODEL: another model directory

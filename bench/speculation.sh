@@ -31,27 +31,15 @@ ours_args=${OURS_ARGS:---max-input-tokens 1024 --max-total-tokens 2048 --max-bat
 [ -x "$ours/gaudi-serve" ] || { echo "run 'make venv' first" >&2; exit 2; }
 [ -f "$model/config.json" ] || "$ours/python" "$peer/make_bench_model.py" "$model" small >&2
 
-server=""
-stop_server() {
-  if [ -n "$server" ] && kill -0 "$server" 2>/dev/null; then
-    kill -TERM -- "-$server" 2>/dev/null || kill -TERM "$server"
-    wait "$server" 2>/dev/null || true
-  fi
-  server=""
-}
-trap stop_server EXIT
+# shellcheck source=bench/server.sh
+source "$root/bench/server.sh"
 
 start_ours() {  # $1: log file; $2...: extra `launch` arguments
   # shellcheck disable=SC2086  # OURS_ARGS is a list
   EXPONENTIAL_BUCKETING=true setsid "$ours/gaudi-serve" launch --shard-uds-path "$out/shard" --model-id "$model" \
     --dtype "$dtype" --hostname 127.0.0.1 --port "$port" $ours_args "${@:2}" >"$1" 2>&1 &
   server=$!
-  local deadline=$((SECONDS + 600))
-  until curl -sf -o /dev/null "$url/health"; do
-    kill -0 "$server" 2>/dev/null || { echo "server exited; log: $1" >&2; tail -20 "$1" >&2; exit 1; }
-    [ $SECONDS -lt $deadline ] || { echo "server not ready in 600 s; log: $1" >&2; exit 1; }
-    sleep 1  # poll interval of a deadline-bounded wait
-  done
+  wait_ready /health "$1"
 }
 
 for mode in plain spec; do
