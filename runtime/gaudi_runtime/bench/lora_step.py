@@ -3,7 +3,8 @@ adapters through the gathered bmm, and through the CPU's kernel.
 
     python -m gaudi_runtime.bench.lora_step --model-id DIR --adapters DIR/a1 DIR/a2 ... [--batch 16]
 
-The model is set up as the CPU backend sets it up (reordered weights, the C kernels); rows take the
+The model is set up as the CPU backend sets it up on a shard (its attention, reordered weights, the C
+kernels); rows take the
 adapters in turn (row i: slot i mod n + 1). Variants, interleaved repetition by repetition: ``base``
 (no row has an adapter), ``bmm`` (every row's A and B gathered, two bmm: layers/lora.py), ``kernel``
 (device/cpu_lora.py). Prints the minimum and the median per variant; ``--profile`` adds torch.profiler's
@@ -24,7 +25,7 @@ from gaudi_runtime.bench.decode_step import BLOCK, step_inputs
 from gaudi_runtime.buckets import ceil_div
 from gaudi_runtime.device import cpu_lora
 from gaudi_runtime.device.cpu import CpuBackend
-from gaudi_runtime.layers.attention import AttentionMetadata
+from gaudi_runtime.layers.attention import AttentionMetadata, use_attention
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 from gaudi_runtime.models.lora import attach_adapters
 from gaudi_runtime.models.registry import load_model
@@ -34,7 +35,9 @@ def setup(model_id: str, adapters: list[str], dtype: torch.dtype, rank: int):
     model = load_model(model_id, dtype, torch.device("cpu"))
     config = json.loads((Path(model_id) / "config.json").read_text())
     rows = attach_adapters(model, [(f"a{i}", a) for i, a in enumerate(adapters, 1)], config, rank)
-    CpuBackend().prepare_model(model)
+    backend = CpuBackend()
+    use_attention(model, backend.attention())  # decode reads the paged cache in place, as on a shard
+    backend.prepare_model(model)
     return model, rows
 
 
