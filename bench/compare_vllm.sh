@@ -9,7 +9,7 @@
 #       bfloat16), for a CPU without avx512_bf16 where both would emulate bf16; the offline workloads
 #       stay bfloat16-only (../shared/bench/vllm_offline.py fixes vLLM's dtype)
 #
-# Workloads (WORKLOADS, default all of "overhead offline online long multiturn mixed base"):
+# Workloads (WORKLOADS, default all of "overhead offline online long multiturn mixed base lora"):
 # - offline: 64 prompts x 128 random tokens -> 128 new tokens, EOS ignored, the reference `small` model.
 # - online: streaming /v1/completions, 128 in / 128 out, 64 requests at concurrency 16 and C1_REQUESTS
 #   (default 16) at concurrency 1. Both servers get the same requests (`ignore_eos`).
@@ -36,6 +36,15 @@
 #   prefill at a small token budget, what keeps its chat smooth), ours with its defaults.
 # - base: the `base` model of ../shared/bench/make_bench_model.py (~150M parameters), offline as above
 #   and online at concurrency 16.
+# - lora: LORA_COUNT (default 4) random PEFT LoRA adapters of rank LORA_RANK (default 16) on every
+#   attention and MLP projection (`python -m gaudi_runtime.bench.lora_adapters`, cached beside the model
+#   as lora-<model>-r<rank>/a1...), streaming /v1/completions, 128 in / 128 out, LORA_REQUESTS (default
+#   64) requests at concurrency 16 (`python -m gaudi_runtime.bench.online`, ignore_eos), request i asking
+#   for adapter a(i mod 4 + 1): mode lora-mixed. Each server once with the adapters (vLLM: --enable-lora
+#   --lora-modules --max-loras 4 --max-lora-rank R), running the mixed traffic and then the same traffic
+#   for the base model (lora-basereq), and once without them, the base model's traffic (lora-nolora;
+#   LORA_VLLM_BASE=0 skips vLLM's). Prints ours mixed / ours without adapters (goal >= 0.8) beside the
+#   ours/vLLM rows (mixed throughput >= 1.0, TTFT p50 <= 1.0).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 peer=${PEER_BENCH:-$root/../shared/bench}
@@ -58,7 +67,7 @@ ours_env=${OURS_ENV:-EXPONENTIAL_BUCKETING=true}
 mt_ours_args=${MT_OURS_ARGS:---max-input-tokens 2048 --max-total-tokens 2304 --max-batch-size 16}
 mt_users=${MT_USERS:-4}
 mt_requests=${MT_REQUESTS:-32}
-workloads=${WORKLOADS:-overhead offline online long multiturn mixed base}
+workloads=${WORKLOADS:-overhead offline online long multiturn mixed base lora}
 mixed_streams=${MIXED_STREAMS:-8}
 mixed_every=${MIXED_EVERY:-1.5}
 mixed_seconds=${MIXED_SECONDS:-60}
@@ -73,6 +82,11 @@ overhead_model=${OVERHEAD_MODEL:-$cache/model-overhead}
 ov_concurrency=${OV_CONCURRENCY:-48 64}
 ov_requests=${OV_REQUESTS:-576}
 ov_threads=${OV_THREADS:-}
+lora_count=${LORA_COUNT:-4}
+lora_rank=${LORA_RANK:-16}
+lora_requests=${LORA_REQUESTS:-64}
+lora_vllm_base=${LORA_VLLM_BASE:-1}
+lora_dir=${LORA_DIR:-$cache/lora-$(basename "$model")-r$lora_rank}
 
 [ -x "$ours/gaudi-serve" ] || { echo "run 'make venv' first" >&2; exit 2; }
 case "$dtype: $workloads " in bfloat16:*) ;; *" offline "* | *" base "*)
@@ -185,6 +199,45 @@ offline() {  # $1: model directory; $2: mode label
     | grep '^RESULT' | sed "s/^RESULT engine=gaudi-serve /RESULT engine=ours mode=$2 /" | tee -a "$log/results.txt"
 }
 
+lora_load() {  # $1: engine label; $2: mode label; $3: comma-separated model names (empty: the base model)
+  "$ours/python" -m gaudi_runtime.bench.online --url "$url" --model-dir "$model" --requests "$lora_requests" \
+    --concurrency 16 --input-len 128 --output-len 128 ${3:+--models "$3"} | sed "s/^RESULT /RESULT engine=$1 mode=$2 /"
+}
+
+run_lora() {
+  local names modules=() i
+  "$ours/python" -m gaudi_runtime.bench.lora_adapters "$model" "$lora_dir" --count "$lora_count" \
+    --rank "$lora_rank" >/dev/null
+  for i in $(seq 1 "$lora_count"); do modules+=("a$i=$lora_dir/a$i"); done
+  names=$(seq -s, -f 'a%g' 1 "$lora_count")
+  echo "== run $run: LoRA, vLLM with $lora_count adapters of rank $lora_rank" >&2
+  start_vllm "$log/vllm-lora-server.log" "$model" --enable-lora --lora-modules "${modules[@]}" \
+    --max-loras "$lora_count" --max-lora-rank "$lora_rank"
+  lora_load vllm lora-mixed "$names" | tee -a "$log/results.txt"
+  lora_load vllm lora-basereq "" | tee -a "$log/results.txt"
+  stop_server
+  if [ "$lora_vllm_base" = 1 ]; then
+    echo "== run $run: LoRA, vLLM without adapters" >&2
+    start_vllm "$log/vllm-nolora-server.log" "$model"
+    lora_load vllm lora-nolora "" | tee -a "$log/results.txt"
+    stop_server
+  fi
+  echo "== run $run: LoRA, gaudi-serve with $lora_count adapters of rank $lora_rank" >&2
+  # shellcheck disable=SC2086  # OURS_ARGS is a list
+  start_ours "$log/ours-lora-server.log" $ours_args --lora-modules "${modules[@]}" --max-loras "$lora_count" \
+    --max-lora-rank "$lora_rank"
+  lora_load ours lora-mixed "$names" | tee -a "$log/results.txt"
+  lora_load ours lora-basereq "" | tee -a "$log/results.txt"
+  metrics lora
+  stop_server
+  echo "== run $run: LoRA, gaudi-serve without adapters" >&2
+  # shellcheck disable=SC2086  # OURS_ARGS is a list
+  start_ours "$log/ours-nolora-server.log" $ours_args
+  lora_load ours lora-nolora "" | tee -a "$log/results.txt"
+  metrics nolora
+  stop_server
+}
+
 wants() { case " $workloads " in *" $1 "*) return 0 ;; esac; return 1; }
 
 run_vllm_server_workloads() {
@@ -258,6 +311,7 @@ for run in $(seq 1 "$runs"); do
   run_ours_server_workloads
   ! wants mixed || run_mixed
   ! wants base || run_base
+  ! wants lora || run_lora
 done
 
 "$ours/python" - "$out" "$runs" <<'PY'
@@ -306,7 +360,12 @@ rows = [("offline tok/s", "offline", "tok/s", "higher"), ("c16 tok/s", "c16", "t
         ("mixed chat gap p99", "mixed", "chat_gap_p99_ms", "lower"),
         ("mixed chat gap max", "mixed", "chat_gap_max_ms", "lower"),
         ("mixed chat tok/s", "mixed", "chat_tokens_per_s", "higher"),
-        ("mixed long TTFT", "mixed", "long_ttft_p50_ms", "lower")]
+        ("mixed long TTFT", "mixed", "long_ttft_p50_ms", "lower"),
+        ("lora mixed tok/s", "lora-mixed", "tok/s", "higher"), ("lora mixed TTFT ms", "lora-mixed", "ttft_p50_ms", "lower"),
+        ("lora mixed ITL ms", "lora-mixed", "itl_p50_ms", "lower"),
+        ("lora base-req tok/s", "lora-basereq", "tok/s", "higher"),
+        ("lora no-lora tok/s", "lora-nolora", "tok/s", "higher"),
+        ("lora no-lora TTFT", "lora-nolora", "ttft_p50_ms", "lower")]
 print(f"{'run':>3}  {'metric':<18} {'vLLM':>9} {'ours':>9} {'ours/vLLM':>9}  target")
 for run in range(1, runs + 1):
     res = {}
@@ -330,5 +389,11 @@ for run in range(1, runs + 1):
     for line in overhead_report.table(overhead_report.load(out / f"run{run}"), run):
         print(line)
     multiturn_table(run, out / f"run{run}")
+    for engine in ("vllm", "ours"):  # the adapters' cost: mixed traffic against the server without them
+        mixed, alone = res.get((engine, "lora-mixed")), res.get((engine, "lora-nolora"))
+        if mixed and alone:
+            ratio = float(mixed["tok/s"]) / float(alone["tok/s"])
+            print(f"{run:>3}  {engine} LoRA mixed / without adapters, tok/s: {ratio:.2f}"
+                  + (f" ({'met' if ratio >= 0.8 else 'MISSED'}: target >= 0.8)" if engine == "ours" else ""))
 print(f"logs: {out}")
 PY

@@ -178,6 +178,10 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
     ("CPU_LAYER_OPS", _bool, True, "CPU: each RMSNorm (with its residual add), rotary embedding and KV cache write "
      "of a float32 or bfloat16 model runs as one C call, compiled as CPU_PAGED_ATTENTION's is, instead of "
      "several torch operators. false, or no compiler: torch's operators."),
+    ("CPU_LORA", _bool, True, "CPU: each LoRA layer adds its rows' adapter products in one C call, compiled as "
+     "CPU_PAGED_ATTENTION's is, the rows grouped by adapter so each adapter's weights are read once and rows "
+     "of the base model cost nothing. false, or no compiler: every row's A and B gathered and two batched "
+     "matmuls (the static-shaped path graphs use)."),
     ("RECIPE_CACHE_SIZE_MB", int, 16384, "Gaudi: most megabytes of recipes each shard keeps under "
      "--recipe-cache-dir (Habana drops the oldest beyond it)."),
     ("TERMINATION_MESSAGE_PATH", str, "/dev/termination-log", "Where the launcher writes why it gave up (a "
@@ -275,6 +279,7 @@ class Config:
     cpu_paged_attention: bool = True
     cpu_gemv: bool = True
     cpu_layer_ops: bool = True
+    cpu_lora: bool = True
     # {name, source, revision, path, digest} per adapter; the launcher sets path and digest.
     lora_adapters: list[dict] = field(default_factory=list)
     max_loras: int = 0

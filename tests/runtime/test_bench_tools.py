@@ -269,3 +269,33 @@ def test_context_prefill_benchmark_prints_each_kernel_and_the_whole_prompt(tiny_
     rows = [line.split() for line in out.splitlines()[1:]]
     assert [tuple(r[:4]) for r in rows] == [("2", "5", "32", name) for name in ("matmuls", "sdpa", "whole", "whole-flash")]
     assert all(float(r[4]) > 0 for r in rows)
+
+
+def test_the_lora_workload_sends_each_request_its_adapter(tiny_model_dir, tmp_path, capsys):
+    """bench/compare_vllm.sh's `lora` workload, small: the generated PEFT adapters pass the start-up checks
+    (and are kept when asked again), and `bench.online --models` spreads its requests over them in turn."""
+    import re
+    import urllib.request
+
+    from gaudi_runtime.bench import lora_adapters, online
+
+    dirs = lora_adapters.write_adapters(tiny_model_dir, tmp_path / "adapters", count=2, rank=4)
+    mtimes = [(d / "adapter_model.safetensors").stat().st_mtime_ns for d in dirs]
+    assert lora_adapters.write_adapters(tiny_model_dir, tmp_path / "adapters", count=2, rank=4) == dirs
+    assert [(d / "adapter_model.safetensors").stat().st_mtime_ns for d in dirs] == mtimes
+    srv = launch(tiny_model_dir, tmp_path, "--dtype", "float32", "--max-input-tokens", str(MAX_INPUT),
+                 "--max-total-tokens", "128", "--max-batch-size", "8", "--max-lora-rank", "4",
+                 "--lora-modules", *(f"a{i}={d}" for i, d in enumerate(dirs, 1)))
+    try:
+        srv.wait_ready()
+        online.main(["--url", srv.url, "--model-dir", str(tiny_model_dir), "--requests", "6", "--concurrency", "3",
+                     "--input-len", "8", "--output-len", "4", "--models", "a1,a2"])
+        result = capsys.readouterr().out
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+    finally:
+        srv.stop()
+    assert re.search(r"^RESULT requests=6 concurrency=3 tokens=24 .* ttft_p50_ms=\S+ itl_p50_ms=\S+$", result, re.M)
+    counts = {a: float(n) for a, n in re.findall(r'^gaudi_serve_lora_requests_total{adapter="(\w+)"} (\S+)$',
+                                                 metrics, re.M)}
+    assert counts == {"a1": 4.0, "a2": 4.0}  # three each, and each warmed by one request first

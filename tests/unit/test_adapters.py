@@ -116,8 +116,10 @@ def test_each_bad_adapter_gets_its_own_reason(tiny, tmp_path):
         check_adapter("d", tmp_path, model_config, max_rank=16)
 
 
-def test_one_batch_mixes_the_base_model_and_adapters_as_peft_computes_them(tiny, tmp_path):
-    """Rows with no adapter, each adapter, and one adapter twice, in one forward pass."""
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["gathered-bmm", "cpu-kernels"])
+def test_one_batch_mixes_the_base_model_and_adapters_as_peft_computes_them(tiny, tmp_path, cpu_kernels):
+    """Rows with no adapter, each adapter, and one adapter twice, in one forward pass: through the gathered
+    bmm every device has, and through the CPU backend's kernels (device/cpu_lora.py among them)."""
     import transformers
     from peft import PeftModel
 
@@ -129,6 +131,11 @@ def test_one_batch_mixes_the_base_model_and_adapters_as_peft_computes_them(tiny,
     attn = make_adapter(model_dir, tmp_path / "attn", seed=2, rank=2, targets=["q_proj", "v_proj"], rslora=True)
     ours = load_model(str(model_dir), torch.float32, torch.device("cpu"))
     rows = attach_adapters(ours, [("sql", str(sql)), ("attn", str(attn))], model_config, max_rank=16)
+    if cpu_kernels:
+        from gaudi_runtime.device.cpu import CpuBackend
+
+        CpuBackend().prepare_model(ours)
+        assert all(m.lora.kernel is not None for m in ours.modules() if getattr(m, "lora", None) is not None)
     slots = [0, 1, 2, 1]
     ids = torch.randint(0, ours.vocab_size, (len(slots), 7), generator=torch.Generator().manual_seed(0))
     rows.index = torch.tensor(slots)

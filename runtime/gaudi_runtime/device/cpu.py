@@ -11,6 +11,7 @@ from gaudi_runtime.device.base import Backend
 from gaudi_runtime.device.cpu_attention import CpuAttention
 from gaudi_runtime.device.cpu_gemm import native_bf16, prepack_linears
 from gaudi_runtime.device.cpu_layer_ops import use_layer_ops
+from gaudi_runtime.device.cpu_lora import use_lora_kernel
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers.attention_backend import AttentionBackend
 
@@ -42,3 +43,5 @@ class CpuBackend(Backend):
         prepack_linears(model, few_rows=cfg is None or cfg.cpu_gemv)
         if cfg is None or cfg.cpu_layer_ops:
             use_layer_ops(model)
+        if cfg is None or cfg.cpu_lora:
+            use_lora_kernel(model)

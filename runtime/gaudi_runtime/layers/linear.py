@@ -130,8 +130,7 @@ class LinearBase(nn.Module):
 
     def with_adapters(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y``, this layer's output for ``x``, plus each row's adapter's (layers/lora.py)."""
-        delta = None if self.lora is None else self.lora(x)
-        return y if delta is None else y + delta
+        return y if self.lora is None else self.lora.add(x, y)
 
     def lora_output_slices(self) -> list[tuple[object, int, int, int]] | None:
         """Where each fused projection's LoRA B goes: ``(shard id, offset in this rank's output, start in

@@ -1,0 +1,89 @@
+"""LoRA adapters' products on a CPU through one C call per layer (device/cpu_lora.py): the same values as the
+gathered bmm (layers/lora.py) for any mix of slots, fused layers' block-diagonal B, tails of every size and
+both dtypes; the same bits on any thread count; what the kernel does not take stays on the bmm; and a model
+whose LoRA layers use it gives what transformers + peft give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gaudi_runtime.device import cpu_lora
+from gaudi_runtime.layers.lora import AdapterRows, LoraWeights
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = cpu_lora.kernel()
+    assert k is not None, "the LoRA kernel did not build here: is there a C compiler (cc or $CC)?"
+    return k
+
+
+def weights(slots: int, in_features: int, slices: list[tuple[int, int]], rank: int, dtype, seed: int = 0):
+    """Random stacked A and B (slot 0 zeros), B nonzero only on each slice's block, as models/lora.py fills it."""
+    g = torch.Generator().manual_seed(seed)
+    out = sum(size for _, size in slices)
+    k = len(slices) * rank
+    a = torch.randn(slots, in_features, k, generator=g) / in_features ** 0.5
+    b = torch.zeros(slots, k, out)
+    for j, (offset, size) in enumerate(slices):
+        b[:, j * rank:(j + 1) * rank, offset:offset + size] = torch.randn(slots, rank, size, generator=g)
+    a[0], b[0] = 0, 0
+    rows = AdapterRows()
+    return LoraWeights(rows, a.to(dtype), b.to(dtype)), torch.tensor(slices, dtype=torch.int64)
+
+
+CASES = [  # rows, seq, in, slices (offset, size), rank, slots of the rows
+    (16, 1, 512, [(0, 512), (512, 256), (768, 256)], 16, [1, 2, 3, 4] * 4),  # a decode step, fused q/k/v
+    (16, 1, 1536, [(0, 512)], 16, [0, 1, 0, 2, 2, 2, 2, 2, 3, 0, 1, 4, 4, 1, 3, 0]),  # down_proj, base rows
+    (3, 7, 72, [(0, 40), (40, 40)], 5, [2, 0, 1]),  # a prefill, fused gate/up, every size a tail
+    (2, 9, 20, [(0, 3)], 3, [1, 1]),  # fewer columns than a vector
+    (4, 1, 64, [(0, 64)], 8, [0, 0, 0, 0]),  # no adapter row
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,seq,in_features,slices,rank,slots", CASES)
+def test_the_kernel_adds_what_the_gathered_bmm_adds(kernel, dtype, rows, seq, in_features, slices, rank, slots):
+    lora, spans = weights(5, in_features, slices, rank, dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, seq, in_features, generator=g).to(dtype)
+    y = torch.randn(rows, seq, int(spans[:, 1].sum()), generator=g).to(dtype)
+    index = torch.tensor(slots)
+    exact = LoraWeights(lora.rows, lora.a.float(), lora.b.float())  # the bf16 weights' values, in float32
+    want = y.float() + exact.delta(x.float(), index)
+    got = kernel.add(spans, lora, x, y.clone(), index)
+    tol = dict(atol=2e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    base = torch.tensor(slots) == 0
+    assert torch.equal(got[base], y[base]), "a row of the base model must be left as it was"
+
+
+def test_the_bits_do_not_depend_on_the_thread_count(kernel):
+    lora, spans = weights(5, 512, [(0, 1024), (1024, 1024)], 16, torch.float32)
+    x = torch.randn(32, 4, 512, generator=torch.Generator().manual_seed(2))
+    y = torch.zeros(32, 4, 2048)
+    index = torch.randint(0, 5, (32,), generator=torch.Generator().manual_seed(3))
+    results, threads = [], torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(kernel.add(spans, lora, x, y.clone(), index))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_what_the_kernel_does_not_take_stays_on_the_bmm(kernel):
+    lora, spans = weights(3, 32, [(0, 16)], 4, torch.float32)
+    x, y, index = torch.randn(2, 1, 32), torch.zeros(2, 1, 16), torch.tensor([1, 2])
+    assert kernel.add(spans, lora, x.double(), y.double(), index) is None  # a dtype it does not multiply
+    strided = torch.zeros(2, 1, 32)[..., ::2]
+    assert kernel.add(spans, lora, x, strided, index) is None  # an output it cannot add into in place
+    assert kernel.add(spans, lora, x, y, index.int()) is None
+    lora.kernel = lambda *args: kernel.add(spans, *args)
+    lora.rows.index = index
+    torch.testing.assert_close(lora.add(x, strided), lora.delta(x, index))  # the bmm's answer
+    torch.testing.assert_close(lora.add(x, y.clone()), lora.delta(x, index))  # the kernel's
+    with pytest.raises(IndexError, match="adapter slot"):
+        kernel.add(spans, lora, x, y, torch.tensor([1, 3]))
