@@ -165,14 +165,15 @@ def prefill_context_buckets(cfg: Config) -> list[tuple[int, int, int]]:
     return [(rows, seq, w) for rows, seq in prefill_buckets(cfg) for w in widths]
 
 
-# Speculation drafts only in batches of at most this many rows (the decode bucket holding it): a pass
-# over several tokens per row costs about what one token per row does only while reading the weights
-# dominates the step (docs/performance.md, "N-gram speculation").
+# Speculation drafts only in batches of at most this many rows: a pass over several tokens per row costs
+# about what one token per row does only while reading the weights dominates the step
+# (docs/performance.md, "N-gram speculation").
 SPECULATION_MAX_ROWS = 4
 
 
 def speculation_rows(cfg: Config) -> int:
-    """Most rows a speculative step holds (0 without --speculate)."""
+    """The rows bucket of the largest speculative step (0 without --speculate): the decode bucket that
+    holds SPECULATION_MAX_ROWS rows."""
     return decode_batch_bucket(min(SPECULATION_MAX_ROWS, decode_batch_cap(cfg)), cfg) if cfg.speculate else 0
 
 

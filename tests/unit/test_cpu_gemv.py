@@ -1,7 +1,7 @@
 """The few-row product kernel (``cpu_gemv.c``) gives F.linear's answer for every shape a layer has (rows
 that are not a whole number of vectors, a handful of outputs, a bias), whatever the thread count: one row in
-bf16 and float32, two to eight bf16 rows where the CPU has avx512_bf16; without a C compiler, layers keep
-oneDNN's path after one warning."""
+bf16 and float32, two to eight float32 rows, two to eight bf16 rows where the CPU has avx512_bf16; without a
+C compiler, layers keep oneDNN's path after one warning."""
 
 from __future__ import annotations
 
@@ -63,12 +63,30 @@ def few_rows_supported() -> bool:
 def test_takes_several_bf16_rows_exactly_where_the_cpu_has_avx512_bf16(kernel):
     assert kernel.takes_rows(1, torch.bfloat16) and kernel.takes_rows(1, torch.float32)
     assert kernel.takes_rows(8, torch.bfloat16) == kernel.takes_rows(2, torch.bfloat16) == few_rows_supported()
-    assert not kernel.takes_rows(9, torch.bfloat16) and not kernel.takes_rows(2, torch.float32)
+    assert kernel.takes_rows(2, torch.float32) and kernel.takes_rows(8, torch.float32)
+    assert not kernel.takes_rows(9, torch.bfloat16) and not kernel.takes_rows(9, torch.float32)
     _, w, _ = operands(8, 64, torch.float32)
-    with pytest.raises(ValueError, match="2 rows of torch.float32"):  # refused, not misread as bf16
-        kernel(torch.randn(2, 64), w, None)
+    with pytest.raises(ValueError, match="9 rows of torch.float32"):
+        kernel(torch.randn(9, 64), w, None)
     with pytest.raises(ValueError, match="9 rows"):
         kernel(torch.randn(9, 64).bfloat16(), w.bfloat16(), None)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", [2, 3, 8])
+def test_several_float32_rows_match_a_float64_reference_and_f_linear(kernel, shape, rows):
+    _, w, b = operands(*shape, torch.float32)
+    x = torch.randn(rows, 1, shape[1], generator=torch.Generator().manual_seed(rows))
+    got = kernel(x, w, b)
+    assert got.shape == (rows, 1, shape[0]) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), F.linear(x.double(), w.double(), b.double()), rtol=1e-5, atol=1e-6)
+    # a row's answer does not depend on the rows beside it, nor on the thread count
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernel(x[:2], w, b), got[:2])
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(not few_rows_supported(), reason="several rows need avx512_bf16; this CPU has one row only")

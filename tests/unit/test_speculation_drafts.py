@@ -33,16 +33,19 @@ def rows(*histories: list[int], max_new: int = 20, grammar=()) -> DraftRows:
 
 
 def test_each_row_drafts_within_its_budget_unless_it_has_a_grammar():
-    d = rows([1, 2, 3, 1, 2], [5, 6, 5, 6], [1, 2, 3, 1, 2], max_new=3, grammar=(2,))
+    d = rows([1, 2, 3, 1, 2], [5, 6, 5, 6], [1, 2, 3, 1, 2], [7, 8, 7, 8], max_new=3, grammar=(2,))
     d.rows[1] = RowTokens.of([5, 6, 5], 6, 1)  # its only token is generated: no room for another
     plan = d.plan(3, max_rows=4)
-    # Row 0 may still generate 2 tokens: one draft, and the token after it.
-    assert plan.tolist() == [[2, 3, -1, -1], [6, -1, -1, -1], [2, -1, -1, -1]]
+    # Rows 0 and 3 may still generate 2 tokens: one draft, and the token after it.
+    assert plan.tolist() == [[2, 3, -1, -1], [6, -1, -1, -1], [2, -1, -1, -1], [8, 7, -1, -1]]
 
 
-def test_no_row_drafts_in_a_large_batch_or_without_a_match():
+def test_no_row_drafts_in_a_large_batch_without_a_match_or_with_too_few_drafting():
     assert rows([1, 2, 1, 2], [3, 4, 3, 4]).plan(2, max_rows=1) is None
     assert rows([1, 2, 3, 4], [5, 6, 7]).plan(2, max_rows=4) is None
+    # One row of three drafts: the pass would compute three tokens for every row to try one row's two.
+    assert rows([1, 2, 1, 2], [5, 6, 7], [8, 9]).plan(2, max_rows=4) is None
+    assert rows([1, 2, 1, 2], [5, 6, 7]).plan(2, max_rows=4) is not None
 
 
 def test_a_row_whose_drafts_are_rejected_backs_off_longer_each_time():
@@ -115,3 +118,16 @@ def test_verify_emits_what_plain_decoding_samples_greedy_or_seeded():
     assert out.top_ids.shape == (7, 2)
     assert s.steps.tolist() == [5, 3, 2]  # the sampler recorded only the emitted tokens
     assert SpecStats.of(np.array([3, 2, 0]), emitted, 3) == SpecStats(2, 5, 4, [2, 1, 1])
+
+
+def test_a_pass_cut_to_the_longest_draft_is_verified_as_a_whole_one():
+    torch.manual_seed(1)
+    table = torch.randn(4, 2, V)
+    params = [SamplingParameters(), SamplingParameters()]
+    plain = decode_one_by_one(params, lambda j: table[j] if j < 4 else table[3])
+    tokens = np.full((2, 4), -1)
+    tokens[0, 1] = plain[0][1][0]  # the longest draft: one token, so the pass computes 2 positions
+    s = sampler(params)
+    s(table[0])
+    _, emitted = verify(Backend(torch.device("cpu")), s, table[1:3], tokens)
+    assert emitted == [[plain[0][1][0], plain[0][2][0]], [plain[1][1][0]]]

@@ -1,5 +1,6 @@
 /* One activation row times a weight matrix on a CPU: y = x W^T (+ bias), with W [out, in] as loaded;
-   and, at the end of the file, two to eight bfloat16 rows on a CPU with avx512_bf16.
+   then two to eight float32 rows; and, at the end of the file, two to eight bfloat16 rows on a CPU with
+   avx512_bf16.
 
    Decode at batch 1 multiplies one row by every weight matrix of the model, a product bound by how
    fast the weights stream from memory. oneDNN (over its reordered weights) and torch's float32 path
@@ -134,6 +135,61 @@ int gemv(void *y, const void *x, const void *w, const void *bias, int64_t in, in
     free(xs);
     return 0;
 }
+
+/* ---- a few rows, float32 --------------------------------------------------------------------------
+   Decode at batch 2-8, or a speculative step's few tokens, in float32: each weight row is read once and
+   multiplied with every activation row (an accumulator each), so the product stays bound by reading
+   the weights, where oneDNN runs it well below the memory's speed. */
+
+enum { MAX_ROWS_F32 = 8 };
+
+ALWAYS_INLINE void rows_out_f32(float *y, const float *x, const float *w, const float *bias, int64_t in,
+                                int64_t out, int64_t o, const int rows) {
+    const float *row = w + (size_t)o * (size_t)in;
+    f32xL acc[MAX_ROWS_F32];
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++) acc[m] = (f32xL){0};
+    const int64_t steps = in / LANES;
+    for (int64_t s = 0; s < steps; s++) {
+        f32xL wv;
+        memcpy(&wv, row + s * LANES, sizeof wv);
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            f32xL xv;
+            memcpy(&xv, x + (size_t)m * in + s * LANES, sizeof xv);
+            acc[m] += xv * wv;
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++) {
+        float v = sum_lanes(acc[m]);
+        for (int64_t i = steps * LANES; i < in; i++) v += x[(size_t)m * in + i] * row[i];
+        if (bias) v += bias[o];
+        y[(size_t)m * out + o] = v;
+    }
+}
+
+#define ROWS_F32_CASE(R)                                                            \
+    case R: {                                                                       \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")          \
+        for (int64_t o = 0; o < out; o++) rows_out_f32(y, x, w, bias, in, out, o, R); \
+        return 0;                                                                   \
+    }
+
+/* x [rows, in], w [out, in], bias [out] or NULL, y [rows, out]: all float32, contiguous. Returns 0, or
+   -3 for a row count the kernel does not take. Each output is summed by one thread in one fixed order. */
+int gemm_rows_f32(float *y, const float *x, const float *w, const float *bias, int64_t in, int64_t out, int rows,
+                  int threads) {
+    const int64_t most = (in * out) / MIN_VALUES_PER_THREAD;
+    if (threads > most) threads = most > 1 ? (int)most : 1;
+    switch (rows) {
+        ROWS_F32_CASE(2) ROWS_F32_CASE(3) ROWS_F32_CASE(4) ROWS_F32_CASE(5) ROWS_F32_CASE(6) ROWS_F32_CASE(7)
+        ROWS_F32_CASE(8)
+    }
+    return -3;
+}
+
+int max_rows_f32(void) { return MAX_ROWS_F32; }
 
 /* ---- a few rows, bfloat16, on a CPU with avx512_bf16 ---------------------------------------------
    Decode at batch 2-8 multiplies a few rows by every weight: still bound by reading the weights, where

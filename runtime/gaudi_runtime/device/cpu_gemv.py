@@ -3,7 +3,8 @@
 Decode at small batches multiplies a few rows by every weight matrix: a product bound by reading the
 weights. oneDNN's matrix product over its reordered bfloat16 weights, and torch's float32 ``F.linear``, run
 it at a fraction of the memory's speed; the kernel streams each plain weight row once (docs/performance.md):
-one row in either dtype, and up to ``max_rows_bf16`` bfloat16 rows where the CPU has avx512_bf16. It is
+one row in either dtype, up to ``max_rows_f32`` float32 rows, and up to ``max_rows_bf16`` bfloat16 rows
+where the CPU has avx512_bf16. It is
 compiled at first use (``cpu_kernels``); no compiler or a failed build: one warning, and every product
 runs on oneDNN.
 """
@@ -45,11 +46,17 @@ class GemvKernel:
         rows.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int] * 2
         rows.restype = ctypes.c_int
         self._rows = rows
+        rows_f32 = lib.gemm_rows_f32
+        rows_f32.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int] * 2
+        rows_f32.restype = ctypes.c_int
+        self._rows_f32 = rows_f32
         self.max_rows_bf16 = int(lib.max_rows_bf16())  # 1 where the CPU lacks avx512_bf16
+        self.max_rows_f32 = int(lib.max_rows_f32())
 
     def takes_rows(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether the kernel multiplies this many activation rows of `dtype` (the weight's)."""
-        return rows == 1 or (dtype == torch.bfloat16 and 2 <= rows <= self.max_rows_bf16)
+        most = self.max_rows_bf16 if dtype == torch.bfloat16 else self.max_rows_f32
+        return rows == 1 or 2 <= rows <= most
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` for an `x` of rows the kernel takes (``takes_rows``; any leading shape),
@@ -70,7 +77,8 @@ class GemvKernel:
                 in_features, out_features)
         if rows == 1 and self._fn(*args, DTYPES[x.dtype], torch.get_num_threads()) != 0:
             raise MemoryError("gemv: no memory for the widened activation row")
-        if rows > 1 and self._rows(*args, rows, torch.get_num_threads()) != 0:
+        several = self._rows if x.dtype == torch.bfloat16 else self._rows_f32
+        if rows > 1 and several(*args, rows, torch.get_num_threads()) != 0:
             raise ValueError(f"gemv: {rows} rows are not ones this kernel takes here")
         return y
 

@@ -215,7 +215,8 @@ def verify_inputs(batch: ShardBatch, tokens: np.ndarray, cfg: Config, pad: bool 
     """A speculative step: each row's `tokens` [n, width] (the token the next step feeds, then its drafts;
     -1 past them) at the row's next positions, over its cached ones, as a prefill over cached blocks:
     ids, positions, slots [rows, width], the row's blocks [rows, context blocks], its cached token count
-    and adapter slot [rows]. Bucket: (rows, width, context blocks)."""
+    and adapter slot [rows]. Bucket: (rows, width, context blocks); without padding, the width is the
+    longest row's (the positions past it would compute padding only)."""
     bs, n, width = cfg.block_size, len(batch), tokens.shape[1]
     cached = batch.seq_lens_host
     rows = buckets.decode_batch_bucket(n, cfg)
@@ -223,6 +224,8 @@ def verify_inputs(batch: ShardBatch, tokens: np.ndarray, cfg: Config, pad: bool 
     bucket = (rows, width, ctx)
     if not pad:
         rows, ctx = n, buckets.ceil_div(int(cached.max()), bs)
+        width = int((tokens >= 0).sum(axis=1).max())
+        tokens = tokens[:, :width]
     real = tokens >= 0
     pos = cached[:, None] + np.arange(width, dtype=np.int64)[None, :]
     ids, positions, slots = (np.zeros((rows, width), dtype=np.int64) for _ in range(3))

@@ -112,7 +112,6 @@ class ModelRunner:
         self._prefill_context_fn = self._prefill_context_step if cfg.limit_hpu_graph else backend.graphed(
             self._prefill_context_step, "prefill_context")
         self._verify_fn = backend.graphed(self._verify_step, "verify")
-        self.speculation_rows = buckets.speculation_rows(cfg)  # larger batches decode without drafts
         self.profiler = make_profiler(cfg, rank, backend.name)  # PROF_*: None unless this rank profiles
 
     # ---- the step functions (what device graphs capture) --------------
@@ -223,7 +222,8 @@ class ModelRunner:
         """One step over the cached batches (filtered to the given request ids), merged into one: a
         speculative one when some row drafts."""
         batch = ShardBatch.concat([self._take(batch_id).filter(request_ids) for batch_id, request_ids in batches])
-        plan = None if batch.drafts is None else batch.drafts.plan(self.cfg.speculate, self.speculation_rows)
+        drafts, rows = batch.drafts, buckets.SPECULATION_MAX_ROWS
+        plan = None if drafts is None else drafts.plan(self.cfg.speculate, rows)
         if plan is not None:
             return batch.id, self._verify(batch, plan)
         step = self._decode_inputs(batch, self.cfg, self.backend.pads_to_buckets)

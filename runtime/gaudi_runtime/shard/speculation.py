@@ -7,8 +7,9 @@ drafts nothing. The runner verifies the drafts in one forward pass and keeps the
 sampler agrees with, so drafts never change what a row generates: a rejected one only costs the extra
 tokens of that pass. Hence the back-off:
 
-- a batch of more than `max_rows` rows drafts nothing: a forward pass over several tokens per row costs
-  about as much as one token per row only while the weights' reads dominate, that is in small batches;
+- a batch of more than `max_rows` rows drafts nothing, nor one where fewer than half the rows have a
+  draft: the pass computes every row's positions up to the longest draft, and costs about as much as
+  one token per row only while the weights' reads dominate, that is for few tokens in all;
 - a row whose draft was rejected outright skips the next 2, 4, ... MAX_SKIP steps, and starts over once
   a draft of it is accepted;
 - a row never drafts past its max_new_tokens (the router reserved KV blocks for that many tokens), and a
@@ -124,11 +125,10 @@ class DraftRows:
 
     def plan(self, k: int, max_rows: int) -> np.ndarray | None:
         """The step's tokens [B, k + 1]: each row's last token, then its drafts (-1 past them); None when
-        no row drafts (a plain decode step then)."""
+        the step should not speculate (a plain decode step then)."""
         if len(self.rows) > max_rows:
             return None
         out = np.full((len(self.rows), k + 1), -1, dtype=np.int64)
-        drafted = False
         for i, row in enumerate(self.rows):
             tokens = row.tokens()
             out[i, 0] = tokens[-1]
@@ -137,9 +137,9 @@ class DraftRows:
                 continue
             draft = ngram_draft(tokens, min(k, room))
             out[i, 1:1 + len(draft)] = draft
-            drafted = drafted or len(draft) > 0
         self.skip = np.maximum(self.skip - 1, 0)
-        return out if drafted else None
+        drafting = int((out[:, 1] >= 0).sum())
+        return out if drafting and 2 * drafting >= len(self.rows) else None
 
     def advance(self, new: list[list[int]], drafted: np.ndarray | None = None) -> None:
         """Record each row's tokens of the step (and, after a verify pass, back off the rows whose

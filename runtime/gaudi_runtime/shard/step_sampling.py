@@ -59,8 +59,9 @@ def verify(backend: Backend, sampler: BatchSampler, logits: torch.Tensor,
     its next draft. With a one-token (n-gram) draft this is speculative sampling: the draft is kept with
     the probability the model gives it, and a rejected position's token is drawn from the rest.
 
-    Returns the emitted tokens flattened row by row (a row's in order), and each row's tokens."""
-    b, width = tokens.shape
+    Returns the emitted tokens flattened row by row (a row's in order), and each row's tokens. `logits`
+    may stop before `tokens` do where no row has a token past them (a pass cut to the longest draft)."""
+    b, width = tokens.shape[0], min(tokens.shape[1], logits.shape[0])
     active = np.ones(b, dtype=bool)
     outs, emitting = [], []
     for j in range(width):
