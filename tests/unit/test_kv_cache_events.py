@@ -136,7 +136,7 @@ async def test_the_events_of_one_loop_turn_go_out_as_one_batch():
     sink.add(stored([b"a"], None, [1], 1))
     sink.add(removed([b"b"]))
     assert publisher.batches == []  # sent once this turn of the loop is over
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn: the flush the sink scheduled with call_soon runs
     sink.add(AllBlocksCleared())
     await asyncio.sleep(0)
     assert [b.events for b in publisher.batches] == [[stored([b"a"], None, [1], 1), removed([b"b"])],

@@ -27,15 +27,14 @@ def test_the_draft_is_what_followed_the_latest_occurrence_of_the_longest_suffix(
     assert ngram_draft(np.array([9, 1, 2, 3, 1, 2, 3, 1]), 5).tolist() == [2, 3, 1, 2, 3]
 
 
-def rows(*histories: list[int], max_new: int = 20, grammar=()) -> DraftRows:
-    return DraftRows.of([RowTokens.of(h[:-1], h[-1], max_new) for h in histories],
-                        [i in grammar for i in range(len(histories))])
+def rows(*histories: list[int], max_new: int = 20) -> DraftRows:
+    return DraftRows.of([RowTokens.of(h[:-1], h[-1], max_new) for h in histories])
 
 
 def test_each_row_drafts_within_its_budget_unless_it_has_a_grammar():
-    d = rows([1, 2, 3, 1, 2], [5, 6, 5, 6], [1, 2, 3, 1, 2], [7, 8, 7, 8], max_new=3, grammar=(2,))
+    d = rows([1, 2, 3, 1, 2], [5, 6, 5, 6], [1, 2, 3, 1, 2], [7, 8, 7, 8], max_new=3)
     d.rows[1] = RowTokens.of([5, 6, 5], 6, 1)  # its only token is generated: no room for another
-    plan = d.plan(3, max_rows=4)
+    plan = d.plan(3, max_rows=4, constrained=[False, False, True, False])  # row 2 has a grammar
     # Rows 0 and 3 may still generate 2 tokens: one draft, and the token after it.
     assert plan.tolist() == [[2, 3, -1, -1], [6, -1, -1, -1], [2, -1, -1, -1], [8, 7, -1, -1]]
 

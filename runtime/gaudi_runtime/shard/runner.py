@@ -222,8 +222,10 @@ class ModelRunner:
         """One step over the cached batches (filtered to the given request ids), merged into one: a
         speculative one when some row drafts."""
         batch = ShardBatch.concat([self._take(batch_id).filter(request_ids) for batch_id, request_ids in batches])
-        drafts, rows = batch.drafts, buckets.SPECULATION_MAX_ROWS
-        plan = None if drafts is None else drafts.plan(self.cfg.speculate, rows)
+        grammar = batch.sampler.grammar
+        constrained = () if grammar is None else [m is not None for m in grammar.matchers]
+        plan = None if batch.drafts is None else batch.drafts.plan(self.cfg.speculate, buckets.SPECULATION_MAX_ROWS,
+                                                                   constrained)
         if plan is not None:
             return batch.id, self._verify(batch, plan)
         step = self._decode_inputs(batch, self.cfg, self.backend.pads_to_buckets)

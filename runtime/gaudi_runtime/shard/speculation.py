@@ -97,7 +97,7 @@ def draft_rows(reqs, first: list[int], block_size: int) -> DraftRows:
     """A new batch's rows (`reqs`: PrefillInput) with their first tokens; a request that does not say its
     max_new_tokens may fill its blocks."""
     return DraftRows.of([RowTokens.of(r.input_ids, t, r.max_new_tokens or len(r.blocks) * block_size - len(r.input_ids))
-                         for r, t in zip(reqs, first, strict=True)], [r.grammar is not None for r in reqs])
+                         for r, t in zip(reqs, first, strict=True)])
 
 
 @dataclass
@@ -107,25 +107,24 @@ class DraftRows:
     rows: list[RowTokens]
     skip: np.ndarray  # [B] steps left before the row drafts again
     fails: np.ndarray  # [B] drafts rejected outright in a row
-    constrained: np.ndarray  # [B] bool: the row has a grammar
 
     @staticmethod
-    def of(rows: list[RowTokens], constrained: Sequence[bool]) -> DraftRows:
+    def of(rows: list[RowTokens]) -> DraftRows:
         n = len(rows)
-        return DraftRows(rows, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
-                         np.asarray(constrained, dtype=bool))
+        return DraftRows(rows, np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64))
 
     def filter(self, keep: Sequence[int]) -> DraftRows:
-        return DraftRows([self.rows[i] for i in keep], self.skip[keep], self.fails[keep], self.constrained[keep])
+        return DraftRows([self.rows[i] for i in keep], self.skip[keep], self.fails[keep])
 
     @staticmethod
     def concat(parts: Sequence[DraftRows]) -> DraftRows:
         return DraftRows([r for p in parts for r in p.rows], np.concatenate([p.skip for p in parts]),
-                         np.concatenate([p.fails for p in parts]), np.concatenate([p.constrained for p in parts]))
+                         np.concatenate([p.fails for p in parts]))
 
-    def plan(self, k: int, max_rows: int) -> np.ndarray | None:
+    def plan(self, k: int, max_rows: int, constrained: Sequence[bool] = ()) -> np.ndarray | None:
         """The step's tokens [B, k + 1]: each row's last token, then its drafts (-1 past them); None when
-        the step should not speculate (a plain decode step then)."""
+        the step should not speculate (a plain decode step then). `constrained`: the rows with a grammar
+        (the sampler's; none when empty)."""
         if len(self.rows) > max_rows:
             return None
         out = np.full((len(self.rows), k + 1), -1, dtype=np.int64)
@@ -133,7 +132,7 @@ class DraftRows:
             tokens = row.tokens()
             out[i, 0] = tokens[-1]
             room = row.room() - 1  # the verify pass also gives a token after the drafts
-            if self.skip[i] > 0 or self.constrained[i] or room < 1:
+            if self.skip[i] > 0 or (constrained and constrained[i]) or room < 1:
                 continue
             draft = ngram_draft(tokens, min(k, room))
             out[i, 1:1 + len(draft)] = draft

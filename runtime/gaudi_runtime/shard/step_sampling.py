@@ -41,10 +41,7 @@ def sample(backend: Backend, sampler: BatchSampler, logits: torch.Tensor, rows: 
     """Sample the step whose forward pass was just queued. With grammars, the matchers fill the
     bitmask on the host meanwhile (the device is still computing `logits` on HPU and CUDA), and
     then take the sampled tokens, which costs every rank a read-back of the step's tokens."""
-    bitmask = None
-    if sampler.grammar is not None:
-        bitmask = backend.upload(sampler.grammar.fill(rows))
-    out = sampler(logits, bitmask)
+    out = sampler(logits, _grammar_mask(backend, sampler, rows))
     backend.mark_step()
     if sampler.grammar is not None:
         sampler.accept(out.next_ids[:len(sampler)].tolist())
@@ -82,6 +79,7 @@ def verify(backend: Backend, sampler: BatchSampler, logits: torch.Tensor,
 
 
 def _grammar_mask(backend: Backend, sampler: BatchSampler, rows: int) -> torch.Tensor | None:
+    """The rows' allowed tokens on the device (`rows` >= the batch: a bucket's), None without a grammar."""
     return None if sampler.grammar is None else backend.upload(sampler.grammar.fill(rows))
 
 
