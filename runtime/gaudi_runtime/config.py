@@ -134,8 +134,8 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
      "tools, which then get them in a prompt)."),
     ("--warmup-stall-seconds", None, float, 600.0, "While the server is not serving yet (model download, load, "
      "warmup): seconds without any step done (a downloaded chunk, a loaded weight, a warmed shape) after which the "
-     "start counts as stuck: /livez answers 503 and the launcher exits with code 75, the reason in its log and "
-     "termination message. A start that keeps making steps is never stopped, however long it takes. 0: never."),
+     "start counts as stuck: /livez answers 503 and, 10 s later (a liveness probe sees it first), the launcher "
+     "exits with code 75, the reason in its log and termination message. A start that keeps making steps is never stopped, however long it takes. 0: never."),
     ("--shutdown-grace-seconds", None, float, 20.0, "On SIGTERM, how long running requests may still finish (new "
      "ones get 503, /health 503); those left then end with an error. Keep it below the pod's "
      "terminationGracePeriodSeconds less preStop."),

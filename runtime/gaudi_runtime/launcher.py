@@ -48,6 +48,9 @@ STOP_GRACE_S = 10.0
 ROUTER_REPORT_S = 5.0
 # While the start is watched: how often the launcher looks at its children and at the progress.
 WATCH_INTERVAL_S = 0.5
+# A stalled start fails /livez at once; the launcher ends the pod itself only this much later, so that a
+# liveness probe (every 10 s by default) sees the failure first and the kubelet reports it as one.
+PROBE_FIRST_S = 10.0
 
 
 class _DownloadSteps(LogLines):
@@ -115,7 +118,15 @@ class Watchdog:
         return last is not None and last.phase == progress.READY
 
     def stalled(self) -> str | None:
+        """Why the start counts as stuck, by the rule /livez answers by."""
         return progress.stall(progress.latest(self.progress_dir), self.started_at, time.monotonic(), self.window_s)
+
+    def overdue(self) -> str | None:
+        """Why the launcher ends the start itself: stuck for PROBE_FIRST_S longer than /livez says so."""
+        last, now = progress.latest(self.progress_dir), time.monotonic()
+        if self.window_s <= 0 or not progress.stall(last, self.started_at, now, self.window_s + PROBE_FIRST_S):
+            return None
+        return progress.stall(last, self.started_at, now, self.window_s)
 
     def give_up(self, why: str) -> int:
         log.error("%s", why)
@@ -132,7 +143,7 @@ def watched_download(watch: Watchdog) -> Iterator[None]:
 
     def check() -> None:
         while not done.wait(WATCH_INTERVAL_S):
-            if why := watch.stalled():
+            if why := watch.overdue():
                 os._exit(watch.give_up(why))
 
     def on_term(signum, frame) -> None:
@@ -316,7 +327,7 @@ def supervise(procs: list[tuple[str, subprocess.Popen]], grace_s: float = 0.0, w
             code = _exited(procs, block=watch is None)
             if code is not None:
                 return code
-            if watch is not None and (why := watch.stalled()):
+            if watch is not None and (why := watch.overdue()):
                 return watch.give_up(why)
             if watch is not None and watch.serving():
                 watch = None  # served once: from now on only a child's exit ends the pod

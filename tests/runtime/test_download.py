@@ -229,8 +229,9 @@ def test_launch_answers_the_probes_while_it_downloads_and_ends_a_stalled_downloa
     message = tmp_path / "termination-log"
     message.write_text("")
     hub.fail_once("model.safetensors", after=CHUNK, mode="hang")
+    # A connection that hangs unnoticed: huggingface_hub would give up on a read after 10 s and resume.
     srv = launch("org/big", tmp_path, "--dtype", "float32", "--warmup-stall-seconds", "10",
-                 env=hub_env(hub, tmp_path, TERMINATION_MESSAGE_PATH=str(message)))
+                 env=hub_env(hub, tmp_path, TERMINATION_MESSAGE_PATH=str(message), HF_HUB_DOWNLOAD_TIMEOUT="300"))
     seen: list[tuple[int, dict, int, dict]] = []
     try:
         deadline = time.monotonic() + 120
