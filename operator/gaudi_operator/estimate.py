@@ -48,7 +48,7 @@ def expected_warmup_shapes(spec: InferenceServiceSpec) -> int | None:
         cfg = pod_runtime_config(runtime_args(spec), runtime_env(spec), spec.shards)
     except ConfigError:
         return None
-    if not cfg.warmup_enabled:
+    if not cfg.device.warmup_enabled:
         return 0
-    flat = buckets.flat_decode_on(cfg.device, cfg.use_flash_attention)
+    flat = buckets.flat_decode_on(cfg.device.device, cfg.device.use_flash_attention)
     return buckets.warmup_shape_count(cfg, flat)

@@ -56,38 +56,38 @@ def _probe_points(step: int, cap: int, exponential: bool) -> list[int]:
 
 
 def prefill_seq_cap(cfg: Config) -> int:
-    return round_up(cfg.max_input_tokens, cfg.pad_sequence_to_multiple_of)
+    return round_up(cfg.limits.max_input_tokens, cfg.device.pad_sequence_to_multiple_of)
 
 
 def prefill_seq_bucket(max_len: int, cfg: Config) -> int:
     """Padded prompt length for a prefill whose longest prompt has max_len tokens."""
-    return bucket(max_len, cfg.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), cfg.exponential_bucketing)
+    return bucket(max_len, cfg.device.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), cfg.device.exponential_bucketing)
 
 
 def max_prefill_batch(seq: int, cfg: Config) -> int:
     """Most prompts of padded length `seq` one prefill may hold (at least one)."""
-    return max(1, min(cfg.max_batch_size, cfg.max_batch_prefill_tokens // seq))
+    return max(1, min(cfg.scheduling.max_batch_size, cfg.scheduling.max_batch_prefill_tokens // seq))
 
 
 def prefill_batch_bucket(n: int, seq: int, cfg: Config) -> int:
-    return bucket(n, cfg.prefill_batch_bucket_size, max_prefill_batch(seq, cfg), cfg.exponential_bucketing)
+    return bucket(n, cfg.device.prefill_batch_bucket_size, max_prefill_batch(seq, cfg), cfg.device.exponential_bucketing)
 
 
 def decode_batch_cap(cfg: Config) -> int:
-    return round_up(cfg.max_batch_size, cfg.batch_bucket_size)
+    return round_up(cfg.scheduling.max_batch_size, cfg.device.batch_bucket_size)
 
 
 def decode_batch_bucket(n: int, cfg: Config) -> int:
-    return bucket(n, cfg.batch_bucket_size, decode_batch_cap(cfg), cfg.exponential_bucketing)
+    return bucket(n, cfg.device.batch_bucket_size, decode_batch_cap(cfg), cfg.device.exponential_bucketing)
 
 
 def blocks_per_sequence(cfg: Config) -> int:
-    return ceil_div(cfg.max_total_tokens, cfg.block_size)
+    return ceil_div(cfg.limits.max_total_tokens, cfg.device.block_size)
 
 
 def block_step(cfg: Config) -> int:
     """Block-count buckets grow in steps that cover PAD_SEQUENCE_TO_MULTIPLE_OF tokens."""
-    return max(1, cfg.pad_sequence_to_multiple_of // cfg.block_size)
+    return max(1, cfg.device.pad_sequence_to_multiple_of // cfg.device.block_size)
 
 
 def decode_block_cap(cfg: Config) -> int:
@@ -96,25 +96,25 @@ def decode_block_cap(cfg: Config) -> int:
 
 def decode_block_bucket(max_context: int, cfg: Config) -> int:
     """Block-table width for a decode step whose longest sequence holds max_context tokens."""
-    need = ceil_div(max_context, cfg.block_size)
-    return bucket(need, block_step(cfg), decode_block_cap(cfg), cfg.exponential_bucketing)
+    need = ceil_div(max_context, cfg.device.block_size)
+    return bucket(need, block_step(cfg), decode_block_cap(cfg), cfg.device.exponential_bucketing)
 
 
 def prefill_buckets(cfg: Config) -> list[tuple[int, int]]:
     """Every (batch, seq) shape a prefill may run on."""
     shapes = set()
-    seqs = bucket_values(cfg.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), cfg.exponential_bucketing)
+    seqs = bucket_values(cfg.device.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), cfg.device.exponential_bucketing)
     for seq in seqs:
-        for rows in bucket_values(cfg.prefill_batch_bucket_size, max_prefill_batch(seq, cfg),
-                                  cfg.exponential_bucketing):
+        for rows in bucket_values(cfg.device.prefill_batch_bucket_size, max_prefill_batch(seq, cfg),
+                                  cfg.device.exponential_bucketing):
             shapes.add((rows, seq))
     return sorted(shapes)
 
 
 def decode_buckets(cfg: Config) -> list[tuple[int, int]]:
     """Every (batch, blocks) shape a decode step may run on."""
-    exp = cfg.exponential_bucketing
-    batches = bucket_values(cfg.batch_bucket_size, decode_batch_cap(cfg), exp)
+    exp = cfg.device.exponential_bucketing
+    batches = bucket_values(cfg.device.batch_bucket_size, decode_batch_cap(cfg), exp)
     widths = bucket_values(block_step(cfg), decode_block_cap(cfg), exp)
     return [(b, w) for b in batches for w in widths]
 
@@ -133,7 +133,7 @@ def decode_flat_buckets(cfg: Config) -> list[tuple[int, int]]:
     """Every (batch, total blocks) shape a flat decode step may run on. A rows bucket holds more rows than
     the one below it, each using a block at least, so totals below that never occur and are left out."""
     shapes, fewest = [], 1
-    for rows in bucket_values(cfg.batch_bucket_size, decode_batch_cap(cfg), cfg.exponential_bucketing):
+    for rows in bucket_values(cfg.device.batch_bucket_size, decode_batch_cap(cfg), cfg.device.exponential_bucketing):
         totals = bucket_values(block_step(cfg), decode_total_blocks_cap(rows, cfg), exponential=True)
         shapes += [(rows, total) for total in totals if total >= fewest]
         fewest = rows + 1
@@ -142,7 +142,7 @@ def decode_flat_buckets(cfg: Config) -> list[tuple[int, int]]:
 
 def context_block_cap(cfg: Config) -> int:
     """Most cached blocks a prompt may start with: the block of its last token is always computed."""
-    return max(1, (cfg.max_input_tokens - 1) // cfg.block_size)
+    return max(1, (cfg.limits.max_input_tokens - 1) // cfg.device.block_size)
 
 
 def context_block_bucket(blocks: int, cfg: Config) -> int:
@@ -152,14 +152,14 @@ def context_block_bucket(blocks: int, cfg: Config) -> int:
 
 def chunks_prompts(cfg: Config) -> bool:
     """Whether a prompt may be longer than one prefill's budget, and so be prefilled in chunks."""
-    return cfg.max_input_tokens > cfg.max_batch_prefill_tokens
+    return cfg.limits.max_input_tokens > cfg.scheduling.max_batch_prefill_tokens
 
 
 def prefill_context_buckets(cfg: Config) -> list[tuple[int, int, int]]:
     """Every (batch, seq, context blocks) shape a prefill with cached blocks may run on: a prefix-cache
     hit's, or a chunk's after a long prompt's first (none without either). Rows and new tokens are
     bucketed as in any prefill."""
-    if not (cfg.prefix_caching or chunks_prompts(cfg)):
+    if not (cfg.scheduling.prefix_caching or chunks_prompts(cfg)):
         return []
     widths = bucket_values(block_step(cfg), context_block_cap(cfg), exponential=True)
     return [(rows, seq, w) for rows, seq in prefill_buckets(cfg) for w in widths]
@@ -174,23 +174,23 @@ SPECULATION_MAX_ROWS = 4
 def speculation_rows(cfg: Config) -> int:
     """The rows bucket of the largest speculative step (0 without --speculate): the decode bucket that
     holds SPECULATION_MAX_ROWS rows."""
-    return decode_batch_bucket(min(SPECULATION_MAX_ROWS, decode_batch_cap(cfg)), cfg) if cfg.speculate else 0
+    return decode_batch_bucket(min(SPECULATION_MAX_ROWS, decode_batch_cap(cfg)), cfg) if cfg.scheduling.speculate else 0
 
 
 def verify_context_bucket(tokens: int, cfg: Config) -> int:
     """Context width (in blocks) of a speculative step whose longest row has `tokens` cached tokens."""
-    return bucket(ceil_div(tokens, cfg.block_size), block_step(cfg), decode_block_cap(cfg), exponential=True)
+    return bucket(ceil_div(tokens, cfg.device.block_size), block_step(cfg), decode_block_cap(cfg), exponential=True)
 
 
 def verify_buckets(cfg: Config) -> list[tuple[int, int, int]]:
     """Every (batch, 1 + drafts, context blocks) shape a speculative step may run on: decode's rows up to
     `speculation_rows`, every draft padded to --speculate, a context as long as a whole sequence."""
-    if not cfg.speculate:
+    if not cfg.scheduling.speculate:
         return []
-    exp = cfg.exponential_bucketing
-    batches = bucket_values(cfg.batch_bucket_size, speculation_rows(cfg), exp)
+    exp = cfg.device.exponential_bucketing
+    batches = bucket_values(cfg.device.batch_bucket_size, speculation_rows(cfg), exp)
     widths = bucket_values(block_step(cfg), decode_block_cap(cfg), exponential=True)
-    return [(b, cfg.speculate + 1, w) for b in batches for w in widths]
+    return [(b, cfg.scheduling.speculate + 1, w) for b in batches for w in widths]
 
 
 def flat_decode_on(device: str, use_flash_attention: bool) -> bool:
@@ -204,7 +204,7 @@ def warmup_plan(cfg: Config, flat_decode: bool) -> list[tuple[str, list[tuple[in
     implementation, pure, no torch, so the operator image imports it without the runtime's dependencies)."""
     decode = decode_flat_buckets(cfg) if flat_decode else decode_buckets(cfg)
     plan = [("prefill", prefill_buckets(cfg)), ("prefill_context", prefill_context_buckets(cfg)), ("decode", decode)]
-    return plan + [("verify", verify_buckets(cfg))] if cfg.speculate else plan
+    return plan + [("verify", verify_buckets(cfg))] if cfg.scheduling.speculate else plan
 
 
 def warmup_shape_count(cfg: Config, flat_decode: bool) -> int:

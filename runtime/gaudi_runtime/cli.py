@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -14,7 +13,7 @@ from gaudi_runtime.config import Config, ConfigError, add_arguments, resolve
 def _internal_config() -> tuple[Config, str]:
     from gaudi_runtime.launcher import CONFIG_ENV, MODEL_DIR_ENV
 
-    return Config(**json.loads(os.environ[CONFIG_ENV])), os.environ[MODEL_DIR_ENV]
+    return Config.from_json(os.environ[CONFIG_ENV]), os.environ[MODEL_DIR_ENV]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +63,7 @@ def _run_launch(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logs.setup(cfg.log_level, cfg.json_output, "launcher")
+    logs.setup(cfg.server.log_level, cfg.server.json_output, "launcher")
     from gaudi_runtime import launcher
 
     try:
@@ -76,7 +75,7 @@ def _run_launch(args: argparse.Namespace) -> int:
 
 def _run_shard(rank: int, world_size: int) -> int:
     cfg, model_dir = _internal_config()
-    logs.setup(cfg.log_level, cfg.json_output, f"shard-{rank}")
+    logs.setup(cfg.server.log_level, cfg.server.json_output, f"shard-{rank}")
     from gaudi_runtime.shard import server
 
     try:
@@ -89,7 +88,7 @@ def _run_shard(rank: int, world_size: int) -> int:
 
 def _run_router() -> int:
     cfg, model_dir = _internal_config()
-    logs.setup(cfg.log_level, cfg.json_output, "router")
+    logs.setup(cfg.server.log_level, cfg.server.json_output, "router")
     from gaudi_runtime.router import main as router_main
 
     return router_main.main(cfg, model_dir)

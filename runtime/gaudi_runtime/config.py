@@ -197,89 +197,141 @@ SECRET_SETTINGS = ("api_key",)
 REDACTED = "<redacted>"
 
 
-@dataclass
-class Config:
-    model_id: str = ""
-    revision: str | None = None
-    huggingface_hub_cache: str | None = None
-    dtype: str = "bfloat16"
-    device: str = "auto"
-    max_input_tokens: int = 0
-    max_total_tokens: int = 2048
+# The configuration is grouped by concern, one frozen dataclass a part, and each part is handed only to
+# the code that reads it (docs/design.md, "Configuration parts"). The flag table above stays the one
+# source of the settings: every FLAGS and ENV_ONLY setting lands in the one part that declares a field of
+# its name (the folded flags below excepted), and `resolve` fills the parts from the flat values it derives.
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server and the processes: where they listen, logs, traces, auth, start and stop."""
+
+    hostname: str = "0.0.0.0"
+    port: int = 80
+    shard_uds_path: str = "/tmp/gaudi-serve-server"
+    json_output: bool = False
+    log_level: str = "info"
+    api_key: str | None = None
+    cors_allow_origin: list[str] = field(default_factory=list)
+    max_request_bytes: int = 8 * 1024 * 1024
+    otlp_endpoint: str | None = None
+    otlp_service_name: str = "text-generation-inference.router"
+    warmup_stall_seconds: float = 600.0
+    shutdown_grace_seconds: float = 20.0
+    termination_message_path: str = "/dev/termination-log"
+
+    def shard_socket(self, rank: int) -> str:
+        """The unix socket shard `rank` serves gRPC on (the router and the offline API connect to it)."""
+        return f"{self.shard_uds_path}-{rank}"
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """How the router batches: batch and prefill budgets, when waiting requests join, speculation, the
+    prefix cache and its events."""
+
     max_batch_size: int = 0
     max_batch_prefill_tokens: int = 0
     max_batch_total_tokens: int | None = None
     max_waiting_tokens: int = 20
     waiting_served_ratio: float = 0.0
     decode_steps: int = 4
+    queue_threshold_ms: int = 120
     speculate: int = 0
     prefix_caching: bool = True
-    max_concurrent_requests: int = 128
-    max_stop_sequences: int = 4
-    max_top_n_tokens: int = 5
-    max_best_of: int = 2
-    max_n: int = 16
-    max_client_batch_size: int = 4
-    max_request_bytes: int = 8 * 1024 * 1024
-    max_images_per_request: int = 4
-    max_json_schema_bytes: int = 32 * 1024
-    max_json_schema_depth: int = 32
-    allowed_media_domains: list[str] | None = None
-    disable_image_urls: bool = False
-    hostname: str = "0.0.0.0"
-    port: int = 80
-    shard_uds_path: str = "/tmp/gaudi-serve-server"
-    sharded: bool = False
-    num_shard: int = 1
-    json_output: bool = False
-    api_key: str | None = None
-    cors_allow_origin: list[str] = field(default_factory=list)
-    block_size: int = 16
-    memory_fraction: float = 0.9
+    kv_events_config: dict | None = None  # vLLM's KVEventsConfig, every field filled; None: no events
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What is served: the model, its name, its numeric formats and quantization, RoPE, the tokenizer."""
+
+    model_id: str = ""
+    revision: str | None = None
+    huggingface_hub_cache: str | None = None
     model_name: str = ""
-    queue_threshold_ms: int = 120
-    skip_tokenizer_in_tgi: bool = False
-    text_generation_server_ignore_eos_token: bool = False
-    log_level: str = "info"
-    batch_bucket_size: int = 8
-    prefill_batch_bucket_size: int = 4
-    pad_sequence_to_multiple_of: int = 128
-    warmup_enabled: bool = True
-    exponential_bucketing: bool = False
-    enable_hpu_graph: bool = True
-    limit_hpu_graph: bool = False
+    dtype: str = "bfloat16"
     quantize: str | None = None
-    kv_cache_dtype: str | None = None
     quant_config: str | None = None
-    base_image_tokens: int = 2048
-    max_image_bytes: int = 5 * 1024 * 1024
-    image_fetch_timeout_s: float = 10.0
+    kv_cache_dtype: str | None = None
     rope_scaling: str | None = None
     rope_factor: float | None = None
     tokenizer_config_path: str | None = None
-    recipe_cache_dir: str | None = None
-    recipe_cache_size_mb: int = 16384
-    kv_events_config: dict | None = None  # vLLM's KVEventsConfig, every field filled; None: no events
-    otlp_endpoint: str | None = None
-    otlp_service_name: str = "text-generation-inference.router"
-    disable_grammar_support: bool = False
-    grammar_compile_timeout_s: float = 10.0
-    tool_call_parser: str | None = None
-    warmup_stall_seconds: float = 600.0
-    shutdown_grace_seconds: float = 20.0
-    termination_message_path: str = "/dev/termination-log"
-    prof_waitstep: int = 0
-    prof_warmupstep: int = 0
-    prof_step: int = 0
-    prof_path: str = "/tmp/hpu_profile"
-    prof_ranks: list[int] = field(default_factory=lambda: [0])
-    prof_record_shapes: bool = False
+    skip_tokenizer_in_tgi: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where and how the shards compute: cards, KV blocks and memory, static shapes (buckets), graphs,
+    warmup, the recipe cache, the profiler and the attention and CPU kernel switches."""
+
+    device: str = "auto"
+    num_shard: int = 1
+    sharded: bool = False
+    block_size: int = 16
+    memory_fraction: float = 0.9
+    batch_bucket_size: int = 8
+    prefill_batch_bucket_size: int = 4
+    pad_sequence_to_multiple_of: int = 128
+    exponential_bucketing: bool = False
+    warmup_enabled: bool = True
+    enable_hpu_graph: bool = True
+    limit_hpu_graph: bool = False
     use_flash_attention: bool = True
     flash_attention_recompute: bool = False
     cpu_paged_attention: bool = True
     cpu_gemv: bool = True
     cpu_layer_ops: bool = True
     cpu_lora: bool = True
+    recipe_cache_dir: str | None = None
+    recipe_cache_size_mb: int = 16384
+    prof_waitstep: int = 0
+    prof_warmupstep: int = 0
+    prof_step: int = 0
+    prof_path: str = "/tmp/hpu_profile"
+    prof_ranks: list[int] = field(default_factory=lambda: [0])
+    prof_record_shapes: bool = False
+
+
+@dataclass(frozen=True)
+class StructuredOutputConfig:
+    """Constrained generation: whether it is served, how long a grammar may compile, how large a schema
+    may be, and the tool-call format."""
+
+    disable_grammar_support: bool = False
+    grammar_compile_timeout_s: float = 10.0
+    tool_call_parser: str | None = None
+    max_json_schema_bytes: int = 32 * 1024
+    max_json_schema_depth: int = 32
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What one request may carry and ask for (tokens, choices, stop sequences, images and where they are
+    fetched from), and how many may be in flight: what validation checks."""
+
+    max_input_tokens: int = 0
+    max_total_tokens: int = 2048
+    max_concurrent_requests: int = 128
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_best_of: int = 2
+    max_n: int = 16
+    max_client_batch_size: int = 4
+    text_generation_server_ignore_eos_token: bool = False
+    max_images_per_request: int = 4
+    base_image_tokens: int = 2048
+    max_image_bytes: int = 5 * 1024 * 1024
+    image_fetch_timeout_s: float = 10.0
+    allowed_media_domains: list[str] | None = None
+    disable_image_urls: bool = False
+
+
+@dataclass(frozen=True)
+class AdaptersConfig:
+    """LoRA adapters: those given at start, the slots and ranks, loading while serving."""
+
     # {name, source, revision, path, digest} per adapter; the launcher sets path and digest.
     lora_adapters: list[dict] = field(default_factory=list)
     max_loras: int = 0
@@ -287,24 +339,74 @@ class Config:
     allow_runtime_lora_updating: bool = False
     max_cpu_loras: int = 0  # adapter slots besides slot 0 (the base model)
 
+
+@dataclass(frozen=True)
+class Config:
+    """Every part; the launcher, the router's and the shards' set-up hand each part to its readers."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
+
+    @classmethod
+    def of(cls, **settings: object) -> Config:
+        """A Config from flat settings named as the flags are (`Config.of(model_id="m", port=8080)`), each
+        put in the part that declares it, the rest defaulted: how `resolve` builds one, and tests."""
+        by_part = _by_part(settings)
+        return cls(**{part: typ(**by_part.get(part, {})) for part, typ in PARTS.items()})
+
+    def replace(self, **settings: object) -> Config:
+        """A copy with some settings changed, named flat as in `of`."""
+        return dataclasses.replace(self, **{part: dataclasses.replace(getattr(self, part), **changed)
+                                            for part, changed in _by_part(settings).items()})
+
+    def setting(self, name: str) -> object:
+        """One setting by its flat name, for code that lists settings by name (the recipe cache's key)."""
+        return getattr(getattr(self, PART_OF[name]), name)
+
     def to_json(self) -> str:
+        """The parts as nested JSON objects: what the launcher hands the router and shards."""
         return json.dumps(dataclasses.asdict(self))
 
     def to_log_json(self) -> str:
-        """Every setting as resolved, secrets masked: what the start-up log may show."""
+        """Every setting as resolved, part by part, secrets masked: what the start-up log may show."""
         values = dataclasses.asdict(self)
         for name in SECRET_SETTINGS:
-            if values[name] is not None:
-                values[name] = REDACTED
+            part = values[PART_OF[name]]
+            if part[name] is not None:
+                part[name] = REDACTED
         return json.dumps(values)
-
-    def shard_socket(self, rank: int) -> str:
-        """The unix socket shard `rank` serves gRPC on (the router and the offline API connect to it)."""
-        return f"{self.shard_uds_path}-{rank}"
 
     @classmethod
     def from_json(cls, s: str) -> Config:
-        return cls(**json.loads(s))
+        parts = json.loads(s)
+        return cls(**{part: typ(**parts[part]) for part, typ in PARTS.items()})
+
+
+PARTS: dict[str, type] = {
+    "server": ServerConfig, "scheduling": SchedulingConfig, "model": ModelConfig, "device": DeviceConfig,
+    "structured_output": StructuredOutputConfig, "limits": LimitsConfig, "adapters": AdaptersConfig,
+}
+# setting -> the part that declares it.
+PART_OF: dict[str, str] = {f.name: part for part, typ in PARTS.items() for f in dataclasses.fields(typ)}
+# Flags read but not kept under their own name: their value is folded into another setting by `_derive`.
+FOLDED_FLAGS: dict[str, str] = {"max_input_length": "max_input_tokens", "lora_modules": "lora_adapters"}
+
+
+def _by_part(settings: dict[str, object]) -> dict[str, dict[str, object]]:
+    """Flat settings grouped by the part that declares each; an unknown name is a TypeError, as a wrong
+    keyword argument is."""
+    unknown = sorted(set(settings) - set(PART_OF))
+    if unknown:
+        raise TypeError(f"no such setting: {', '.join(unknown)}")
+    by_part: dict[str, dict[str, object]] = {}
+    for name, value in settings.items():
+        by_part.setdefault(PART_OF[name], {})[name] = value
+    return by_part
 
 
 def _attr(flag: str) -> str:
@@ -374,7 +476,7 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     v["model_name"] = v["model_name"] or v["model_id"]
     _derive_adapters(v)
     v["log_level"] = str(v["log_level"]).lower()
-    return Config(**v)
+    return Config.of(**v)
 
 
 # vLLM's KVEventsConfig: field -> (default, type). `publisher` defaults to "zmq" when events are on.

@@ -68,24 +68,24 @@ class _DownloadSteps(LogLines):
 def resolve_model_dir(cfg: Config, steps: progress.Reporter | None = None) -> str:
     """A local directory as is; otherwise a complete, checked hub snapshot, fetched as `gaudi-serve download`
     fetches it (HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE honoured). Raises DownloadError."""
-    if os.path.isdir(cfg.model_id):
-        return cfg.model_id
+    if os.path.isdir(cfg.model.model_id):
+        return cfg.model.model_id
     reporter = _DownloadSteps(steps) if steps is not None else None
-    return ensure_snapshot(cfg.model_id, cfg.revision, cfg.huggingface_hub_cache, reporter)["path"]
+    return ensure_snapshot(cfg.model.model_id, cfg.model.revision, cfg.model.huggingface_hub_cache, reporter)["path"]
 
 
 def resolve_adapter_dirs(cfg: Config, steps: progress.Reporter | None = None) -> None:
     """Set each adapter's `path`: a local directory as is, else its hub snapshot, fetched and cached as the
     model's is. Raises DownloadError naming the adapter."""
     reporter = _DownloadSteps(steps) if steps is not None else None
-    for a in cfg.lora_adapters:
+    for a in cfg.adapters.lora_adapters:
         if os.path.isdir(a["source"]):
             a["path"] = os.path.abspath(a["source"])
             continue
         if a["source"].startswith((os.sep, ".")):
             raise ConfigError(f"--lora-adapters: adapter {a['name']!r}: {a['source']} is no directory")
         try:
-            a["path"] = ensure_snapshot(a["source"], a["revision"], cfg.huggingface_hub_cache, reporter)["path"]
+            a["path"] = ensure_snapshot(a["source"], a["revision"], cfg.model.huggingface_hub_cache, reporter)["path"]
         except DownloadError as e:
             raise DownloadError(e.reason, f"adapter {a['name']!r} ({a['source']}): {e}") from e
 
@@ -96,9 +96,9 @@ def check_adapters(cfg: Config, model_dir: str) -> None:
     from gaudi_runtime.adapters import AdapterError, check_adapter, digest
 
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
-    for a in cfg.lora_adapters:
+    for a in cfg.adapters.lora_adapters:
         try:
-            check_adapter(a["name"], a["path"], model_config, cfg.max_lora_rank)
+            check_adapter(a["name"], a["path"], model_config, cfg.adapters.max_lora_rank)
         except AdapterError as e:
             raise ConfigError(f"--lora-adapters: {e}") from None
         a["digest"] = digest(a["path"])
@@ -231,9 +231,9 @@ _EXE = [sys.executable, "-m", "gaudi_runtime.cli"]
 def spawn_shards(cfg: Config, model_dir: str, env: dict[str, str] | None = None) -> list[tuple[str, subprocess.Popen]]:
     env = env or _child_env(cfg, model_dir)
     return [
-        (f"shard-{rank}", subprocess.Popen(_EXE + ["shard", "--rank", str(rank), "--world-size", str(cfg.num_shard)],
+        (f"shard-{rank}", subprocess.Popen(_EXE + ["shard", "--rank", str(rank), "--world-size", str(cfg.device.num_shard)],
                                            env=env, preexec_fn=_die_with_parent, process_group=0))
-        for rank in range(cfg.num_shard)
+        for rank in range(cfg.device.num_shard)
     ]
 
 
@@ -365,28 +365,28 @@ def _launch(cfg: Config, progress_dir: str) -> int:
     steps = progress.Reporter(progress_dir, "launcher")
     steps.report("starting")
     try:
-        sock = start_http.bind(cfg.hostname, cfg.port)
+        sock = start_http.bind(cfg.server.hostname, cfg.server.port)
     except OSError as e:
-        log.error("--hostname %s --port %d: cannot listen: %s", cfg.hostname, cfg.port, e)
+        log.error("--hostname %s --port %d: cannot listen: %s", cfg.server.hostname, cfg.server.port, e)
         return 1
-    watch = Watchdog(progress_dir, t0, cfg.warmup_stall_seconds, cfg.termination_message_path)
+    watch = Watchdog(progress_dir, t0, cfg.server.warmup_stall_seconds, cfg.server.termination_message_path)
     early = start_http.StartServer(sock, lambda: _start_state(progress_dir),
-                                   lambda: start_http.liveness(progress_dir, t0, cfg.warmup_stall_seconds)).start()
+                                   lambda: start_http.liveness(progress_dir, t0, cfg.server.warmup_stall_seconds)).start()
     try:
         with watched_download(watch):
             model_dir = resolve_model_dir(cfg, steps)
             resolve_adapter_dirs(cfg, steps)
     except DownloadError as e:
-        log.error("--model-id %s: download failed (%s): %s", cfg.model_id, e.reason, e)
+        log.error("--model-id %s: download failed (%s): %s", cfg.model.model_id, e.reason, e)
         return e.exit_code
     # Seconds spent getting the model, shown in /info (none for a local directory).
-    download_seconds = None if model_dir == cfg.model_id else time.monotonic() - t0
+    download_seconds = None if model_dir == cfg.model.model_id else time.monotonic() - t0
     steps.report("loading")
     check_model(model_dir)
     check_image_budget(cfg, json.loads((Path(model_dir) / "config.json").read_text()))
     check_adapters(cfg, model_dir)
     log.info("effective configuration: %s", cfg.to_log_json())  # every flag and env setting, secrets masked
-    log.info("launching %d shard(s) and the router for %s", cfg.num_shard, model_dir)
+    log.info("launching %d shard(s) and the router for %s", cfg.device.num_shard, model_dir)
     procs = spawn(cfg, model_dir, download_seconds, progress_dir, listen_fd=early.hand_over())
     sock.close()  # the router has its own copy
-    return supervise(procs, cfg.shutdown_grace_seconds, watch)
+    return supervise(procs, cfg.server.shutdown_grace_seconds, watch)

@@ -167,7 +167,7 @@ class LLM:
 
         cfg = self.config
         self.tokenizer = RouterTokenizer.load(self.model_dir, cfg)
-        client = ShardClient([cfg.shard_socket(r) for r in range(cfg.num_shard)])
+        client = ShardClient([cfg.server.shard_socket(r) for r in range(cfg.device.num_shard)])
         self._engine = BatchingEngine(cfg, client, self.tokenizer)
         def alive() -> bool:
             return all(p.poll() is None for _, p in self._procs)

@@ -65,13 +65,13 @@ def key_inputs(cfg: Config, model: dict, versions: dict) -> dict:
     """Everything the key stands for (pure): `model` from model_identity, `versions` of the software and card."""
     return {
         "model": model,
-        "dtype": cfg.dtype,
-        "quantize": cfg.quantize,
-        "kv_cache_dtype": cfg.kv_cache_dtype,
-        "quant_config_sha256": _file_sha256(cfg.quant_config),
-        "num_shard": cfg.num_shard,
-        "buckets": {name: getattr(cfg, name) for name in BUCKET_SETTINGS},
-        "graphs": {name: getattr(cfg, name) for name in GRAPH_SETTINGS},
+        "dtype": cfg.model.dtype,
+        "quantize": cfg.model.quantize,
+        "kv_cache_dtype": cfg.model.kv_cache_dtype,
+        "quant_config_sha256": _file_sha256(cfg.model.quant_config),
+        "num_shard": cfg.device.num_shard,
+        "buckets": {name: cfg.setting(name) for name in BUCKET_SETTINGS},
+        "graphs": {name: cfg.setting(name) for name in GRAPH_SETTINGS},
         "versions": versions,
     }
 
@@ -126,6 +126,6 @@ def plan(cfg: Config, model_dir: str, rank: int, device_versions: dict) -> Recip
     versions = {"runtime": __version__, "torch": torch.__version__, **device_versions}
     inputs = key_inputs(cfg, model_identity(model_dir), versions)
     key = cache_key(inputs)
-    cache = RecipeCache(root=Path(cfg.recipe_cache_dir), key=key, rank=rank, size_mb=cfg.recipe_cache_size_mb,
+    cache = RecipeCache(root=Path(cfg.device.recipe_cache_dir), key=key, rank=rank, size_mb=cfg.device.recipe_cache_size_mb,
                         inputs=inputs, from_cache=False)
     return dataclasses.replace(cache, from_cache=cache.warm_marker.exists())

@@ -91,7 +91,7 @@ class Served:
 
 def _serve(model_dir: str, tokenizer: RouterTokenizer | None = None, **env: str) -> Served:
     config = resolve(None, {"MODEL_ID": model_dir, **SERVER_ENV, **env})
-    tok = tokenizer if tokenizer is not None and not config.skip_tokenizer_in_tgi else \
+    tok = tokenizer if tokenizer is not None and not config.model.skip_tokenizer_in_tgi else \
         RouterTokenizer.load(model_dir, config)
     engine = FakeEngine(tok)
     app = build_app(config, engine, tok)

@@ -73,7 +73,7 @@ def test_hpu_decode_over_flat_blocks_gives_the_cpu_paths_tokens(fake_hpu, model_
     for name, shapes in fake_hpu["replays"]:  # ids, positions, slots, then the blocks in use, laid out flat
         if name == "decode":
             (rows,), _, _, (total,), (groups,), bias, (adapter_rows,) = shapes
-            assert (rows, total) in flat and groups == total and bias == (total, cfg.block_size)
+            assert (rows, total) in flat and groups == total and bias == (total, cfg.device.block_size)
             assert adapter_rows == rows  # each row's LoRA adapter slot: no adapter here
     assert hpu.unwarmed_shapes == 0
     calls = fake_hpu["block_softmax_adjustment"]

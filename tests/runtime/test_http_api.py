@@ -335,13 +335,13 @@ async def _walk_routes(url: str) -> dict[str, tuple[int, object]]:
 async def test_until_ready_every_route_but_the_open_ones_answers_503_with_the_warmup(make_server):
     """One readiness rule for the whole route table: a client probing /v1/models or /info learns
     that the server is warming up, as one sending /generate does."""
-    s = make_server(API_KEY="k")
-    s.engine.healthy = False
-    s.engine.health_body = {"status": "warming_up", "warmup": {"done": 3, "total": 10, "phase": "prefill"}}
+    keyed, s = make_server(API_KEY="k"), make_server()
+    for server in (keyed, s):
+        server.engine.healthy = False
+        server.engine.health_body = {"status": "warming_up", "warmup": {"done": 3, "total": 10, "phase": "prefill"}}
     async with aiohttp.ClientSession() as session:
-        async with session.get(s.url + "/v1/models") as r:
+        async with session.get(keyed.url + "/v1/models") as r:
             assert r.status == 401  # the key is checked first: an unknown caller learns nothing more
-    s.config.api_key = None
     seen = await _walk_routes(s.url)
     for path, (status, body, is_open) in seen.items():
         if is_open:

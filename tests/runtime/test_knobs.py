@@ -69,7 +69,8 @@ async def test_profiler_writes_a_chrome_trace_of_decode_steps(math_server):
 def test_start_up_log_reports_the_effective_settings(math_server):
     log = math_server.log()
     (line,) = [x for x in log.splitlines() if "effective configuration:" in x]
-    cfg = json.loads(line.split("effective configuration:", 1)[1])
+    parts = json.loads(line.split("effective configuration:", 1)[1])  # the settings, part by part
+    cfg = {**parts["device"], **parts["structured_output"], **parts["model"]}
     assert cfg["use_flash_attention"] is False and cfg["flash_attention_recompute"] is True
     assert cfg["prof_step"] == 3 and cfg["prof_waitstep"] == 1 and cfg["disable_grammar_support"] is True
     assert cfg["tokenizer_config_path"].endswith("tokenizer_config.json")

@@ -124,7 +124,7 @@ def test_the_start_up_log_never_shows_the_api_key(model_dir, monkeypatch, caplog
     with caplog.at_level(logging.INFO, logger="gaudi_runtime.launcher"):
         assert launcher.main(cfg) == 0
     (line,) = [r.getMessage() for r in caplog.records if "effective configuration" in r.getMessage()]
-    assert json.loads(line.split("effective configuration:", 1)[1])["api_key"] == "<redacted>"
+    assert json.loads(line.split("effective configuration:", 1)[1])["server"]["api_key"] == "<redacted>"
     assert "s3cret-from-a-secret" not in caplog.text
 
 

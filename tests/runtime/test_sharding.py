@@ -375,7 +375,7 @@ def test_a_rank_that_cannot_join_exits_with_a_clear_message(model_dirs, tmp_path
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("shard 0/2: could not join the gloo process group at 127.0.0.1:"), r.stderr
     assert "GAUDI_SERVE_JOIN_TIMEOUT_S" in last
-    assert not os.path.exists(f"{cfg.shard_uds_path}-0")  # it never served
+    assert not os.path.exists(f"{cfg.server.shard_uds_path}-0")  # it never served
 
 
 # ---- defaults --------------------------------------------------------------------------------------------
@@ -385,12 +385,12 @@ def test_num_shard_defaults_to_every_visible_card():
     base = {"MODEL_ID": "/m"}
     four = lambda device: 4  # noqa: E731
     cfg = resolve(None, base, device_count=four)
-    assert (cfg.num_shard, cfg.sharded) == (4, True)
-    assert resolve(None, {**base, "SHARDED": "true"}, device_count=four).num_shard == 4
-    assert resolve(None, {**base, "SHARDED": "false"}, device_count=four).num_shard == 1
-    assert resolve(None, {**base, "NUM_SHARD": "2"}, device_count=four).num_shard == 2
+    assert (cfg.device.num_shard, cfg.device.sharded) == (4, True)
+    assert resolve(None, {**base, "SHARDED": "true"}, device_count=four).device.num_shard == 4
+    assert resolve(None, {**base, "SHARDED": "false"}, device_count=four).device.num_shard == 1
+    assert resolve(None, {**base, "NUM_SHARD": "2"}, device_count=four).device.num_shard == 2
     cfg = resolve(None, base, device_count=lambda device: 1)
-    assert (cfg.num_shard, cfg.sharded) == (1, False)
+    assert (cfg.device.num_shard, cfg.device.sharded) == (1, False)
     with pytest.raises(ConfigError, match="--sharded true"):
         resolve(None, {**base, "SHARDED": "true"}, device_count=lambda device: 1)
 
@@ -399,7 +399,7 @@ def test_visible_devices(monkeypatch):
     from gaudi_runtime.device import hpu, visible_device_count
 
     assert visible_device_count("cpu") == 1
-    assert resolve(None, {"MODEL_ID": "/m", "DEVICE": "cpu"}).num_shard == 1
+    assert resolve(None, {"MODEL_ID": "/m", "DEVICE": "cpu"}).device.num_shard == 1
     monkeypatch.setenv("HABANA_VISIBLE_DEVICES", "0,1,2,3")
     assert hpu.device_count() == 4
     assert visible_device_count("hpu") == 4

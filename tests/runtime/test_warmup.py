@@ -67,7 +67,7 @@ def test_hpu_graphs_capture_each_bucket_once_and_only_replay_while_serving(fake_
                                            buckets.decode_flat_buckets(cfg)))  # HPU decodes over flat blocks
     assert progress[-1] == (total, total, "done")
     # The count the operator shows (gaudi_operator/estimate.py) is the one the shards warm up.
-    assert total == buckets.warmup_shape_count(cfg, buckets.flat_decode_on("hpu", cfg.use_flash_attention))
+    assert total == buckets.warmup_shape_count(cfg, buckets.flat_decode_on("hpu", cfg.device.use_flash_attention))
     captured = fake_hpu["captures"]
     assert len(captured) == total == len(set(captured))  # one capture per bucket
     assert {k[0] for k in captured} == {"prefill", "prefill_context", "decode"}
@@ -267,7 +267,7 @@ def test_multi_turn_traffic_with_prefix_caching_runs_only_warmed_graphs(fake_hpu
 
     cfg = config(model_dir, EXPONENTIAL_BUCKETING=exponential, MAX_BATCH_TOTAL_TOKENS="400")
     runner = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
-    traffic = conversation_traffic(random.Random(11), conversations=6, turns=4, max_input=cfg.max_input_tokens)
+    traffic = conversation_traffic(random.Random(11), conversations=6, turns=4, max_input=cfg.limits.max_input_tokens)
     info = asyncio.run(serve_in_process(runner, cfg, model_dir, str(tmp_path / "shard"), traffic))
     warmed = len(buckets.prefill_buckets(cfg)) + len(buckets.prefill_context_buckets(cfg)) + len(
         buckets.decode_flat_buckets(cfg))

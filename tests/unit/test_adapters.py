@@ -44,10 +44,10 @@ def test_bad_specs_are_refused(adapters, modules, message):
 
 def test_config_reads_the_flags_and_derives_max_loras():
     cfg = config(LORA_ADAPTERS="a=/x,b=/y", LORA_MODULES="c=/z")
-    assert [a["name"] for a in cfg.lora_adapters] == ["a", "b", "c"]
-    assert cfg.max_loras == 3 and cfg.max_lora_rank == 16
-    assert config(LORA_ADAPTERS="a=/x", MAX_LORAS="1", MAX_LORA_RANK="64").max_lora_rank == 64
-    assert config().lora_adapters == [] and config().max_loras == 0
+    assert [a["name"] for a in cfg.adapters.lora_adapters] == ["a", "b", "c"]
+    assert cfg.adapters.max_loras == 3 and cfg.adapters.max_lora_rank == 16
+    assert config(LORA_ADAPTERS="a=/x", MAX_LORAS="1", MAX_LORA_RANK="64").adapters.max_lora_rank == 64
+    assert config().adapters.lora_adapters == [] and config().adapters.max_loras == 0
 
 
 @pytest.mark.parametrize("env, message", [
@@ -189,7 +189,7 @@ def test_an_unloaded_adapters_slot_waits_for_its_requests_and_a_reload_is_a_new_
     ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "MAX_CPU_LORAS": "2", "MAX_LORAS": "1"}, 2, 1)])
 def test_adapter_slots_are_fixed_at_start(env, slots, max_loras):
     cfg = config(LORA_ADAPTERS="a=/x", **env)
-    assert (cfg.max_cpu_loras, cfg.max_loras) == (slots, max_loras)
+    assert (cfg.adapters.max_cpu_loras, cfg.adapters.max_loras) == (slots, max_loras)
 
 
 @pytest.mark.parametrize("env, message", [({"MAX_CPU_LORAS": "0"}, "fewer than the 1 adapters"),
@@ -208,7 +208,7 @@ def test_max_loras_bounds_the_distinct_adapters_in_a_batch():
 
 def test_each_adapter_roots_its_own_block_hashes():
     cfg = config(LORA_ADAPTERS="a=/x,b=/y")
-    cfg.lora_adapters[0]["digest"], cfg.lora_adapters[1]["digest"] = "d1", "d2"
+    cfg.adapters.lora_adapters[0]["digest"], cfg.adapters.lora_adapters[1]["digest"] = "d1", "d2"
     table = router_adapters.AdapterTable(cfg)
     cache = PrefixCache(cfg, None, table)
     roots = [cache.slot_root(i) for i in range(3)]

@@ -23,20 +23,20 @@ def test_prefill_shapes_are_padded_and_within_budget():
     # a single long prompt may exceed the bucket's padding but never the budget
     assert buckets.prefill_batch_bucket(1, 256, c) == 2
     for rows, seq in buckets.prefill_buckets(c):
-        assert rows * seq <= c.max_batch_prefill_tokens
+        assert rows * seq <= c.scheduling.max_batch_prefill_tokens
 
 
 def test_every_reachable_shape_is_in_the_bucket_set():
     c = cfg()
     pre = set(buckets.prefill_buckets(c))
     for n in range(1, 9):
-        for length in range(1, c.max_input_tokens + 1, 7):
+        for length in range(1, c.limits.max_input_tokens + 1, 7):
             seq = buckets.prefill_seq_bucket(length, c)
             if n <= buckets.max_prefill_batch(seq, c):
                 assert (buckets.prefill_batch_bucket(n, seq, c), seq) in pre
     dec = set(buckets.decode_buckets(c))
-    for n in range(1, c.max_batch_size + 1):
-        for ctx in range(1, c.max_total_tokens + 1, 13):
+    for n in range(1, c.scheduling.max_batch_size + 1):
+        for ctx in range(1, c.limits.max_total_tokens + 1, 13):
             assert (buckets.decode_batch_bucket(n, c), buckets.decode_block_bucket(ctx, c)) in dec
 
 
@@ -48,7 +48,7 @@ def test_every_reachable_flat_decode_shape_is_in_the_bucket_set(exponential):
     flat = buckets.decode_flat_buckets(c)
     assert len(flat) == len(set(flat))
     per_row, reached = buckets.blocks_per_sequence(c), set()
-    for n in range(1, c.max_batch_size + 1):
+    for n in range(1, c.scheduling.max_batch_size + 1):
         rows = buckets.decode_batch_bucket(n, c)
         for used in range(n, n * per_row + 1):
             total = buckets.decode_total_blocks_bucket(used, rows, c)

@@ -11,15 +11,15 @@ def env(**kw):
 
 def test_defaults_follow_tgi():
     cfg = resolve(None, env())
-    assert cfg.max_total_tokens == 2048
-    assert cfg.max_input_tokens == 2047
+    assert cfg.limits.max_total_tokens == 2048
+    assert cfg.limits.max_input_tokens == 2047
     # TGI's max-input-tokens + 50, at most one chunk of 512: a longer prompt is prefilled in chunks.
-    assert cfg.max_batch_prefill_tokens == 512
-    assert resolve(None, env(MAX_INPUT_TOKENS=256)).max_batch_prefill_tokens == 256 + 50
-    assert cfg.max_concurrent_requests == 128
-    assert cfg.max_waiting_tokens == 20
-    assert cfg.waiting_served_ratio == 0.0
-    assert cfg.num_shard == 1 and not cfg.sharded
+    assert cfg.scheduling.max_batch_prefill_tokens == 512
+    assert resolve(None, env(MAX_INPUT_TOKENS=256)).scheduling.max_batch_prefill_tokens == 256 + 50
+    assert cfg.limits.max_concurrent_requests == 128
+    assert cfg.scheduling.max_waiting_tokens == 20
+    assert cfg.scheduling.waiting_served_ratio == 0.0
+    assert cfg.device.num_shard == 1 and not cfg.device.sharded
 
 
 def test_flag_wins_over_env():
@@ -31,9 +31,9 @@ def test_flag_wins_over_env():
     add_arguments(p)
     args = p.parse_args(["--model-id", "/x", "--max-batch-size", "7"])
     cfg = resolve(args, env(MAX_BATCH_SIZE=3, MAX_TOTAL_TOKENS=100))
-    assert cfg.model_id == "/x"
-    assert cfg.max_batch_size == 7
-    assert cfg.max_total_tokens == 100
+    assert cfg.model.model_id == "/x"
+    assert cfg.scheduling.max_batch_size == 7
+    assert cfg.limits.max_total_tokens == 100
 
 
 @pytest.mark.parametrize(
@@ -64,16 +64,18 @@ def test_config_round_trips_json():
 
     cfg = resolve(None, env(CORS_ALLOW_ORIGIN="a,b"))
     assert Config.from_json(cfg.to_json()) == cfg
-    assert cfg.cors_allow_origin == ["a", "b"]
+    assert cfg.server.cors_allow_origin == ["a", "b"]
 
 
 def test_the_logged_configuration_masks_the_api_key():
     import json
 
     cfg = resolve(None, env(API_KEY="s3cret-value"))
-    logged = cfg.to_log_json()
-    assert "s3cret-value" not in logged and json.loads(logged)["api_key"] == "<redacted>"
-    # Everything else is logged as resolved; the children still get the key itself.
-    assert {**json.loads(logged), "api_key": None} == {**json.loads(cfg.to_json()), "api_key": None}
-    assert json.loads(cfg.to_json())["api_key"] == "s3cret-value"
-    assert json.loads(resolve(None, env()).to_log_json())["api_key"] is None  # unset stays visibly unset
+    logged = json.loads(cfg.to_log_json())
+    assert "s3cret-value" not in cfg.to_log_json() and logged["server"]["api_key"] == "<redacted>"
+    # Everything else is logged as resolved, part by part; the children still get the key itself.
+    sent = json.loads(cfg.to_json())
+    assert sent["server"].pop("api_key") == "s3cret-value"
+    del logged["server"]["api_key"]
+    assert logged == sent
+    assert json.loads(resolve(None, env()).to_log_json())["server"]["api_key"] is None  # unset stays visibly unset

@@ -114,16 +114,16 @@ def test_serving_limits_are_accepted_by_the_runtime(name: str, doc: dict[str, An
     environ = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     cfg = runtime_config.resolve(args, environ)
     serving = doc["spec"]["serving"]
-    assert (cfg.max_input_tokens, cfg.max_total_tokens) == (serving["maxInputTokens"], serving["maxTotalTokens"])
-    assert cfg.max_batch_prefill_tokens == serving["maxBatchPrefillTokens"]
-    assert cfg.num_shard == doc["spec"]["shards"]
+    assert (cfg.limits.max_input_tokens, cfg.limits.max_total_tokens) == (serving["maxInputTokens"], serving["maxTotalTokens"])
+    assert cfg.scheduling.max_batch_prefill_tokens == serving["maxBatchPrefillTokens"]
+    assert cfg.device.num_shard == doc["spec"]["shards"]
     # TGI-Gaudi's sizing rules: prefill tokens hold whole prompts; the KV budget holds the batch.
     assert serving["maxBatchPrefillTokens"] % serving["maxInputTokens"] == 0
     if "maxBatchTotalTokens" in serving and "maxBatchSize" in serving:
         assert serving["maxBatchTotalTokens"] >= serving["maxBatchSize"] * serving["maxTotalTokens"]
     batching = doc["spec"]["batching"]
-    assert cfg.batch_bucket_size == batching["batchBucketSize"]
-    assert serving.get("maxBatchSize", cfg.batch_bucket_size) % batching["batchBucketSize"] == 0
+    assert cfg.device.batch_bucket_size == batching["batchBucketSize"]
+    assert serving.get("maxBatchSize", cfg.device.batch_bucket_size) % batching["batchBucketSize"] == 0
 
 
 def test_every_validated_configuration_has_an_example() -> None:

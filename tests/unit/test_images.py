@@ -82,7 +82,7 @@ def png_header(width: int, height: int) -> bytes:
 
 
 def prompter(**overrides) -> ImagePrompter:
-    cfg = Config(model_id="m", max_input_tokens=80, max_total_tokens=128, **overrides)
+    cfg = Config.of(model_id="m", max_input_tokens=80, max_total_tokens=128, **overrides)
     return ImagePrompter(TINY, IMAGE_ID, cfg)
 
 
@@ -200,10 +200,10 @@ def test_fetch_on_loopback():
 
 def test_start_needs_max_input_tokens_for_an_image():
     llava = {"architectures": ["LlavaNextForConditionalGeneration"]}
-    small = Config(model_id="m", max_input_tokens=1024, max_total_tokens=2048)
+    small = Config.of(model_id="m", max_input_tokens=1024, max_total_tokens=2048)
     with pytest.raises(ConfigError, match=r"--max-input-tokens \(1024\) is below BASE_IMAGE_TOKENS \(2048\)"):
         check_image_budget(small, llava)
-    check_image_budget(Config(model_id="m", max_input_tokens=2048, max_total_tokens=4096), llava)
+    check_image_budget(Config.of(model_id="m", max_input_tokens=2048, max_total_tokens=4096), llava)
     check_image_budget(small, {"architectures": ["LlamaForCausalLM"]})  # text models have no image budget
 
 

@@ -37,7 +37,7 @@ def env(**kw):
 ])
 def test_rope_override_pairs_like_tgi(settings, scaling, factor):
     cfg = resolve(None, env(**settings))
-    assert (cfg.rope_scaling, cfg.rope_factor) == (scaling, factor)
+    assert (cfg.model.rope_scaling, cfg.model.rope_factor) == (scaling, factor)
 
 
 @pytest.mark.parametrize("settings, names", [
@@ -56,24 +56,25 @@ def test_bad_settings_fail_naming_the_setting(settings, names):
 
 def test_defaults_follow_tgi_gaudi():
     cfg = resolve(None, env())
-    assert (cfg.prof_step, cfg.prof_waitstep, cfg.prof_warmupstep) == (0, 0, 0)
-    assert cfg.prof_path == "/tmp/hpu_profile" and cfg.prof_ranks == [0] and not cfg.prof_record_shapes
-    assert cfg.use_flash_attention and not cfg.flash_attention_recompute
-    assert cfg.otlp_endpoint is None and cfg.otlp_service_name == "text-generation-inference.router"
-    assert not cfg.disable_grammar_support
+    assert (cfg.device.prof_step, cfg.device.prof_waitstep, cfg.device.prof_warmupstep) == (0, 0, 0)
+    assert cfg.device.prof_path == "/tmp/hpu_profile" and cfg.device.prof_ranks == [0] and not cfg.device.prof_record_shapes
+    assert cfg.device.use_flash_attention and not cfg.device.flash_attention_recompute
+    assert cfg.server.otlp_endpoint is None and cfg.server.otlp_service_name == "text-generation-inference.router"
+    assert not cfg.structured_output.disable_grammar_support
 
 
 def test_boolean_flags_may_be_bare_like_tgi_switches():
     p = argparse.ArgumentParser()
     add_arguments(p)
     cfg = resolve(p.parse_args(["--model-id", "/m", "--disable-grammar-support", "--json-output"]), {})
-    assert cfg.disable_grammar_support and cfg.json_output
+    assert cfg.structured_output.disable_grammar_support and cfg.server.json_output
     cfg = resolve(p.parse_args(["--model-id", "/m", "--disable-grammar-support", "false"]), {})
-    assert not cfg.disable_grammar_support
+    assert not cfg.structured_output.disable_grammar_support
 
 
 def test_every_knob_is_in_the_config_json():
-    keys = json.loads(resolve(None, env(PROF_STEP=1, ROPE_FACTOR=2)).to_json())
+    keys = {name for part in json.loads(resolve(None, env(PROF_STEP=1, ROPE_FACTOR=2)).to_json()).values()
+            for name in part}
     for name in ("prof_step", "prof_waitstep", "prof_warmupstep", "prof_path", "prof_ranks", "prof_record_shapes",
                  "use_flash_attention", "flash_attention_recompute", "rope_scaling", "rope_factor",
                  "tokenizer_config_path", "otlp_endpoint", "otlp_service_name", "disable_grammar_support"):

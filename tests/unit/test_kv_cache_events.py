@@ -34,7 +34,7 @@ def test_the_flag_takes_vllms_json_and_fills_vllms_defaults():
     assert kv_events_config(None) is None and kv_events_config('{"enable_kv_cache_events": false}') is None
     assert kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}') is None
     env = {"MODEL_ID": "m", "DEVICE": "cpu", "KV_EVENTS_CONFIG": '{"enable_kv_cache_events": true}'}
-    assert resolve(None, env).kv_events_config["endpoint"] == "tcp://*:5557"
+    assert resolve(None, env).scheduling.kv_events_config["endpoint"] == "tcp://*:5557"
 
 
 @pytest.mark.parametrize("raw, names", [

@@ -138,8 +138,8 @@ def test_graceful_scale_down_preStop_grace_period_and_runtime_grace(drain: int) 
     add_arguments(parser)
     args = parser.parse_args(c["args"][1:])
     cfg = resolve(args, {}, device_count=lambda _: 1)
-    assert cfg.shutdown_grace_seconds == drain - 30
-    assert 5 + cfg.shutdown_grace_seconds + 5 + 10 < drain  # preStop, drain, cut requests, stop the shards
+    assert cfg.server.shutdown_grace_seconds == drain - 30
+    assert 5 + cfg.server.shutdown_grace_seconds + 5 + 10 < drain  # preStop, drain, cut requests, stop the shards
     kubernetes_validate.validate(copy.deepcopy(dep), K8S_VERSION, strict=True)
 
 

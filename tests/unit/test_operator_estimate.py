@@ -34,7 +34,7 @@ def runtime_warmup_on_gaudi(container: dict) -> dict[str, int]:
     args.device = "hpu"
     environ = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     cfg = resolve(args, environ, device_count=lambda _: 8)
-    assert cfg.block_size == 128 and cfg.use_flash_attention  # HPU: 128-token blocks, decode over flat blocks
+    assert cfg.device.block_size == 128 and cfg.device.use_flash_attention  # HPU: 128-token blocks, decode over flat blocks
     return {phase: len(shapes) for phase, shapes in buckets.warmup_plan(cfg, flat_decode=True)}
 
 

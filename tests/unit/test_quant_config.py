@@ -89,7 +89,7 @@ def test_missing_config_file_and_missing_statistics_are_named(tmp_path):
         start(env(tmp_path, QUANT_CONFIG=path, NUM_SHARD="2"))
     write_stats(tmp_path / "stats" / "measure", {"lm_head": NodeStats([1.0])}, rank=1, world_size=2)
     cfg = start(env(tmp_path, QUANT_CONFIG=path, NUM_SHARD="2"))
-    assert cfg.quantize == "fp8" and cfg.quant_config == path  # QUANT_CONFIG alone turns FP8 on
+    assert cfg.model.quantize == "fp8" and cfg.model.quant_config == path  # QUANT_CONFIG alone turns FP8 on
 
 
 def test_measure_config_is_refused_for_serving(tmp_path):

@@ -60,8 +60,8 @@ def test_the_model_revision_and_the_quant_config_file_change_the_key(tmp_path):
 
 def test_every_setting_the_buckets_read_is_in_the_key():
     tree = ast.parse(Path(buckets.__file__).read_text())
-    read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-            and n.value.id == "cfg"}
+    read = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute)
+            and isinstance(n.value.value, ast.Name) and n.value.value.id == "cfg"}  # cfg.<part>.<setting>
     assert read and read <= set(BUCKET_SETTINGS)
     covered = {name.lower() for name in CHANGES}
     assert set(BUCKET_SETTINGS) | set(GRAPH_SETTINGS) - {"rope_factor"} <= covered

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import os
 import random
 import sys
@@ -50,19 +49,19 @@ class RunTimes:
 
 def check_fits(cfg: Config, batch_sizes: list[int], seq_len: int, decode_len: int) -> None:
     """Fail before spawning anything if a batch cannot run with this configuration."""
-    if seq_len > cfg.max_input_tokens:
-        raise ConfigError(f"--sequence-length {seq_len} exceeds --max-input-tokens {cfg.max_input_tokens}")
-    if seq_len + decode_len > cfg.max_total_tokens:
+    if seq_len > cfg.limits.max_input_tokens:
+        raise ConfigError(f"--sequence-length {seq_len} exceeds --max-input-tokens {cfg.limits.max_input_tokens}")
+    if seq_len + decode_len > cfg.limits.max_total_tokens:
         raise ConfigError(f"--sequence-length + --decode-length ({seq_len + decode_len}) exceeds "
-                          f"--max-total-tokens {cfg.max_total_tokens}")
+                          f"--max-total-tokens {cfg.limits.max_total_tokens}")
     padded = buckets.prefill_seq_bucket(seq_len, cfg)
     most = buckets.max_prefill_batch(padded, cfg)
     for b in batch_sizes:
-        if b > cfg.max_batch_size:
-            raise ConfigError(f"--batch-size {b} exceeds --max-batch-size {cfg.max_batch_size}")
+        if b > cfg.scheduling.max_batch_size:
+            raise ConfigError(f"--batch-size {b} exceeds --max-batch-size {cfg.scheduling.max_batch_size}")
         if b > most:
             raise ConfigError(f"--batch-size {b}: a prefill of {b} x {padded} padded tokens exceeds "
-                              f"--max-batch-prefill-tokens {cfg.max_batch_prefill_tokens}")
+                              f"--max-batch-prefill-tokens {cfg.scheduling.max_batch_prefill_tokens}")
 
 
 def derive_flags(a: argparse.Namespace, environ=os.environ) -> None:
@@ -198,7 +197,7 @@ def render(report: dict) -> str:
 async def run(cfg: Config, args, on_step=None) -> dict:
     from gaudi_runtime.router.client import ShardClient
 
-    client = ShardClient([cfg.shard_socket(r) for r in range(cfg.num_shard)], numbered=False)
+    client = ShardClient([cfg.server.shard_socket(r) for r in range(cfg.device.num_shard)], numbered=False)
     await client.connect(args.connect_timeout, alive=getattr(args, "_alive", lambda: True))
     try:
         if not args.skip_warmup:
@@ -221,7 +220,7 @@ async def run(cfg: Config, args, on_step=None) -> dict:
         await client.close()
     return {
         "tool": "gaudi-serve benchmark",
-        "model_id": cfg.model_id,
+        "model_id": cfg.model.model_id,
         "device": info.device_type,
         "dtype": info.dtype,
         "num_shard": info.world_size,
@@ -286,7 +285,7 @@ def _checked_config(a: argparse.Namespace) -> Config:
     derive_flags(a)
     cfg = resolve(a)
     if "LOG_LEVEL" not in os.environ:  # the shards' info logs would interleave with the progress bar
-        cfg = dataclasses.replace(cfg, log_level="warning")
+        cfg = cfg.replace(log_level="warning")
     check_fits(cfg, a.batch_size, a.sequence_length, a.decode_length)
     return cfg
 

@@ -24,7 +24,7 @@ from gaudi_runtime.router.types import StoppingParameters, ValidRequest
 
 async def run(cfg, model_dir: str, prompts: int, input_len: int, output_len: int) -> dict:
     tokenizer = RouterTokenizer.load(model_dir, cfg)
-    client = ShardClient([cfg.shard_socket(r) for r in range(cfg.num_shard)])
+    client = ShardClient([cfg.server.shard_socket(r) for r in range(cfg.device.num_shard)])
     engine = BatchingEngine(cfg, client, tokenizer)
     await engine.start()
     rng = random.Random(0)

@@ -128,11 +128,11 @@ def check_stats_exist(qc: QuantConfig, world_size: int) -> None:
 
 def check_quant_config(cfg) -> QuantConfig | None:
     """What `launch` checks before starting any process: the file parses, is for serving, has its statistics."""
-    if not cfg.quant_config:
+    if not cfg.model.quant_config:
         return None
-    qc = load_quant_config(cfg.quant_config)
+    qc = load_quant_config(cfg.model.quant_config)
     if qc.mode == "MEASURE":
-        raise ConfigError(f"QUANT_CONFIG {cfg.quant_config}: mode MEASURE is for `gaudi-serve calibrate`; "
+        raise ConfigError(f"QUANT_CONFIG {cfg.model.quant_config}: mode MEASURE is for `gaudi-serve calibrate`; "
                           "serve with a QUANTIZE config")
-    check_stats_exist(qc, cfg.num_shard)
+    check_stats_exist(qc, cfg.device.num_shard)
     return qc

@@ -17,7 +17,7 @@ KV_DTYPES = {"fp8_e4m3fn": torch.float8_e4m3fn}
 
 
 def kv_cache_dtype(cfg: Config, model_dtype: torch.dtype) -> torch.dtype:
-    return KV_DTYPES[cfg.kv_cache_dtype] if cfg.kv_cache_dtype else model_dtype
+    return KV_DTYPES[cfg.model.kv_cache_dtype] if cfg.model.kv_cache_dtype else model_dtype
 
 
 def quant_config(cfg: Config) -> QuantConfig:
@@ -30,7 +30,7 @@ def quantize_loaded(model: nn.Module, cfg: Config, device: str, dtype: torch.dty
                     world_size: int = 1) -> nn.Module:
     """Apply --quantize / QUANT_CONFIG / --kv-cache-dtype to a freshly loaded model; return the model to serve."""
     stats = None
-    if cfg.quantize == "fp8":
+    if cfg.model.quantize == "fp8":
         qc = quant_config(cfg)
         if device == "hpu":
             from gaudi_runtime.quant import inc
@@ -42,9 +42,9 @@ def quantize_loaded(model: nn.Module, cfg: Config, device: str, dtype: torch.dty
             report = quantize_model(model, qc, dtype, stats)
             static = sum(s is not None for s in report.input_scales.values())
             log.info("rank %d: %d layers in FP8 (%d with static input scales), %d kept in %s",
-                     rank, len(report.input_scales), static, len(report.kept), cfg.dtype)
-    if cfg.kv_cache_dtype:
+                     rank, len(report.input_scales), static, len(report.kept), cfg.model.dtype)
+    if cfg.model.kv_cache_dtype:
         set_kv_scales(model, stats)
-        log.info("rank %d: KV cache in %s (%s scales)", rank, cfg.kv_cache_dtype,
+        log.info("rank %d: KV cache in %s (%s scales)", rank, cfg.model.kv_cache_dtype,
                  "measured" if stats else "unit")
     return model

@@ -48,7 +48,7 @@ def resolve_path(cfg: Config, lora_path: str) -> str:
     from gaudi_runtime.download import DownloadError, ensure_snapshot
 
     try:
-        return ensure_snapshot(lora_path, None, cfg.huggingface_hub_cache, None)["path"]
+        return ensure_snapshot(lora_path, None, cfg.model.huggingface_hub_cache, None)["path"]
     except DownloadError as e:
         raise UpdateError(404, "NotFoundError", f"No adapter found for {lora_path}: {e}") from None
 
@@ -59,7 +59,7 @@ def check_files(cfg: Config, model_dir: str, name: str, path: str) -> str:
 
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
     try:
-        check_adapter(name, path, model_config, cfg.max_lora_rank)
+        check_adapter(name, path, model_config, cfg.adapters.max_lora_rank)
         return digest(path)
     except (AdapterError, OSError) as e:
         raise UpdateError(400, "BadRequestError", f"Loading lora {name} failed: {e}") from None

@@ -165,11 +165,11 @@ class BatchingLoop:
 
     def _steps(self, ids: list[int]) -> int:
         """Decode steps the next call runs for the running `ids` (none joining, none waiting)."""
-        if self.cfg.decode_steps <= 1:
+        if self.cfg.scheduling.decode_steps <= 1:
             return 1
         states = [self.requests.get(rid) for rid in ids]
         left = min(s.req.stopping.max_new_tokens - s.sent for s in states)
-        return decode_call_steps(self.cfg.decode_steps, left, self._step_ms)
+        return decode_call_steps(self.cfg.scheduling.decode_steps, left, self._step_ms)
 
     async def _join(self, running: int, batch: RunningBatch) -> tuple[bool, pb.CachedBatch | None]:
         """Prefill the waiting requests that may join `running` decodes now (a long prompt: its first
@@ -207,7 +207,7 @@ class BatchingLoop:
 
     def _take_waiting(self, running: int, min_size: int | None, chunks: bool) -> list[RequestState]:
         """The requests the next prefill takes (TGI's rules), their KV blocks reserved."""
-        view = self.requests.waiting_view(max(0, self.cfg.max_batch_size - running))
+        view = self.requests.waiting_view(max(0, self.cfg.scheduling.max_batch_size - running))
         return self.requests.take(select_prefill(view, running, self.requests.allocator.free_count, self.cfg,
                                                  min_size, chunks, self.requests.running_adapters()))
 
@@ -263,7 +263,7 @@ class BatchingLoop:
         to read blocks such a request would have filled (prefix caching) wait for the next prefill."""
         out, unfilled = [], set()
         for state in taken:
-            own_blocks = state.blocks[state.cached_tokens // self.cfg.block_size:]
+            own_blocks = state.blocks[state.cached_tokens // self.cfg.device.block_size:]
             request = self._encode_or_end(state)
             if request is None:
                 unfilled.update(own_blocks)
@@ -273,7 +273,7 @@ class BatchingLoop:
         for state, _ in out:  # in take order: a request reads only blocks of requests before it
             if unfilled.intersection(state.blocks):
                 stranded.append(state)
-                unfilled.update(state.blocks[state.cached_tokens // self.cfg.block_size:])
+                unfilled.update(state.blocks[state.cached_tokens // self.cfg.device.block_size:])
         if stranded:
             self.requests.requeue(stranded)
             self.wake()  # they are waiting again: serve them even if nothing else runs

@@ -61,9 +61,9 @@ class BatchingEngine:
         self.in_flight = 0  # generate() iterators open (--max-concurrent-requests)
         self.adapters = AdapterTable(cfg)  # the LoRA adapters served now (router/adapters.py)
         self.requests = Requests(cfg, self.metrics, self.adapters)
-        self.kv_events = self.requests.prefix.events = make_kv_events(cfg.kv_events_config)
+        self.kv_events = self.requests.prefix.events = make_kv_events(cfg.scheduling.kv_events_config)
         self.output = OutputProcessor(tokenizer, self.requests)
-        self.grammars = None if cfg.disable_grammar_support else ShardGrammars(client, cfg.grammar_compile_timeout_s)
+        self.grammars = None if cfg.structured_output.disable_grammar_support else ShardGrammars(client, cfg.structured_output.grammar_compile_timeout_s)
         self.batching = BatchingLoop(cfg, client, self.requests, self.output, self.metrics)
         self._task: asyncio.Task | None = None
 
@@ -74,7 +74,7 @@ class BatchingEngine:
         try:
             await self.client.connect(connect_timeout_s, alive)
             info = await self.client.info()
-            check_context_fits(self.cfg.max_total_tokens, info.max_position_embeddings)
+            check_context_fits(self.cfg.limits.max_total_tokens, info.max_position_embeddings)
             self.shard_info = info
             self.warmup_progress["from_cache"] = shard_info.warmup_from_cache(info)
             self.requests.allocator = BlockAllocator(info.num_blocks, on_removed=self.requests.prefix.removed)
@@ -155,17 +155,17 @@ class BatchingEngine:
 
     def info(self) -> dict:
         info = {"state": self.state, "unwarmed_shapes": self.metrics.unwarmed_shapes,
-                "prefix_caching": self.cfg.prefix_caching}
+                "prefix_caching": self.cfg.scheduling.prefix_caching}
         if self.shard_info is not None:
             s = self.shard_info
             info.update({
                 "model_dtype": s.dtype, "model_device_type": s.device_type, "num_shard": s.world_size,
                 "block_size": s.block_size, "kv_blocks": s.num_blocks,
                 "max_batch_total_tokens": s.num_blocks * s.block_size,
-                "max_batch_size": self.cfg.max_batch_size,
-                "max_batch_prefill_tokens": self.cfg.max_batch_prefill_tokens,
-                "max_waiting_tokens": self.cfg.max_waiting_tokens,
-                "waiting_served_ratio": self.cfg.waiting_served_ratio,
+                "max_batch_size": self.cfg.scheduling.max_batch_size,
+                "max_batch_prefill_tokens": self.cfg.scheduling.max_batch_prefill_tokens,
+                "max_waiting_tokens": self.cfg.scheduling.max_waiting_tokens,
+                "waiting_served_ratio": self.cfg.scheduling.waiting_served_ratio,
             })
             info.update(shard_info.details(s))
         if self.requests.allocator is not None:
@@ -179,7 +179,7 @@ class BatchingEngine:
     async def generate_groups(self, request: ValidRequest):
         if self.state == "failed":
             raise GenerationError(f"the shards failed: {self.failure}")
-        if self.in_flight >= self.cfg.max_concurrent_requests:
+        if self.in_flight >= self.cfg.limits.max_concurrent_requests:
             raise OverloadedError("Model is overloaded")
         if not self.adapters.current(request.adapter, request.adapter_load):
             # Unloaded (or reloaded) between its validation and now: its slot may hold another adapter.

@@ -66,7 +66,7 @@ async def generate_all(state: AppState, requests: list[ValidRequest], rec: Reque
 
 def model_name(state: AppState) -> str:
     """The name clients see: `--model-name` when given, else the model id."""
-    return state.config.model_name or state.config.model_id
+    return state.config.model.model_name or state.config.model.model_id
 
 
 def finite_logprob(v: float | None) -> float | None:

@@ -128,12 +128,12 @@ class ImagePrompter:
         return cls(ImageGeometry.from_config(cfg), int(token), config)
 
     async def load_image(self, url: str, index: int) -> bytes:
-        limit = self.config.max_image_bytes
+        limit = self.config.limits.max_image_bytes
         try:
             if url.startswith("data:"):
                 return decode_data_url(url, limit)
             if url.startswith(("http://", "https://")):
-                return await fetch_url(url, limit, self.config.image_fetch_timeout_s, self.fetch_policy)
+                return await fetch_url(url, limit, self.config.limits.image_fetch_timeout_s, self.fetch_policy)
             raise ValidationError("invalid image: the URL must be a data: URL or http(s)")
         except ValidationError as e:
             raise ValidationError(f"image {index}: {e}") from None
@@ -144,7 +144,7 @@ class ImagePrompter:
                                   "give images as markdown `![](data:image/png;base64,...)`")
         out = PromptImages(text="", image_token_id=self.image_token_id)
         parts = split_markdown(text)
-        check_image_count(sum(isinstance(p, tuple) for p in parts), self.config.max_images_per_request)
+        check_image_count(sum(isinstance(p, tuple) for p in parts), self.config.limits.max_images_per_request)
         pieces = []
         for part in parts:
             if isinstance(part, str):
@@ -154,10 +154,10 @@ class ImagePrompter:
             data = await self.load_image(part[0], index)
             height, width = await asyncio.to_thread(_checked_size, data, index)
             count = image_token_count(height, width, self.geometry)
-            if count > self.config.max_input_tokens:
+            if count > self.config.limits.max_input_tokens:
                 raise ValidationError(
                     f"image {index} ({width}x{height}) takes {count} tokens, more than `--max-input-tokens` "
-                    f"({self.config.max_input_tokens})")
+                    f"({self.config.limits.max_input_tokens})")
             out.images.append(data)
             out.token_counts.append(count)
             pieces.append(IMAGE_TOKEN * count)
@@ -190,8 +190,8 @@ def check_image_budget(config: Config, model_config: dict[str, Any]) -> None:
     """At start: a vision model needs room for an image in every prompt (TGI-Gaudi's BASE_IMAGE_TOKENS)."""
     if not set(model_config.get("architectures") or []) & VISION_ARCHITECTURES:
         return
-    if config.max_input_tokens < config.base_image_tokens:
+    if config.limits.max_input_tokens < config.limits.base_image_tokens:
         raise ConfigError(
-            f"--max-input-tokens ({config.max_input_tokens}) is below BASE_IMAGE_TOKENS "
-            f"({config.base_image_tokens}), the image-token budget of this vision model: raise "
+            f"--max-input-tokens ({config.limits.max_input_tokens}) is below BASE_IMAGE_TOKENS "
+            f"({config.limits.base_image_tokens}), the image-token budget of this vision model: raise "
             "--max-input-tokens (and --max-total-tokens) or lower BASE_IMAGE_TOKENS")

@@ -206,7 +206,7 @@ class ZmqPublisher:
 
 
 def make_kv_events(cfg: dict | None) -> KvEvents | None:
-    """The events' sink for --kv-events-config as resolved (config.kv_events_config); None: off."""
+    """The events' sink for --kv-events-config as resolved (config.scheduling.kv_events_config); None: off."""
     if cfg is None:
         return None
     return KvEvents(ZmqPublisher(cfg["endpoint"], cfg["topic"], cfg["replay_endpoint"], cfg["buffer_steps"],

@@ -171,7 +171,7 @@ class Requests:
     def _report_adapters(self) -> None:
         waiting = {s.req.adapter for s in self.waiting}
         running = {s.req.adapter for s in self._live.values() if s.started is not None}
-        self.metrics.lora_load(self.cfg.max_loras, [self.adapters.name(i) for i in sorted(running - {0})],
+        self.metrics.lora_load(self.cfg.adapters.max_loras, [self.adapters.name(i) for i in sorted(running - {0})],
                                [self.adapters.name(i) for i in sorted(waiting - {0})])
 
     def end_all(self, error: Exception) -> None:

@@ -40,7 +40,7 @@ def _site(runner: web.AppRunner, cfg: Config) -> web.BaseSite:
     fd = os.environ.get(LISTEN_FD_ENV)
     if fd:
         return web.SockSite(runner, socket.socket(fileno=int(fd)))
-    return web.TCPSite(runner, cfg.hostname, cfg.port)
+    return web.TCPSite(runner, cfg.server.hostname, cfg.server.port)
 
 
 def load_tokenizer(cfg: Config, model_dir: str) -> RouterTokenizer:
@@ -53,18 +53,18 @@ async def serve(cfg: Config, model_dir: str) -> int:
     progress.start_reporting("router")
     progress.report("loading")
     tokenizer = load_tokenizer(cfg, model_dir)
-    client = ShardClient([cfg.shard_socket(r) for r in range(cfg.num_shard)])
-    metrics = Metrics(cfg.model_name)
+    client = ShardClient([cfg.server.shard_socket(r) for r in range(cfg.device.num_shard)])
+    metrics = Metrics(cfg.model.model_name)
     engine = BatchingEngine(cfg, client, tokenizer, metrics)
     app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg))
     app[STATE].tracer = tracer = make_tracer(cfg)
-    if cfg.allow_runtime_lora_updating:
+    if cfg.adapters.allow_runtime_lora_updating:
         app[STATE].adapter_updates = AdapterUpdates(cfg, model_dir, engine.adapters, client, engine.requests)
     log_tool_format(cfg, tokenizer)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     await _site(runner, cfg).start()
-    log.info("router listening on http://%s:%d", cfg.hostname, cfg.port)
+    log.info("router listening on http://%s:%d", cfg.server.hostname, cfg.server.port)
 
     stop, hurry = _signals()
     code = 0
@@ -86,7 +86,7 @@ async def serve(cfg: Config, model_dir: str) -> int:
         failed.cancel()
     finally:
         if stop.is_set() and code == 0:
-            await shut_down(app[DRAIN], engine, cfg.shutdown_grace_seconds, hurry)
+            await shut_down(app[DRAIN], engine, cfg.server.shutdown_grace_seconds, hurry)
         await engine.stop()
         await runner.cleanup()
         if tracer is not None:
@@ -97,7 +97,7 @@ async def serve(cfg: Config, model_dir: str) -> int:
 
 def log_tool_format(cfg: Config, tokenizer: RouterTokenizer) -> None:
     template = tokenizer.chat_template
-    fmt = detect_format(template, cfg.tool_call_parser)
+    fmt = detect_format(template, cfg.structured_output.tool_call_parser)
     if not renders_tools(template):
         log.info("tool calls: the chat template does not render tools; they are given in a prompt appended "
                  "to the last message, calls in %s format", fmt or PROMPTED_FORMAT)

@@ -40,8 +40,8 @@ class FetchPolicy:
 
     @classmethod
     def from_config(cls, config: Config) -> FetchPolicy:
-        hosts = config.allowed_media_domains
-        return cls(None if hosts is None else frozenset(hosts), not config.disable_image_urls)
+        hosts = config.limits.allowed_media_domains
+        return cls(None if hosts is None else frozenset(hosts), not config.limits.disable_image_urls)
 
     def trusts(self, host: str) -> bool:
         """An allow-listed host: fetched whatever its addresses."""

@@ -299,6 +299,6 @@ async def handle_models(request: web.Request) -> web.Response:
     state = get_state(request)
     card = {"object": "model", "created": int(state.started), "owned_by": "gaudi-serve"}
     base = model_name(state)
-    data = [{"id": base, **card, "root": state.config.model_id, "parent": None}]
+    data = [{"id": base, **card, "root": state.config.model.model_id, "parent": None}]
     data += [{"id": a.name, **card, "root": a.source, "parent": base} for a in state.adapters.served()]
     return web.json_response({"object": "list", "data": data})

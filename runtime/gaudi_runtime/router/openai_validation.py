@@ -38,8 +38,8 @@ from gaudi_runtime.router.validation import (
 
 def generate_parameters(req: OpenAIRequest, max_tokens: int | None, config: Config, **extra) -> GenerateParameters:
     """The TGI parameters of an OpenAI request; `extra` holds the route's own (echo, logprobs)."""
-    if req.n > config.max_n:
-        raise ValidationError(f"`n` must be <= {config.max_n} (--max-n). Given: {req.n}")
+    if req.n > config.limits.max_n:
+        raise ValidationError(f"`n` must be <= {config.limits.max_n} (--max-n). Given: {req.n}")
     params = {"details": True, "max_new_tokens": max_tokens, "top_p": req.top_p, "seed": req.seed,
               "repetition_penalty": req.repetition_penalty, "stop": req.stop, "ignore_eos": req.ignore_eos,
               **extra}
@@ -71,7 +71,7 @@ def output_grammar(req: OpenAIRequest, config: Config) -> GrammarSpec | None:
         return None
     if len(given) > 1:
         raise ValidationError(f"`{given[1]}`: give only one of {', '.join(given)}")
-    if config.disable_grammar_support:
+    if config.structured_output.disable_grammar_support:
         raise ValidationError(f"`{given[0]}`: grammar is not supported (--disable-grammar-support)")
     if req.guided_json is not None:
         return json_schema_spec(req.guided_json, "guided_json")
@@ -113,8 +113,8 @@ def completion_sequences(req: CompletionRequest, config: Config) -> int:
         return req.n
     if req.best_of < req.n:
         raise ValidationError(f"`best_of` must be >= `n`. Given: best_of {req.best_of}, n {req.n}")
-    if req.best_of > config.max_best_of:
-        raise ValidationError(f"`best_of` must be <= {config.max_best_of} (--max-best-of). Given: {req.best_of}")
+    if req.best_of > config.limits.max_best_of:
+        raise ValidationError(f"`best_of` must be <= {config.limits.max_best_of} (--max-best-of). Given: {req.best_of}")
     if req.stream:
         raise ValidationError("`best_of` != `n` is not supported when streaming")
     return req.best_of
@@ -122,8 +122,8 @@ def completion_sequences(req: CompletionRequest, config: Config) -> int:
 
 def _check_top(n: int, name: str, config: Config) -> None:
     """Top tokens per step, within --max-top-n-tokens; the error names the OpenAI field."""
-    if n > config.max_top_n_tokens:
-        raise ValidationError(f"`{name}` must be <= {config.max_top_n_tokens} (--max-top-n-tokens). Given: {n}")
+    if n > config.limits.max_top_n_tokens:
+        raise ValidationError(f"`{name}` must be <= {config.limits.max_top_n_tokens} (--max-top-n-tokens). Given: {n}")
 
 
 def prompts(prompt: str | list[str] | list[int], config: Config,
@@ -137,10 +137,10 @@ def prompts(prompt: str | list[str] | list[int], config: Config,
         except TokenizerError as e:
             raise ValidationError(f"`prompt`: {e}") from None
         return [(tokenizer.decode(prompt), list(prompt))]
-    if len(prompt) > config.max_client_batch_size:
+    if len(prompt) > config.limits.max_client_batch_size:
         raise ValidationError(
             f"Number of prompts ({len(prompt)}) exceeds the maximum client batch size "
-            f"({config.max_client_batch_size})")
+            f"({config.limits.max_client_batch_size})")
     return [(p, tokenize_input(p, tokenizer)) for p in prompt]
 
 
@@ -195,13 +195,13 @@ def chat_tools(req: ChatCompletionRequest, config: Config, chat_template: str | 
         raise ValidationError(f"`tool_choice`: no function named {named!r} in `tools`")
     if choice == "none":
         return ChatTools()
-    fmt = tools_format(chat_template, config.tool_call_parser)
+    fmt = tools_format(chat_template, config.structured_output.tool_call_parser)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     rendered = renders_tools(chat_template)
     shown = ChatTools(tools if rendered else None, None, fmt, tool_prompt(tools, fmt, req.tool_prompt, rendered))
     if choice == "auto":
         return shown
-    if config.disable_grammar_support:
+    if config.structured_output.disable_grammar_support:
         raise ValidationError("`tool_choice`: grammar is not supported (--disable-grammar-support); use auto")
     chosen = [(t.function.name, t.function.parameters) for t in req.tools if named in (None, t.function.name)]
     return replace(shown, grammar=call_grammar(fmt, chosen, several=named is None and req.parallel_tool_calls))

@@ -44,8 +44,8 @@ from gaudi_runtime.router.kv_events import KvEvents, removed, stored
 
 def root_hash(cfg: Config) -> bytes:
     """The parent of every sequence's first block: what besides the tokens decides the KV values."""
-    salt = "|".join(str(x) for x in (cfg.model_id, cfg.revision, cfg.dtype, cfg.kv_cache_dtype, cfg.quantize,
-                                     cfg.quant_config, cfg.rope_scaling, cfg.rope_factor, cfg.block_size))
+    salt = "|".join(str(x) for x in (cfg.model.model_id, cfg.model.revision, cfg.model.dtype, cfg.model.kv_cache_dtype, cfg.model.quantize,
+                                     cfg.model.quant_config, cfg.model.rope_scaling, cfg.model.rope_factor, cfg.device.block_size))
     return hashlib.sha256(salt.encode()).digest()
 
 
@@ -86,9 +86,9 @@ class PrefixCache:
     """The lookups and registrations of each request's blocks (a no-op with --prefix-caching false)."""
 
     def __init__(self, cfg: Config, metrics: EngineMetrics, adapters: AdapterTable | None = None):
-        self.enabled = cfg.prefix_caching
-        self.block_size = cfg.block_size
-        self.speculates = cfg.speculate > 0
+        self.enabled = cfg.scheduling.prefix_caching
+        self.block_size = cfg.device.block_size
+        self.speculates = cfg.scheduling.speculate > 0
         self.root = root_hash(cfg)
         self.adapters = adapters or AdapterTable(cfg)
         self.metrics = metrics

@@ -38,25 +38,25 @@ def decode_call_steps(max_steps: int, steps_left: int, step_ms: float | None) ->
 def chunk_tokens(cfg: Config) -> int:
     """Prompt tokens one chunk of a long prompt computes: --max-batch-prefill-tokens in whole blocks, so
     that every chunk after the first starts on a block boundary (a prefill over cached blocks)."""
-    return cfg.max_batch_prefill_tokens // cfg.block_size * cfg.block_size
+    return cfg.scheduling.max_batch_prefill_tokens // cfg.device.block_size * cfg.device.block_size
 
 
 def chunk_end(done: int, prompt_len: int, cfg: Config) -> int:
     """Where the next chunk of a prompt whose first `done` tokens are in the KV cache ends: the prompt's
     end when the rest fits --max-batch-prefill-tokens (the last chunk), else one chunk further."""
-    if prompt_len - done <= cfg.max_batch_prefill_tokens:
+    if prompt_len - done <= cfg.scheduling.max_batch_prefill_tokens:
         return prompt_len
     return done + chunk_tokens(cfg)
 
 
 def needs_chunks(w: Waiting, cfg: Config) -> bool:
     """Whether a request's prompt is prefilled in chunks: what it computes exceeds one prefill's budget."""
-    return w.chunkable and w.input_len - w.cached_tokens > cfg.max_batch_prefill_tokens
+    return w.chunkable and w.input_len - w.cached_tokens > cfg.scheduling.max_batch_prefill_tokens
 
 
 def blocks_needed(input_len: int, max_new_tokens: int, cfg: Config) -> int:
     """Blocks reserved for a request: its prompt and every token it may generate."""
-    return buckets.ceil_div(input_len + max_new_tokens, cfg.block_size)
+    return buckets.ceil_div(input_len + max_new_tokens, cfg.device.block_size)
 
 
 def join_min_size(running: int, waiting_steps: int, oldest_wait_ms: float, cfg: Config) -> int | None:
@@ -65,9 +65,9 @@ def join_min_size(running: int, waiting_steps: int, oldest_wait_ms: float, cfg: 
     After --max-waiting-tokens decode steps, or once the oldest request has
     waited QUEUE_THRESHOLD_MS, waiting requests go in regardless of size.
     """
-    if waiting_steps >= cfg.max_waiting_tokens or oldest_wait_ms >= cfg.queue_threshold_ms:
+    if waiting_steps >= cfg.scheduling.max_waiting_tokens or oldest_wait_ms >= cfg.scheduling.queue_threshold_ms:
         return None
-    return math.floor(running * cfg.waiting_served_ratio)
+    return math.floor(running * cfg.scheduling.waiting_served_ratio)
 
 
 def select_prefill(waiting: list[Waiting], running: int, free_blocks: int, cfg: Config,
@@ -84,14 +84,14 @@ def select_prefill(waiting: list[Waiting], running: int, free_blocks: int, cfg: 
     prefilled in chunks goes alone: its first chunk fills the prefill; with
     `chunks` False (one is being chunked already) it waits at the head of the queue.
     """
-    room = cfg.max_batch_size - running
+    room = cfg.scheduling.max_batch_size - running
     taken, longest, blocks = 0, 0, 0
     adapters = set(running_adapters) - {0}
     for w in waiting:
         if taken >= room:
             break
         if w.adapter and w.adapter not in adapters:
-            if len(adapters) >= cfg.max_loras:
+            if len(adapters) >= cfg.adapters.max_loras:
                 break
             adapters.add(w.adapter)
         if needs_chunks(w, cfg):

@@ -62,4 +62,4 @@ def check_json_schemas(fields: list[tuple[str, Any]], config: Config) -> None:
     """Every (field name, schema) of one request against the server's limits."""
     for name, value in fields:
         if value is not None:
-            check_json_schema(value, name, config.max_json_schema_bytes, config.max_json_schema_depth)
+            check_json_schema(value, name, config.structured_output.max_json_schema_bytes, config.structured_output.max_json_schema_depth)

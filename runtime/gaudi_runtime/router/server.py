@@ -39,7 +39,7 @@ METRICS = web.AppKey("gaudi_serve_metrics", Metrics)
 
 
 def _cors_origin(config: Config, origin: str | None) -> str | None:
-    allowed = config.cors_allow_origin
+    allowed = config.server.cors_allow_origin
     if not origin or not allowed:
         return None
     if "*" in allowed:
@@ -63,15 +63,15 @@ def _cors_headers(config: Config, request: web.Request) -> dict[str, str]:
 def too_large(config: Config, size: int | None = None) -> web.Response:
     given = f"{size} bytes, " if size is not None else ""
     return json_error(413, f"Request body too large: {given}more than --max-request-bytes "
-                           f"({config.max_request_bytes})", "validation")
+                           f"({config.server.max_request_bytes})", "validation")
 
 
 def authorized(config: Config, request: web.Request) -> bool:
     """The request carries the API key (compared in constant time), or none is set."""
-    if not config.api_key:
+    if not config.server.api_key:
         return True
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), config.api_key.encode())
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), config.server.api_key.encode())
 
 
 def not_ready(health: dict) -> web.Response:
@@ -87,14 +87,14 @@ def not_ready(health: dict) -> web.Response:
 def _middlewares(config: Config, engine: Engine) -> list:
     @web.middleware
     async def cors(request: web.Request, handler):
-        if request.method == "OPTIONS" and config.cors_allow_origin:
+        if request.method == "OPTIONS" and config.server.cors_allow_origin:
             return web.Response(status=204, headers=_cors_headers(config, request))
         return await handler(request)
 
     @web.middleware
     async def gate(request: web.Request, handler):
         """Body size first (before anything reads it), then the API key, then readiness."""
-        if request.content_length is not None and request.content_length > config.max_request_bytes:
+        if request.content_length is not None and request.content_length > config.server.max_request_bytes:
             return too_large(config, request.content_length)
         if open_route(request):
             return await handler(request)
@@ -131,10 +131,10 @@ def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
               metrics: Metrics | None = None, images=None) -> web.Application:
     """The HTTP application; pass `metrics` to share it with the engine (else one is made:
     `app[METRICS]` or `get_metrics(app)`)."""
-    metrics = metrics or Metrics(config.model_name)
+    metrics = metrics or Metrics(config.model.model_name)
     drain = Drain()  # admission during a graceful shutdown (router/drain.py)
     app = web.Application(middlewares=[drain.middleware, *_middlewares(config, engine)],
-                          client_max_size=config.max_request_bytes)
+                          client_max_size=config.server.max_request_bytes)
     # The engine's adapter table, which its requests are numbered by; a stand-in engine (tests) has none.
     adapters = getattr(engine, "adapters", None) or AdapterTable(config)
     app[STATE] = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, images=images,
@@ -142,14 +142,14 @@ def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
     app[METRICS] = metrics
     app[DRAIN] = drain
 
-    if config.cors_allow_origin:
+    if config.server.cors_allow_origin:
         async def add_cors(request: web.Request, response: web.StreamResponse) -> None:
             for k, v in _cors_headers(config, request).items():
                 response.headers.setdefault(k, v)
 
         app.on_response_prepare.append(add_cors)
 
-    add_routes(app, config.allow_runtime_lora_updating)
+    add_routes(app, config.adapters.allow_runtime_lora_updating)
     return app
 
 

@@ -88,7 +88,7 @@ def timing_headers(state: AppState, rec: RequestRecorder, end: GenerationEnd, in
     validation = (rec.validated_at or rec.start) - rec.start
     per_token = end.inference_time / end.generated_tokens if end.generated_tokens else 0.0
     h = {
-        "x-compute-type": state.config.device,
+        "x-compute-type": state.config.device.device,
         "x-compute-time": f"{rec.elapsed:.6f}",
         "x-total-time": f"{rec.elapsed * 1000:.0f}",
         "x-validation-time": f"{validation * 1000:.0f}",
@@ -233,29 +233,29 @@ def info_body(state: AppState) -> dict:
     c = state.config
     body = {
         "model_id": model_name(state),
-        "model_sha": c.revision if c.revision and len(c.revision) == 40 else _model_sha(c.model_id),
-        "model_dtype": c.dtype,
-        "model_device_type": c.device,
+        "model_sha": c.model.revision if c.model.revision and len(c.model.revision) == 40 else _model_sha(c.model.model_id),
+        "model_dtype": c.model.dtype,
+        "model_device_type": c.device.device,
         "model_pipeline_tag": "text-generation",
-        "max_concurrent_requests": c.max_concurrent_requests,
-        "max_best_of": c.max_best_of,
-        "max_stop_sequences": c.max_stop_sequences,
-        "max_input_tokens": c.max_input_tokens,
-        "max_input_length": c.max_input_tokens,
-        "max_total_tokens": c.max_total_tokens,
-        "max_top_n_tokens": c.max_top_n_tokens,
+        "max_concurrent_requests": c.limits.max_concurrent_requests,
+        "max_best_of": c.limits.max_best_of,
+        "max_stop_sequences": c.limits.max_stop_sequences,
+        "max_input_tokens": c.limits.max_input_tokens,
+        "max_input_length": c.limits.max_input_tokens,
+        "max_total_tokens": c.limits.max_total_tokens,
+        "max_top_n_tokens": c.limits.max_top_n_tokens,
         "validation_workers": 1,
-        "max_client_batch_size": c.max_client_batch_size,
-        "waiting_served_ratio": c.waiting_served_ratio,
-        "max_batch_total_tokens": c.max_batch_total_tokens,
-        "max_waiting_tokens": c.max_waiting_tokens,
-        "max_batch_size": c.max_batch_size,
-        "prefix_caching": c.prefix_caching,
+        "max_client_batch_size": c.limits.max_client_batch_size,
+        "waiting_served_ratio": c.scheduling.waiting_served_ratio,
+        "max_batch_total_tokens": c.scheduling.max_batch_total_tokens,
+        "max_waiting_tokens": c.scheduling.max_waiting_tokens,
+        "max_batch_size": c.scheduling.max_batch_size,
+        "prefix_caching": c.scheduling.prefix_caching,
         "lora_adapters": [a.name for a in state.adapters.served()],
-        "max_loras": c.max_loras,
-        "max_cpu_loras": c.max_cpu_loras,
-        "runtime_lora_updating": c.allow_runtime_lora_updating,
-        "max_lora_rank": c.max_lora_rank,
+        "max_loras": c.adapters.max_loras,
+        "max_cpu_loras": c.adapters.max_cpu_loras,
+        "runtime_lora_updating": c.adapters.allow_runtime_lora_updating,
+        "max_lora_rank": c.adapters.max_lora_rank,
         "router": "gaudi-serve-router",
         "version": gaudi_runtime.__version__,
         "sha": os.environ.get("GIT_SHA") or None,
@@ -291,7 +291,7 @@ async def handle_livez(request: web.Request) -> web.Response:
     directory = os.environ.get(progress.PROGRESS_DIR_ENV)
     if not directory:
         return web.json_response({"status": "ok"})
-    code, body = liveness(directory, ROUTER_STARTED_AT, state.config.warmup_stall_seconds)
+    code, body = liveness(directory, ROUTER_STARTED_AT, state.config.server.warmup_stall_seconds)
     return web.json_response(body, status=code)
 
 

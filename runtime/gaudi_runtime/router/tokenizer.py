@@ -140,17 +140,17 @@ class RouterTokenizer:
         p = Path(path)
         hf = None
         try:
-            hf = _auto_tokenizer(path, config.revision)
+            hf = _auto_tokenizer(path, config.model.revision)
         except Exception:
-            if not config.skip_tokenizer_in_tgi:
+            if not config.model.skip_tokenizer_in_tgi:
                 raise
         if hf is not None and not hf.is_fast:
             raise ValueError(f"{path}: the router needs a fast tokenizer (tokenizer.json)")
-        if hf is not None and config.tokenizer_config_path:
-            hf.chat_template = chat_template_from(config.tokenizer_config_path)
+        if hf is not None and config.model.tokenizer_config_path:
+            hf.chat_template = chat_template_from(config.model.tokenizer_config_path)
         bos = _ids_from_config(p, "bos_token_id")
         vocab = _ids_from_config(p, "vocab_size")
-        return cls(hf, skip_tokenizer=config.skip_tokenizer_in_tgi, eos_token_ids=_ids_from_config(p, "eos_token_id"),
+        return cls(hf, skip_tokenizer=config.model.skip_tokenizer_in_tgi, eos_token_ids=_ids_from_config(p, "eos_token_id"),
                    bos_token_id=bos[0] if bos else None, vocab_size=vocab[0] if vocab else None)
 
     @property

@@ -84,6 +84,6 @@ class RequestTracer:
 
 
 def make_tracer(cfg: Config) -> RequestTracer | None:
-    if not cfg.otlp_endpoint:
+    if not cfg.server.otlp_endpoint:
         return None
-    return RequestTracer(cfg.otlp_endpoint, cfg.otlp_service_name)
+    return RequestTracer(cfg.server.otlp_endpoint, cfg.server.otlp_service_name)

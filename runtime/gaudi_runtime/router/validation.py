@@ -121,7 +121,7 @@ def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParam
             stop_sequences=tuple(params.stop),
             # `ignore_eos` is vLLM's extension (benchmark clients send it); the env var sets it server-wide.
             # A grammar's end is the output's: past it the grammar allows nothing but EOS.
-            ignore_eos_token=(config.text_generation_server_ignore_eos_token or params.ignore_eos)
+            ignore_eos_token=(config.limits.text_generation_server_ignore_eos_token or params.ignore_eos)
             and grammar is None,
         ),
         top_n_tokens=params.top_n_tokens or 0,
@@ -141,25 +141,25 @@ def check_limits(p: GenerateParameters, config: Config, *, stream: bool) -> None
     _check_best_of(p, config, stream=stream)
     if stream and p.decoder_input_details:
         raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
-    if len(p.stop) > config.max_stop_sequences:
-        raise ValidationError(f"`stop` supports up to {config.max_stop_sequences} stop sequences. Given: {len(p.stop)}")
+    if len(p.stop) > config.limits.max_stop_sequences:
+        raise ValidationError(f"`stop` supports up to {config.limits.max_stop_sequences} stop sequences. Given: {len(p.stop)}")
     if p.top_n_tokens is not None and p.top_n_tokens != 0:
-        if config.max_top_n_tokens == 0:
+        if config.limits.max_top_n_tokens == 0:
             raise ValidationError(
                 "`top_n_tokens` != 0 is not allowed for this endpoint, because `--max-top-n-tokens` is set to 0")
-        if not 0 <= p.top_n_tokens <= config.max_top_n_tokens:
+        if not 0 <= p.top_n_tokens <= config.limits.max_top_n_tokens:
             raise ValidationError(
-                f"`top_n_tokens` must be >= 0 and <= {config.max_top_n_tokens}. Given: {p.top_n_tokens}")
+                f"`top_n_tokens` must be >= 0 and <= {config.limits.max_top_n_tokens}. Given: {p.top_n_tokens}")
     if p.top_k is not None and p.top_k > MAX_U32:
         raise ValidationError(f"Failed to deserialize the JSON body: `top_k`: expected a 32-bit unsigned integer, "
                               f"got {p.top_k}")
     if p.watermark:
         raise ValidationError("`watermark` is not supported by this server")
-    if p.grammar is not None and config.disable_grammar_support:
+    if p.grammar is not None and config.structured_output.disable_grammar_support:
         raise ValidationError("grammar is not supported")
-    if p.truncate is not None and (p.truncate <= 0 or p.truncate > config.max_input_tokens):
+    if p.truncate is not None and (p.truncate <= 0 or p.truncate > config.limits.max_input_tokens):
         raise ValidationError(
-            f"`truncate` must be strictly positive and less than {config.max_input_tokens}. Given: {p.truncate}")
+            f"`truncate` must be strictly positive and less than {config.limits.max_input_tokens}. Given: {p.truncate}")
 
 
 def grammar_spec(g: Grammar, field: str = "grammar") -> GrammarSpec:
@@ -193,10 +193,10 @@ def _sampling_requested(p: GenerateParameters) -> bool:
 def _check_best_of(p: GenerateParameters, config: Config, *, stream: bool) -> None:
     if p.best_of is None or p.best_of == 1:
         return
-    if config.max_best_of == 1:
+    if config.limits.max_best_of == 1:
         raise ValidationError("`best_of` != 1 is not allowed for this endpoint")
-    if p.best_of < 1 or p.best_of > config.max_best_of:
-        raise ValidationError(f"`best_of` must be > 0 and <= {config.max_best_of}. Given: {p.best_of}")
+    if p.best_of < 1 or p.best_of > config.limits.max_best_of:
+        raise ValidationError(f"`best_of` must be > 0 and <= {config.limits.max_best_of}. Given: {p.best_of}")
     if stream:
         raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
     if not _sampling_requested(p):
@@ -214,14 +214,14 @@ def fit_input(input_ids: list[int], truncate: int | None, max_new_tokens: int | 
     if truncate is not None and len(input_ids) > truncate:
         input_ids = input_ids[-truncate:]
     input_length = len(input_ids)
-    if input_length > config.max_input_tokens:
+    if input_length > config.limits.max_input_tokens:
         raise ValidationError(
-            f"`inputs` must have less than {config.max_input_tokens} tokens. Given: {input_length}")
+            f"`inputs` must have less than {config.limits.max_input_tokens} tokens. Given: {input_length}")
     if max_new_tokens is None:
-        max_new_tokens = config.max_total_tokens - input_length
-    if input_length + max_new_tokens > config.max_total_tokens:
+        max_new_tokens = config.limits.max_total_tokens - input_length
+    if input_length + max_new_tokens > config.limits.max_total_tokens:
         raise ValidationError(
-            f"`inputs` tokens + `max_new_tokens` must be <= {config.max_total_tokens}. "
+            f"`inputs` tokens + `max_new_tokens` must be <= {config.limits.max_total_tokens}. "
             f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`")
     return input_ids, max_new_tokens
 

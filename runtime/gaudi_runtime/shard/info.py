@@ -30,17 +30,17 @@ def startup_seconds(runner: ModelRunner) -> pb.StartupSeconds:
 def info_response(runner: ModelRunner, world_size: int) -> pb.InfoResponse:
     cfg, m, cache = runner.cfg, runner.model, runner.recipe_cache
     return pb.InfoResponse(
-        dtype=cfg.dtype, device_type=runner.device.type, block_size=cfg.block_size,
+        dtype=cfg.model.dtype, device_type=runner.device.type, block_size=cfg.device.block_size,
         num_blocks=runner.num_blocks - 1,  # block 0 is the padding block
         vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids,
         max_position_embeddings=m.max_position_embeddings, world_size=world_size,
-        architecture=type(m).__name__, quantization=cfg.quantize or "",
-        kv_cache_dtype=cfg.kv_cache_dtype or cfg.dtype, prefix_caching=cfg.prefix_caching,
+        architecture=type(m).__name__, quantization=cfg.model.quantize or "",
+        kv_cache_dtype=cfg.model.kv_cache_dtype or cfg.model.dtype, prefix_caching=cfg.scheduling.prefix_caching,
         attention=runner.attention_name,
         recipe_cache=None if cache is None else pb.RecipeCacheInfo(dir=str(cache.directory), key=cache.key,
                                                                    from_cache=bool(cache.from_cache)),
         startup_seconds=startup_seconds(runner), weight_bytes=runner.weight_bytes,
         warmup=warmup_summary(runner.warmup_summary), unwarmed_shapes=runner.unwarmed_shapes,
         buckets={phase: len(s) for phase, s in shapes(cfg, runner.flat_decode).items()},
-        exponential_bucketing=cfg.exponential_bucketing, speculate=cfg.speculate,
+        exponential_bucketing=cfg.device.exponential_bucketing, speculate=cfg.scheduling.speculate,
     )

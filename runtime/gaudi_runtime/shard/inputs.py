@@ -101,7 +101,7 @@ def _slots(tables: np.ndarray, pos: np.ndarray, real: np.ndarray, block_size: in
 def prefill_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Config, pad: bool = True) -> StepInputs:
     """Every prompt token from position 0: ids, positions, slots [rows, seq], the index of each row's
     last token and its adapter slot [rows]. Bucket: (rows, seq)."""
-    n, bs = len(reqs), cfg.block_size
+    n, bs = len(reqs), cfg.device.block_size
     lens = prompt_lens(reqs)
     seq = buckets.prefill_seq_bucket(int(lens.max()), cfg)
     rows = buckets.prefill_batch_bucket(n, seq, cfg)
@@ -125,7 +125,7 @@ def prefill_context_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Co
     """The tokens after each prompt's cached ones, at their positions: ids, positions, slots [rows, seq],
     the last new token's index [rows], the cached blocks [rows, context blocks], the cached token
     count and the adapter slot [rows]. Bucket: (rows, new tokens, context blocks)."""
-    n, bs = len(reqs), cfg.block_size
+    n, bs = len(reqs), cfg.device.block_size
     cached = cached_lens(reqs)
     new, context = prompt_lens(reqs) - cached, cached // bs
     seq = buckets.prefill_seq_bucket(int(new.max()), cfg)
@@ -157,7 +157,7 @@ def decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> StepInput
     the bucket of the longest row, context lengths and adapter slots [rows]; tensors where the batch is,
     no host sync.
     Bucket: (rows, width)."""
-    bs, n = cfg.block_size, len(batch)
+    bs, n = cfg.device.block_size, len(batch)
     rows = buckets.decode_batch_bucket(n, cfg)
     longest = int(batch.seq_lens_host.max()) + 1
     width = buckets.decode_block_bucket(longest, cfg)
@@ -188,7 +188,7 @@ def flat_decode_inputs(batch: ShardBatch, cfg: Config, pad: bool = True) -> Step
     """The next token of each row: ids, positions and slots [rows], then the flat layout of the blocks the
     rows use (`flat_layout`: block list, block groups [total], bias [total, block size]), laid out on the
     host and moved where the batch is, and the adapter slots [rows]. Bucket: (rows, total blocks)."""
-    bs, n = cfg.block_size, len(batch)
+    bs, n = cfg.device.block_size, len(batch)
     rows = buckets.decode_batch_bucket(n, cfg)
     pos = batch.seq_lens_host
     used = int((pos // bs + 1).sum())  # blocks holding each row's pos + 1 tokens
@@ -217,7 +217,7 @@ def verify_inputs(batch: ShardBatch, tokens: np.ndarray, cfg: Config, pad: bool 
     ids, positions, slots [rows, width], the row's blocks [rows, context blocks], its cached token count
     and adapter slot [rows]. Bucket: (rows, width, context blocks); without padding, the width is the
     longest row's (the positions past it would compute padding only)."""
-    bs, n, width = cfg.block_size, len(batch), tokens.shape[1]
+    bs, n, width = cfg.device.block_size, len(batch), tokens.shape[1]
     cached = batch.seq_lens_host
     rows = buckets.decode_batch_bucket(n, cfg)
     ctx = buckets.verify_context_bucket(int(cached.max()), cfg)

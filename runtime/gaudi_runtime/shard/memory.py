@@ -11,16 +11,16 @@ from gaudi_runtime.config import Config
 def size_kv_cache(cfg: Config, bytes_per_block: int, free_bytes: int | None) -> int:
     """Blocks to allocate (block 0, the padding block, included)."""
     per_seq = buckets.blocks_per_sequence(cfg)
-    if cfg.max_batch_total_tokens is not None:
-        return buckets.ceil_div(cfg.max_batch_total_tokens, cfg.block_size) + 1
-    wanted = cfg.max_batch_size * per_seq + 1
+    if cfg.scheduling.max_batch_total_tokens is not None:
+        return buckets.ceil_div(cfg.scheduling.max_batch_total_tokens, cfg.device.block_size) + 1
+    wanted = cfg.scheduling.max_batch_size * per_seq + 1
     if free_bytes is None:
         return wanted
-    fit = int(free_bytes * cfg.memory_fraction) // bytes_per_block
+    fit = int(free_bytes * cfg.device.memory_fraction) // bytes_per_block
     if fit < per_seq + 1:
         raise MemoryError(
             f"the KV cache does not fit: {fit} blocks free, one sequence of --max-total-tokens "
-            f"{cfg.max_total_tokens} needs {per_seq + 1}; lower --max-total-tokens"
+            f"{cfg.limits.max_total_tokens} needs {per_seq + 1}; lower --max-total-tokens"
         )
     return min(wanted, fit)
 

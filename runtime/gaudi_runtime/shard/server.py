@@ -49,7 +49,7 @@ def allowed_cpus() -> set[int]:
 
 def plan_recipe_cache(cfg: Config, model_dir: str, rank: int) -> RecipeCache | None:
     """This shard's recipe cache when --recipe-cache-dir is set and the device may be Gaudi."""
-    if not cfg.recipe_cache_dir or cfg.device not in ("auto", "hpu"):
+    if not cfg.device.recipe_cache_dir or cfg.device.device not in ("auto", "hpu"):
         return None
     from gaudi_runtime.device import hpu
 
@@ -80,7 +80,7 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
     progress.start_reporting(f"shard-{rank}")
     progress.report("loading")
     recipes = plan_recipe_cache(cfg, model_dir, rank)
-    backend = select_device(cfg.device, rank, world_size, graphs=cfg.enable_hpu_graph, recipe_cache=recipes)
+    backend = select_device(cfg.device.device, rank, world_size, graphs=cfg.device.enable_hpu_graph, recipe_cache=recipes)
     if backend.name != "hpu":
         recipes = None
     threads = cpu_threads(world_size) if backend.name == "cpu" else None
@@ -97,7 +97,7 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
                                       ("grpc.max_send_message_length", 64 << 20)])
     servicer = ShardServicer(runner, rank, world_size, threads=adaptive)
     pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
-    path = cfg.shard_socket(rank)
+    path = cfg.server.shard_socket(rank)
     if os.path.exists(path):
         os.unlink(path)
     server.add_insecure_port(f"unix://{path}")

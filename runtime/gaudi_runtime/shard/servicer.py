@@ -147,8 +147,8 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         except (AdapterError, OSError, ValueError) as e:
             parts, error = None, str(e)
         async with self.order.turn(request.sequence):
-            if parts is not None and not 0 < request.slot <= runner.cfg.max_cpu_loras:
-                error = f"adapter slot {request.slot}: this shard has slots 1..{runner.cfg.max_cpu_loras}"
+            if parts is not None and not 0 < request.slot <= runner.cfg.adapters.max_cpu_loras:
+                error = f"adapter slot {request.slot}: this shard has slots 1..{runner.cfg.adapters.max_cpu_loras}"
             elif parts is not None:
                 write_adapter(runner.model, request.slot, parts)
                 runner.backend.mark_step()  # the writes reach the device before the next step reads them

@@ -100,7 +100,7 @@ class Warmup:
         self.summary: dict | None = None
 
     def progress(self) -> Iterator[tuple[int, int, str]]:
-        if not self.cfg.warmup_enabled:
+        if not self.cfg.device.warmup_enabled:
             log.warning("WARMUP_ENABLED=false: no shape is compiled ahead; the first requests will be slow")
             self.summary = {"enabled": False}
             yield 0, 0, "done"
@@ -133,10 +133,10 @@ class Warmup:
         the one with the largest attention runs (as for speculative steps, also over cached blocks), to meet
         running out of memory at start rather than under traffic; the others count as warmed."""
         over_context = phase in ("prefill_context", "verify")
-        largest = largest_context_shape(phase_shapes, self.cfg.block_size) if over_context else None
+        largest = largest_context_shape(phase_shapes, self.cfg.device.block_size) if over_context else None
         for shape in phase_shapes:
             if self.backend.pads_to_buckets or not over_context or shape == largest:
                 what, setting = describe(phase, shape, self.flat_decode)
-                args = zero_inputs(phase, shape, self.flat_decode, self.cfg.block_size, self.backend.torch_device)
+                args = zero_inputs(phase, shape, self.flat_decode, self.cfg.device.block_size, self.backend.torch_device)
                 run_step(what, setting, self.backend, self.steps[phase], args)
             yield shape
