@@ -383,7 +383,7 @@ def _launch(cfg: Config, progress_dir: str) -> int:
     download_seconds = None if model_dir == cfg.model.model_id else time.monotonic() - t0
     steps.report("loading")
     check_model(model_dir)
-    check_image_budget(cfg, json.loads((Path(model_dir) / "config.json").read_text()))
+    check_image_budget(cfg.limits, json.loads((Path(model_dir) / "config.json").read_text()))
     check_adapters(cfg, model_dir)
     log.info("effective configuration: %s", cfg.to_log_json())  # every flag and env setting, secrets masked
     log.info("launching %d shard(s) and the router for %s", cfg.device.num_shard, model_dir)

@@ -166,7 +166,7 @@ class LLM:
         from gaudi_runtime.router.tokenizer import RouterTokenizer
 
         cfg = self.config
-        self.tokenizer = RouterTokenizer.load(self.model_dir, cfg)
+        self.tokenizer = RouterTokenizer.load(self.model_dir, cfg.model)
         client = ShardClient([cfg.server.shard_socket(r) for r in range(cfg.device.num_shard)])
         self._engine = BatchingEngine(cfg, client, self.tokenizer)
         def alive() -> bool:
@@ -218,7 +218,8 @@ class LLM:
             text, ids = None, list(prompt)
         else:
             raise TypeError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
-        request = validate_parameters(text or "", ids, sp.tgi_parameters(), self.config).request
+        request = validate_parameters(text or "", ids, sp.tgi_parameters(), self.config.limits,
+                                      self.config.structured_output).request
         sampling = replace(request.sampling, generated_frequency_penalty=sp.frequency_penalty,
                            presence_penalty=sp.presence_penalty)
         return replace(request, sampling=sampling), text

@@ -73,7 +73,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def router_tokenizer(tiny_model_dir) -> RouterTokenizer:
-    return RouterTokenizer.load(tiny_model_dir, resolve(None, {"MODEL_ID": tiny_model_dir}))
+    return RouterTokenizer.load(tiny_model_dir, resolve(None, {"MODEL_ID": tiny_model_dir}).model)
 
 
 @dataclass
@@ -92,7 +92,7 @@ class Served:
 def _serve(model_dir: str, tokenizer: RouterTokenizer | None = None, **env: str) -> Served:
     config = resolve(None, {"MODEL_ID": model_dir, **SERVER_ENV, **env})
     tok = tokenizer if tokenizer is not None and not config.model.skip_tokenizer_in_tgi else \
-        RouterTokenizer.load(model_dir, config)
+        RouterTokenizer.load(model_dir, config.model)
     engine = FakeEngine(tok)
     app = build_app(config, engine, tok)
     thread = ServerThread(app).start()

@@ -119,7 +119,7 @@ def image_server(tiny_model_dir, router_tokenizer):
     def make(**env: str):
         config = resolve(None, {"MODEL_ID": tiny_model_dir, **SERVER_ENV, **env})
         app = build_app(config, FakeEngine(router_tokenizer), router_tokenizer,
-                        images=ImagePrompter(TINY, 99, config))
+                        images=ImagePrompter(TINY, 99, config.limits))
         servers.append(ServerThread(app).start())
         return servers[-1].url
 

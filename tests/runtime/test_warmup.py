@@ -228,7 +228,7 @@ async def serve_in_process(runner: ModelRunner, cfg, model_dir, sock: str, traff
     pb_grpc.add_TextGenerationServiceServicer_to_server(ShardServicer(runner, 0, 1), server)
     server.add_insecure_port(f"unix://{sock}")
     await server.start()
-    engine = BatchingEngine(cfg, ShardClient([sock]), RouterTokenizer.load(str(model_dir), cfg))
+    engine = BatchingEngine(cfg, ShardClient([sock]), RouterTokenizer.load(str(model_dir), cfg.model))
     try:
         await engine.start(connect_timeout_s=30)
         await traffic(engine)

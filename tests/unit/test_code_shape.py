@@ -133,7 +133,7 @@ def test_the_router_process_loads_neither_torch_nor_model_code(tmp_path):
         "import json, sys\n"
         "from gaudi_runtime.config import Config\n"
         "from gaudi_runtime.router.main import load_tokenizer\n"
-        f"tok = load_tokenizer(Config.of(model_id='m'), {str(tmp_path)!r})\n"
+        f"tok = load_tokenizer(Config.of(model_id='m').model, {str(tmp_path)!r})\n"
         "assert tok.encode('hello', add_special_tokens=False) == [1]\n"
         # The router marks torch absent with a None entry: the modules loaded are the others.
         "print(json.dumps(sorted(name for name, module in sys.modules.items() if module is not None)))\n"

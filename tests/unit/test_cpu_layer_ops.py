@@ -157,7 +157,7 @@ def test_a_prepared_model_uses_the_kernel_and_gives_the_same_tokens(model_dir, d
         real = getattr(cpu_layer_ops.LayerOpsKernel, name)
         monkeypatch.setattr(cpu_layer_ops.LayerOpsKernel, name,
                             lambda self, *a, _real=real, _name=name: calls.append(_name) or _real(self, *a))
-    CpuBackend().prepare_model(model, Config.of())
+    CpuBackend().prepare_model(model, Config.of().device)
     assert greedy_tokens(model) == want
     # Gemma's norm scales by 1 + weight: it keeps its own code
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
@@ -168,7 +168,7 @@ def test_a_prepared_model_uses_the_kernel_and_gives_the_same_tokens(model_dir, d
 
 def test_switched_off_the_modules_keep_torchs_code(model_dir):
     model = load_model(str(model_dir), torch.bfloat16, torch.device("cpu"))
-    CpuBackend().prepare_model(model, Config.of(cpu_layer_ops=False))
+    CpuBackend().prepare_model(model, Config.of(cpu_layer_ops=False).device)
     assert all(m.kernel is None for m in model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding)))
     assert all(m.cache_writer is None for m in model.modules() if isinstance(m, Attention))
 

@@ -83,7 +83,7 @@ def png_header(width: int, height: int) -> bytes:
 
 def prompter(**overrides) -> ImagePrompter:
     cfg = Config.of(model_id="m", max_input_tokens=80, max_total_tokens=128, **overrides)
-    return ImagePrompter(TINY, IMAGE_ID, cfg)
+    return ImagePrompter(TINY, IMAGE_ID, cfg.limits)
 
 
 def test_expand_replaces_each_image_by_its_tokens():
@@ -202,9 +202,9 @@ def test_start_needs_max_input_tokens_for_an_image():
     llava = {"architectures": ["LlavaNextForConditionalGeneration"]}
     small = Config.of(model_id="m", max_input_tokens=1024, max_total_tokens=2048)
     with pytest.raises(ConfigError, match=r"--max-input-tokens \(1024\) is below BASE_IMAGE_TOKENS \(2048\)"):
-        check_image_budget(small, llava)
-    check_image_budget(Config.of(model_id="m", max_input_tokens=2048, max_total_tokens=4096), llava)
-    check_image_budget(small, {"architectures": ["LlamaForCausalLM"]})  # text models have no image budget
+        check_image_budget(small.limits, llava)
+    check_image_budget(Config.of(model_id="m", max_input_tokens=2048, max_total_tokens=4096).limits, llava)
+    check_image_budget(small.limits, {"architectures": ["LlamaForCausalLM"]})  # text models have no image budget
 
 
 def _messages(body: dict, images_allowed: bool = False) -> list[dict]:

@@ -229,7 +229,7 @@ def test_no_tracing_without_an_endpoint():
 
     from gaudi_runtime.router.tracing import make_tracer
 
-    assert make_tracer(resolve(None, env())) is None
+    assert make_tracer(resolve(None, env()).server) is None
     code = ("import sys, gaudi_runtime.router.main, gaudi_runtime.router.inference; "
             "assert not [m for m in sys.modules if m.startswith('opentelemetry')]")
     subprocess.run([sys.executable, "-c", code], check=True)

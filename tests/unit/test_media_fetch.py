@@ -61,10 +61,10 @@ def test_url_checks_before_any_lookup():
 def test_the_policy_comes_from_the_settings():
     cfg = resolve(None, {"MODEL_ID": "m", "ALLOWED_MEDIA_DOMAINS": "Images.Internal., [::1] ,127.0.0.1"})
     assert cfg.limits.allowed_media_domains == ["images.internal", "::1", "127.0.0.1"]
-    assert FetchPolicy.from_config(cfg) == FetchPolicy(frozenset({"images.internal", "::1", "127.0.0.1"}))
-    off = FetchPolicy.from_config(resolve(None, {"MODEL_ID": "m", "DISABLE_IMAGE_URLS": "true"}))
+    assert FetchPolicy.from_limits(cfg.limits) == FetchPolicy(frozenset({"images.internal", "::1", "127.0.0.1"}))
+    off = FetchPolicy.from_limits(resolve(None, {"MODEL_ID": "m", "DISABLE_IMAGE_URLS": "true"}).limits)
     assert off == FetchPolicy(None, urls_enabled=False)
-    assert FetchPolicy.from_config(resolve(None, {"MODEL_ID": "m"})) == FetchPolicy()
+    assert FetchPolicy.from_limits(resolve(None, {"MODEL_ID": "m"}).limits) == FetchPolicy()
 
 
 class Listener:

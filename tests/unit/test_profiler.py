@@ -11,7 +11,7 @@ from gaudi_runtime.shard.profiler import activities, make_profiler
 
 
 def cfg(tmp_path, **env):
-    return resolve(None, {"MODEL_ID": "/m", "PROF_PATH": str(tmp_path / "prof"), **{k: str(v) for k, v in env.items()}})
+    return resolve(None, {"MODEL_ID": "/m", "PROF_PATH": str(tmp_path / "prof"), **{k: str(v) for k, v in env.items()}}).device
 
 
 def test_off_by_default_and_for_ranks_not_listed(tmp_path):

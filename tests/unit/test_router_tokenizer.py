@@ -71,7 +71,7 @@ from gaudi_runtime.router.main import load_tokenizer
 root, names, texts, messages = json.loads(sys.stdin.read())
 out = {}
 for name in names:
-    tok = load_tokenizer(Config.of(model_id="m"), f"{root}/{name}")
+    tok = load_tokenizer(Config.of(model_id="m").model, f"{root}/{name}")
     encoded = {t: [tok.encode(t), tok.encode(t, add_special_tokens=False)] for t in texts}
     out[name] = {
         "class": type(tok.hf).__name__,

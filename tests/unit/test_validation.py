@@ -35,7 +35,9 @@ def cfg(**env):
 
 def ok(parameters=None, inputs="a b c", stream=False, config=None, seed=0):
     body = {"inputs": inputs, "parameters": parameters or {}}
-    return validate_generate(body, config or cfg(), TOK, stream=stream, rng=random.Random(seed))
+    config = config or cfg()
+    return validate_generate(body, config.limits, config.structured_output, TOK, stream=stream,
+                             rng=random.Random(seed))
 
 
 def bad(parameters=None, inputs="a b c", stream=False, config=None) -> str:
@@ -132,11 +134,11 @@ def test_top_p_one_means_off():
 
 def test_inputs_errors():
     with pytest.raises(ValidationError, match="missing field `inputs`"):
-        validate_generate({"parameters": {}}, cfg(), TOK)
+        validate_generate({"parameters": {}}, cfg().limits, cfg().structured_output, TOK)
     assert bad(inputs="") == "`inputs` cannot be empty"
     assert "expected a string" in bad(inputs=["a"])
     with pytest.raises(ValidationError, match="`parameters`: expected an object"):
-        validate_generate({"inputs": "a", "parameters": [1]}, cfg(), TOK)
+        validate_generate({"inputs": "a", "parameters": [1]}, cfg().limits, cfg().structured_output, TOK)
 
 
 def test_input_length_and_truncate():
@@ -197,7 +199,7 @@ def test_parse_json_body_ok():
 def test_unknown_fields_are_ignored_and_null_is_absent():
     # Clients send extensions (vLLM's, newer TGI's) and null for every unset parameter.
     r = validate_generate({"inputs": "a b", "parameters": {"details": None, "stop": None, "some_new_knob": 3},
-                           "extra": True}, cfg(), TOK).request
+                           "extra": True}, cfg().limits, cfg().structured_output, TOK).request
     assert r.details is False and r.stopping.stop_sequences == ()
 
 
@@ -217,7 +219,8 @@ def _openai(model, body: dict, tokenizer=TOK, config=None):
     from gaudi_runtime.router.openai_validation import completion_requests
     from gaudi_runtime.router.request_models import parse_request
 
-    return completion_requests(parse_request(model, body), config or cfg(), tokenizer)
+    config = config or cfg()
+    return completion_requests(parse_request(model, body), config.limits, config.structured_output, tokenizer)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -371,7 +374,7 @@ def _chat_tools(body: dict, template: str | None = HERMES_TEMPLATE, config=None)
     from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
 
     return chat_tools(parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], **body}),
-                      config or cfg(), template)
+                      (config or cfg()).structured_output, template)
 
 
 @pytest.mark.parametrize("body, template, message", [
@@ -413,7 +416,7 @@ def _prompt(body: dict, template: str) -> str:
 
     req = parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "weather?"}], **body})
     tokenizer = RouterTokenizer(train_tokenizer(chat_template=template))
-    return chat_prompt(req, tokenizer, chat_tools(req, cfg(), template), images_allowed=False)
+    return chat_prompt(req, tokenizer, chat_tools(req, cfg().structured_output, template), images_allowed=False)
 
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
@@ -521,7 +524,7 @@ def test_chat_schemas_are_bounded():
     def chat(**fields):
         return parse_request(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], **fields})
 
-    small = cfg(MAX_JSON_SCHEMA_BYTES="200", MAX_JSON_SCHEMA_DEPTH="4")
+    small = cfg(MAX_JSON_SCHEMA_BYTES="200", MAX_JSON_SCHEMA_DEPTH="4").structured_output
     check_chat_schemas(chat(response_format={"type": "json_schema", "json_schema": {"name": "a",
                                                                                      "schema": {"type": "object"}}},
                             tools=[{"function": {"name": "f", "parameters": {"type": "object"}}}]), small)

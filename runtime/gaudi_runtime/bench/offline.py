@@ -23,7 +23,7 @@ from gaudi_runtime.router.types import StoppingParameters, ValidRequest
 
 
 async def run(cfg, model_dir: str, prompts: int, input_len: int, output_len: int) -> dict:
-    tokenizer = RouterTokenizer.load(model_dir, cfg)
+    tokenizer = RouterTokenizer.load(model_dir, cfg.model)
     client = ShardClient([cfg.server.shard_socket(r) for r in range(cfg.device.num_shard)])
     engine = BatchingEngine(cfg, client, tokenizer)
     await engine.start()

@@ -137,7 +137,7 @@ async def serve_and_load(model_dir: str, api: str, per_call: int, a) -> float:
 
     config = resolve(None, {"MODEL_ID": model_dir, "MAX_INPUT_TOKENS": "1024", "MAX_TOTAL_TOKENS": "2048",
                             "MAX_CONCURRENT_REQUESTS": "512"})
-    tokenizer = RouterTokenizer.load(model_dir, config)
+    tokenizer = RouterTokenizer.load(model_dir, config.model)
     engine = TickEngine(tokenizer, per_call)
     runner, port = await start(build_app(config, engine, tokenizer), "127.0.0.1", 0)
     ticker = asyncio.ensure_future(engine.run())
@@ -162,7 +162,7 @@ def detokenizer_cost(model_dir: str, tokens: int = 20_000) -> float:
     from gaudi_runtime.router.detokenizer import IncrementalDetokenizer
     from gaudi_runtime.router.tokenizer import RouterTokenizer
 
-    tok = RouterTokenizer.load(model_dir, resolve(None, {"MODEL_ID": model_dir}))
+    tok = RouterTokenizer.load(model_dir, resolve(None, {"MODEL_ID": model_dir}).model)
     rng = random.Random(1)
     special = tok.special_ids
     ids = [i for i in (rng.randrange(tok.vocab_size) for _ in range(tokens * 2)) if i not in special][:tokens]

@@ -43,7 +43,7 @@ class Backend:
         return AttentionBackend() if use_flash else MathAttention()
 
     def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
-        """Adapt the loaded (and quantized) model to the device's kernels (as the Config `cfg` asks);
+        """Adapt the loaded (and quantized) model to the device's kernels (as the DeviceConfig `cfg` asks);
         nothing by default."""
 
     def graphed(self, fn: Callable[..., torch.Tensor], name: str) -> Callable[..., torch.Tensor]:

@@ -40,8 +40,8 @@ class CpuBackend(Backend):
         return CpuAttention(cpu_paged_attention.kernel() if cpu_paged else None, native_bf16())
 
     def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
-        prepack_linears(model, few_rows=cfg is None or cfg.device.cpu_gemv)
-        if cfg is None or cfg.device.cpu_layer_ops:
+        prepack_linears(model, few_rows=cfg is None or cfg.cpu_gemv)
+        if cfg is None or cfg.cpu_layer_ops:
             use_layer_ops(model)
-        if cfg is None or cfg.device.cpu_lora:
+        if cfg is None or cfg.cpu_lora:
             use_lora_kernel(model)

@@ -181,7 +181,7 @@ class BatchingLoop:
         """
         inflight = batch.inflight
         oldest = (time.monotonic() - self.requests.waiting[0].enqueued) * 1000
-        min_size = join_min_size(running, batch.waiting_steps, oldest, self.cfg)
+        min_size = join_min_size(running, batch.waiting_steps, oldest, self.cfg.scheduling)
         taken = self._take_waiting(running, min_size, chunks=batch.chunking is None)
         if len(taken) == 1 and taken[0].prefilled < len(taken[0].req.input_ids):
             self._first_chunk(batch, taken[0])

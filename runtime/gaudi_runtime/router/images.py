@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gaudi_runtime.config import Config, ConfigError
+from gaudi_runtime.config import ConfigError, LimitsConfig
 from gaudi_runtime.image_geometry import ImageGeometry
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.image_tokens import image_token_count
@@ -110,14 +110,14 @@ def image_size(data: bytes) -> tuple[int, int]:
 class ImagePrompter:
     """Expands the images of a prompt for one vision model."""
 
-    def __init__(self, geometry: ImageGeometry, image_token_id: int, config: Config):
+    def __init__(self, geometry: ImageGeometry, image_token_id: int, limits: LimitsConfig):
         self.geometry = geometry
         self.image_token_id = image_token_id
-        self.config = config
-        self.fetch_policy = FetchPolicy.from_config(config)
+        self.limits = limits
+        self.fetch_policy = FetchPolicy.from_limits(limits)
 
     @classmethod
-    def load(cls, model_dir: str | Path, config: Config) -> ImagePrompter | None:
+    def load(cls, model_dir: str | Path, limits: LimitsConfig) -> ImagePrompter | None:
         """The prompter of a vision model; None for a text-only one."""
         import json
 
@@ -125,15 +125,15 @@ class ImagePrompter:
         if not set(cfg.get("architectures") or []) & VISION_ARCHITECTURES:
             return None
         token = cfg.get("image_token_index", cfg.get("image_token_id"))
-        return cls(ImageGeometry.from_config(cfg), int(token), config)
+        return cls(ImageGeometry.from_config(cfg), int(token), limits)
 
     async def load_image(self, url: str, index: int) -> bytes:
-        limit = self.config.limits.max_image_bytes
+        limit = self.limits.max_image_bytes
         try:
             if url.startswith("data:"):
                 return decode_data_url(url, limit)
             if url.startswith(("http://", "https://")):
-                return await fetch_url(url, limit, self.config.limits.image_fetch_timeout_s, self.fetch_policy)
+                return await fetch_url(url, limit, self.limits.image_fetch_timeout_s, self.fetch_policy)
             raise ValidationError("invalid image: the URL must be a data: URL or http(s)")
         except ValidationError as e:
             raise ValidationError(f"image {index}: {e}") from None
@@ -144,7 +144,7 @@ class ImagePrompter:
                                   "give images as markdown `![](data:image/png;base64,...)`")
         out = PromptImages(text="", image_token_id=self.image_token_id)
         parts = split_markdown(text)
-        check_image_count(sum(isinstance(p, tuple) for p in parts), self.config.limits.max_images_per_request)
+        check_image_count(sum(isinstance(p, tuple) for p in parts), self.limits.max_images_per_request)
         pieces = []
         for part in parts:
             if isinstance(part, str):
@@ -154,10 +154,10 @@ class ImagePrompter:
             data = await self.load_image(part[0], index)
             height, width = await asyncio.to_thread(_checked_size, data, index)
             count = image_token_count(height, width, self.geometry)
-            if count > self.config.limits.max_input_tokens:
+            if count > self.limits.max_input_tokens:
                 raise ValidationError(
                     f"image {index} ({width}x{height}) takes {count} tokens, more than `--max-input-tokens` "
-                    f"({self.config.limits.max_input_tokens})")
+                    f"({self.limits.max_input_tokens})")
             out.images.append(data)
             out.token_counts.append(count)
             pieces.append(IMAGE_TOKEN * count)
@@ -186,12 +186,12 @@ async def prompt_images(state, text: Any) -> PromptImages | None:
     return await prompter.expand(text)
 
 
-def check_image_budget(config: Config, model_config: dict[str, Any]) -> None:
+def check_image_budget(limits: LimitsConfig, model_config: dict[str, Any]) -> None:
     """At start: a vision model needs room for an image in every prompt (TGI-Gaudi's BASE_IMAGE_TOKENS)."""
     if not set(model_config.get("architectures") or []) & VISION_ARCHITECTURES:
         return
-    if config.limits.max_input_tokens < config.limits.base_image_tokens:
+    if limits.max_input_tokens < limits.base_image_tokens:
         raise ConfigError(
-            f"--max-input-tokens ({config.limits.max_input_tokens}) is below BASE_IMAGE_TOKENS "
-            f"({config.limits.base_image_tokens}), the image-token budget of this vision model: raise "
+            f"--max-input-tokens ({limits.max_input_tokens}) is below BASE_IMAGE_TOKENS "
+            f"({limits.base_image_tokens}), the image-token budget of this vision model: raise "
             "--max-input-tokens (and --max-total-tokens) or lower BASE_IMAGE_TOKENS")

@@ -15,7 +15,7 @@ import socket
 from aiohttp import web
 
 from gaudi_runtime import progress
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import Config, ModelConfig, ServerConfig, StructuredOutputConfig
 from gaudi_runtime.router.adapter_updates import AdapterUpdates
 from gaudi_runtime.router.client import ShardClient
 from gaudi_runtime.router.drain import DRAIN, shut_down
@@ -34,36 +34,36 @@ log = logging.getLogger(__name__)
 FAIL_EXIT_DELAY_S = float(os.environ.get("GAUDI_SERVE_FAIL_EXIT_DELAY_S", "2"))
 
 
-def _site(runner: web.AppRunner, cfg: Config) -> web.BaseSite:
+def _site(runner: web.AppRunner, server: ServerConfig) -> web.BaseSite:
     """The launcher's listening socket when it passed one (probes queued on it meanwhile are answered
     now), else the configured address."""
     fd = os.environ.get(LISTEN_FD_ENV)
     if fd:
         return web.SockSite(runner, socket.socket(fileno=int(fd)))
-    return web.TCPSite(runner, cfg.server.hostname, cfg.server.port)
+    return web.TCPSite(runner, server.hostname, server.port)
 
 
-def load_tokenizer(cfg: Config, model_dir: str) -> RouterTokenizer:
+def load_tokenizer(model: ModelConfig, model_dir: str) -> RouterTokenizer:
     """The router's tokenizer, loaded in a process that keeps torch out (the router runs no model)."""
     keep_torch_out()
-    return RouterTokenizer.load(model_dir, cfg)
+    return RouterTokenizer.load(model_dir, model)
 
 
 async def serve(cfg: Config, model_dir: str) -> int:
     progress.start_reporting("router")
     progress.report("loading")
-    tokenizer = load_tokenizer(cfg, model_dir)
+    tokenizer = load_tokenizer(cfg.model, model_dir)
     client = ShardClient([cfg.server.shard_socket(r) for r in range(cfg.device.num_shard)])
     metrics = Metrics(cfg.model.model_name)
     engine = BatchingEngine(cfg, client, tokenizer, metrics)
-    app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg))
-    app[STATE].tracer = tracer = make_tracer(cfg)
+    app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg.limits))
+    app[STATE].tracer = tracer = make_tracer(cfg.server)
     if cfg.adapters.allow_runtime_lora_updating:
         app[STATE].adapter_updates = AdapterUpdates(cfg, model_dir, engine.adapters, client, engine.requests)
-    log_tool_format(cfg, tokenizer)
+    log_tool_format(cfg.structured_output, tokenizer)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    await _site(runner, cfg).start()
+    await _site(runner, cfg.server).start()
     log.info("router listening on http://%s:%d", cfg.server.hostname, cfg.server.port)
 
     stop, hurry = _signals()
@@ -95,9 +95,9 @@ async def serve(cfg: Config, model_dir: str) -> int:
     return code
 
 
-def log_tool_format(cfg: Config, tokenizer: RouterTokenizer) -> None:
+def log_tool_format(structured: StructuredOutputConfig, tokenizer: RouterTokenizer) -> None:
     template = tokenizer.chat_template
-    fmt = detect_format(template, cfg.structured_output.tool_call_parser)
+    fmt = detect_format(template, structured.tool_call_parser)
     if not renders_tools(template):
         log.info("tool calls: the chat template does not render tools; they are given in a prompt appended "
                  "to the last message, calls in %s format", fmt or PROMPTED_FORMAT)

@@ -19,7 +19,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
-from gaudi_runtime.config import Config, normalize_host
+from gaudi_runtime.config import LimitsConfig, normalize_host
 from gaudi_runtime.router.errors import ValidationError
 
 MAX_REDIRECTS = 5
@@ -39,9 +39,9 @@ class FetchPolicy:
     urls_enabled: bool = True
 
     @classmethod
-    def from_config(cls, config: Config) -> FetchPolicy:
-        hosts = config.limits.allowed_media_domains
-        return cls(None if hosts is None else frozenset(hosts), not config.limits.disable_image_urls)
+    def from_limits(cls, limits: LimitsConfig) -> FetchPolicy:
+        hosts = limits.allowed_media_domains
+        return cls(None if hosts is None else frozenset(hosts), not limits.disable_image_urls)
 
     def trusts(self, host: str) -> bool:
         """An allow-listed host: fetched whatever its addresses."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import LimitsConfig, StructuredOutputConfig
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.request_models import (
     ChatCompletionRequest,
@@ -36,10 +36,10 @@ from gaudi_runtime.router.validation import (
 )
 
 
-def generate_parameters(req: OpenAIRequest, max_tokens: int | None, config: Config, **extra) -> GenerateParameters:
+def generate_parameters(req: OpenAIRequest, max_tokens: int | None, limits: LimitsConfig, **extra) -> GenerateParameters:
     """The TGI parameters of an OpenAI request; `extra` holds the route's own (echo, logprobs)."""
-    if req.n > config.limits.max_n:
-        raise ValidationError(f"`n` must be <= {config.limits.max_n} (--max-n). Given: {req.n}")
+    if req.n > limits.max_n:
+        raise ValidationError(f"`n` must be <= {limits.max_n} (--max-n). Given: {req.n}")
     params = {"details": True, "max_new_tokens": max_tokens, "top_p": req.top_p, "seed": req.seed,
               "repetition_penalty": req.repetition_penalty, "stop": req.stop, "ignore_eos": req.ignore_eos,
               **extra}
@@ -62,7 +62,7 @@ def _regex_literal(text: str) -> str:
     return "".join("\\" + c if c in "\\.^$|?*+()[]{}/-\"" else c for c in text)
 
 
-def output_grammar(req: OpenAIRequest, config: Config) -> GrammarSpec | None:
+def output_grammar(req: OpenAIRequest, structured: StructuredOutputConfig) -> GrammarSpec | None:
     """The constraint `response_format` or vLLM's `guided_json` / `guided_regex` / `guided_choice` asks for."""
     given = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(req, f) is not None]
     if req.response_format is not None and req.response_format.type != "text":
@@ -71,7 +71,7 @@ def output_grammar(req: OpenAIRequest, config: Config) -> GrammarSpec | None:
         return None
     if len(given) > 1:
         raise ValidationError(f"`{given[1]}`: give only one of {', '.join(given)}")
-    if config.structured_output.disable_grammar_support:
+    if structured.disable_grammar_support:
         raise ValidationError(f"`{given[0]}`: grammar is not supported (--disable-grammar-support)")
     if req.guided_json is not None:
         return json_schema_spec(req.guided_json, "guided_json")
@@ -90,43 +90,44 @@ def output_grammar(req: OpenAIRequest, config: Config) -> GrammarSpec | None:
 
 # --- /v1/completions ------------------------------------------------------------------------------
 
-def completion_requests(req: CompletionRequest, config: Config, tokenizer: RouterTokenizer) -> list[ValidRequest]:
+def completion_requests(req: CompletionRequest, limits: LimitsConfig, structured: StructuredOutputConfig,
+                        tokenizer: RouterTokenizer) -> list[ValidRequest]:
     """One validated request per prompt and choice."""
-    check_json_schemas(output_schemas(req), config)
-    sequences = completion_sequences(req, config)
+    check_json_schemas(output_schemas(req), structured)
+    sequences = completion_sequences(req, limits)
     extra: dict = {"return_full_text": req.echo}
     if req.logprobs:
-        _check_top(req.logprobs, "logprobs", config)
+        _check_top(req.logprobs, "logprobs", limits)
         extra["top_n_tokens"] = req.logprobs
-    params = generate_parameters(req, req.max_tokens, config, **extra)
-    grammar = output_grammar(req, config)
+    params = generate_parameters(req, req.max_tokens, limits, **extra)
+    grammar = output_grammar(req, structured)
     out = []
-    for text, ids in prompts(req.prompt, config, tokenizer):
-        request = validate_parameters(text, ids, params, config, stream=req.stream, grammar=grammar).request
+    for text, ids in prompts(req.prompt, limits, tokenizer):
+        request = validate_parameters(text, ids, params, limits, structured, stream=req.stream, grammar=grammar).request
         out += per_choice_requests(with_openai_penalties(request, req), sequences, req.seed is not None)
     return out
 
 
-def completion_sequences(req: CompletionRequest, config: Config) -> int:
+def completion_sequences(req: CompletionRequest, limits: LimitsConfig) -> int:
     """Sequences to generate per prompt: `best_of` (the n best are returned), else `n`."""
     if req.best_of is None or req.best_of == req.n:
         return req.n
     if req.best_of < req.n:
         raise ValidationError(f"`best_of` must be >= `n`. Given: best_of {req.best_of}, n {req.n}")
-    if req.best_of > config.limits.max_best_of:
-        raise ValidationError(f"`best_of` must be <= {config.limits.max_best_of} (--max-best-of). Given: {req.best_of}")
+    if req.best_of > limits.max_best_of:
+        raise ValidationError(f"`best_of` must be <= {limits.max_best_of} (--max-best-of). Given: {req.best_of}")
     if req.stream:
         raise ValidationError("`best_of` != `n` is not supported when streaming")
     return req.best_of
 
 
-def _check_top(n: int, name: str, config: Config) -> None:
+def _check_top(n: int, name: str, limits: LimitsConfig) -> None:
     """Top tokens per step, within --max-top-n-tokens; the error names the OpenAI field."""
-    if n > config.limits.max_top_n_tokens:
-        raise ValidationError(f"`{name}` must be <= {config.limits.max_top_n_tokens} (--max-top-n-tokens). Given: {n}")
+    if n > limits.max_top_n_tokens:
+        raise ValidationError(f"`{name}` must be <= {limits.max_top_n_tokens} (--max-top-n-tokens). Given: {n}")
 
 
-def prompts(prompt: str | list[str] | list[int], config: Config,
+def prompts(prompt: str | list[str] | list[int], limits: LimitsConfig,
             tokenizer: RouterTokenizer) -> list[tuple[str, list[int]]]:
     """`prompt` as (text, token ids) pairs: a string, a list of strings, or one prompt's token ids."""
     if isinstance(prompt, str):
@@ -137,10 +138,10 @@ def prompts(prompt: str | list[str] | list[int], config: Config,
         except TokenizerError as e:
             raise ValidationError(f"`prompt`: {e}") from None
         return [(tokenizer.decode(prompt), list(prompt))]
-    if len(prompt) > config.limits.max_client_batch_size:
+    if len(prompt) > limits.max_client_batch_size:
         raise ValidationError(
             f"Number of prompts ({len(prompt)}) exceeds the maximum client batch size "
-            f"({config.limits.max_client_batch_size})")
+            f"({limits.max_client_batch_size})")
     return [(p, tokenize_input(p, tokenizer)) for p in prompt]
 
 
@@ -153,21 +154,21 @@ def output_schemas(req: OpenAIRequest) -> list[tuple[str, object]]:
             ("guided_json", req.guided_json), ("guided_regex", req.guided_regex)]
 
 
-def check_chat_schemas(req: ChatCompletionRequest, config: Config) -> None:
+def check_chat_schemas(req: ChatCompletionRequest, structured: StructuredOutputConfig) -> None:
     """The JSON schemas a chat request carries (`response_format`, vLLM's guided fields, each tool's
     parameters), bounded before the template renders or a grammar compiles them."""
     fields = output_schemas(req)
     fields += [(f"tools[{i}].function.parameters", t.function.parameters) for i, t in enumerate(req.tools or [])]
-    check_json_schemas(fields, config)
+    check_json_schemas(fields, structured)
 
 
-def chat_parameters(req: ChatCompletionRequest, config: Config) -> GenerateParameters:
+def chat_parameters(req: ChatCompletionRequest, limits: LimitsConfig) -> GenerateParameters:
     extra = {}
     if req.logprobs and req.top_logprobs:
-        _check_top(req.top_logprobs, "top_logprobs", config)
+        _check_top(req.top_logprobs, "top_logprobs", limits)
         extra["top_n_tokens"] = req.top_logprobs
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-    return generate_parameters(req, max_tokens, config, **extra)
+    return generate_parameters(req, max_tokens, limits, **extra)
 
 
 @dataclass
@@ -183,7 +184,7 @@ class ChatTools:
     prompt: str | None = None
 
 
-def chat_tools(req: ChatCompletionRequest, config: Config, chat_template: str | None) -> ChatTools:
+def chat_tools(req: ChatCompletionRequest, structured: StructuredOutputConfig, chat_template: str | None) -> ChatTools:
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
     named = None if isinstance(choice, str) else choice.function.name
     if not req.tools:
@@ -195,13 +196,13 @@ def chat_tools(req: ChatCompletionRequest, config: Config, chat_template: str | 
         raise ValidationError(f"`tool_choice`: no function named {named!r} in `tools`")
     if choice == "none":
         return ChatTools()
-    fmt = tools_format(chat_template, config.structured_output.tool_call_parser)
+    fmt = tools_format(chat_template, structured.tool_call_parser)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     rendered = renders_tools(chat_template)
     shown = ChatTools(tools if rendered else None, None, fmt, tool_prompt(tools, fmt, req.tool_prompt, rendered))
     if choice == "auto":
         return shown
-    if config.structured_output.disable_grammar_support:
+    if structured.disable_grammar_support:
         raise ValidationError("`tool_choice`: grammar is not supported (--disable-grammar-support); use auto")
     chosen = [(t.function.name, t.function.parameters) for t in req.tools if named in (None, t.function.name)]
     return replace(shown, grammar=call_grammar(fmt, chosen, several=named is None and req.parallel_tool_calls))
@@ -259,19 +260,19 @@ def _content_part(i: int, part: ContentPart, images_allowed: bool) -> str:
     raise ValidationError(f"`messages[{i}].content`: only text and image_url parts are supported")
 
 
-def chat_requests(prompt: str, images, params: GenerateParameters, req: ChatCompletionRequest, config: Config,
-                  tokenizer: RouterTokenizer, tools: ChatTools) -> list[ValidRequest]:
+def chat_requests(prompt: str, images, params: GenerateParameters, req: ChatCompletionRequest, limits: LimitsConfig,
+                  structured: StructuredOutputConfig, tokenizer: RouterTokenizer, tools: ChatTools) -> list[ValidRequest]:
     """The rendered prompt (its special tokens come from the template, none are added) validated, one
     request per choice."""
-    grammar = output_grammar(req, config)
+    grammar = output_grammar(req, structured)
     if tools.grammar is not None:
         if grammar is not None:
             raise ValidationError(f"`{grammar.field}` cannot be combined with `tool_choice` required or named")
         grammar = tools.grammar
     if images is not None:
-        job = validate_with_images(prompt, images, params, config, tokenizer, stream=req.stream,
+        job = validate_with_images(prompt, images, params, limits, structured, tokenizer, stream=req.stream,
                                    add_special_tokens=False, grammar=grammar)
     else:
         ids = tokenize_input(prompt, tokenizer, add_special_tokens=False)
-        job = validate_parameters(prompt, ids, params, config, stream=req.stream, grammar=grammar)
+        job = validate_parameters(prompt, ids, params, limits, structured, stream=req.stream, grammar=grammar)
     return per_choice_requests(with_openai_penalties(job.request, req), req.n, req.seed is not None)

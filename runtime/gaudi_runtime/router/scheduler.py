@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from gaudi_runtime import buckets
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import Config, SchedulingConfig
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,15 @@ def blocks_needed(input_len: int, max_new_tokens: int, cfg: Config) -> int:
     return buckets.ceil_div(input_len + max_new_tokens, cfg.device.block_size)
 
 
-def join_min_size(running: int, waiting_steps: int, oldest_wait_ms: float, cfg: Config) -> int | None:
+def join_min_size(running: int, waiting_steps: int, oldest_wait_ms: float, cfg: SchedulingConfig) -> int | None:
     """Smallest prefill worth pausing `running` decodes for (None: any size).
 
     After --max-waiting-tokens decode steps, or once the oldest request has
     waited QUEUE_THRESHOLD_MS, waiting requests go in regardless of size.
     """
-    if waiting_steps >= cfg.scheduling.max_waiting_tokens or oldest_wait_ms >= cfg.scheduling.queue_threshold_ms:
+    if waiting_steps >= cfg.max_waiting_tokens or oldest_wait_ms >= cfg.queue_threshold_ms:
         return None
-    return math.floor(running * cfg.scheduling.waiting_served_ratio)
+    return math.floor(running * cfg.waiting_served_ratio)
 
 
 def select_prefill(waiting: list[Waiting], running: int, free_blocks: int, cfg: Config,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import StructuredOutputConfig
 from gaudi_runtime.router.errors import ValidationError
 
 
@@ -58,8 +58,8 @@ def _too_deep(field: str, max_depth: int):
     raise ValidationError(f"`{field}` is nested more than {max_depth} levels deep (--max-json-schema-depth)")
 
 
-def check_json_schemas(fields: list[tuple[str, Any]], config: Config) -> None:
+def check_json_schemas(fields: list[tuple[str, Any]], structured: StructuredOutputConfig) -> None:
     """Every (field name, schema) of one request against the server's limits."""
     for name, value in fields:
         if value is not None:
-            check_json_schema(value, name, config.structured_output.max_json_schema_bytes, config.structured_output.max_json_schema_depth)
+            check_json_schema(value, name, structured.max_json_schema_bytes, structured.max_json_schema_depth)

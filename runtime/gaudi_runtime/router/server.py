@@ -16,7 +16,7 @@ import logging
 
 from aiohttp import web
 
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import Config, ServerConfig
 from gaudi_runtime.router.adapters import AdapterTable
 from gaudi_runtime.router.drain import DRAIN, Drain
 from gaudi_runtime.router.errors import (
@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 METRICS = web.AppKey("gaudi_serve_metrics", Metrics)
 
 
-def _cors_origin(config: Config, origin: str | None) -> str | None:
-    allowed = config.server.cors_allow_origin
+def _cors_origin(server: ServerConfig, origin: str | None) -> str | None:
+    allowed = server.cors_allow_origin
     if not origin or not allowed:
         return None
     if "*" in allowed:
@@ -47,8 +47,8 @@ def _cors_origin(config: Config, origin: str | None) -> str | None:
     return origin if origin in allowed else None
 
 
-def _cors_headers(config: Config, request: web.Request) -> dict[str, str]:
-    origin = _cors_origin(config, request.headers.get("Origin"))
+def _cors_headers(server: ServerConfig, request: web.Request) -> dict[str, str]:
+    origin = _cors_origin(server, request.headers.get("Origin"))
     if origin is None:
         return {}
     h = {"Access-Control-Allow-Origin": origin,
@@ -60,18 +60,18 @@ def _cors_headers(config: Config, request: web.Request) -> dict[str, str]:
     return h
 
 
-def too_large(config: Config, size: int | None = None) -> web.Response:
+def too_large(server: ServerConfig, size: int | None = None) -> web.Response:
     given = f"{size} bytes, " if size is not None else ""
     return json_error(413, f"Request body too large: {given}more than --max-request-bytes "
-                           f"({config.server.max_request_bytes})", "validation")
+                           f"({server.max_request_bytes})", "validation")
 
 
-def authorized(config: Config, request: web.Request) -> bool:
+def authorized(server: ServerConfig, request: web.Request) -> bool:
     """The request carries the API key (compared in constant time), or none is set."""
-    if not config.server.api_key:
+    if not server.api_key:
         return True
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), config.server.api_key.encode())
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), server.api_key.encode())
 
 
 def not_ready(health: dict) -> web.Response:
@@ -84,30 +84,30 @@ def not_ready(health: dict) -> web.Response:
     return web.json_response(body, status=503)
 
 
-def _middlewares(config: Config, engine: Engine) -> list:
+def _middlewares(server: ServerConfig, engine: Engine) -> list:
     @web.middleware
     async def cors(request: web.Request, handler):
-        if request.method == "OPTIONS" and config.server.cors_allow_origin:
-            return web.Response(status=204, headers=_cors_headers(config, request))
+        if request.method == "OPTIONS" and server.cors_allow_origin:
+            return web.Response(status=204, headers=_cors_headers(server, request))
         return await handler(request)
 
     @web.middleware
     async def gate(request: web.Request, handler):
         """Body size first (before anything reads it), then the API key, then readiness."""
-        if request.content_length is not None and request.content_length > config.server.max_request_bytes:
-            return too_large(config, request.content_length)
+        if request.content_length is not None and request.content_length > server.max_request_bytes:
+            return too_large(server, request.content_length)
         if open_route(request):
             return await handler(request)
-        if not authorized(config, request):
+        if not authorized(server, request):
             return json_error(401, "Unauthorized: a valid `Authorization: Bearer <api key>` header is required",
                               "authentication")
         ready, health = engine.health()
         return await handler(request) if ready else not_ready(health)
 
-    return [cors, gate, _errors(config)]
+    return [cors, gate, _errors(server)]
 
 
-def _errors(config: Config):
+def _errors(server: ServerConfig):
     @web.middleware
     async def errors(request: web.Request, handler):
         try:
@@ -117,7 +117,7 @@ def _errors(config: Config):
         except (ValidationError, OverloadedError, GenerationError, UnhealthyError) as e:
             return error_response(e)
         except web.HTTPRequestEntityTooLarge:
-            return too_large(config)
+            return too_large(server)
         except web.HTTPException:
             raise
         except Exception as e:
@@ -133,7 +133,7 @@ def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
     `app[METRICS]` or `get_metrics(app)`)."""
     metrics = metrics or Metrics(config.model.model_name)
     drain = Drain()  # admission during a graceful shutdown (router/drain.py)
-    app = web.Application(middlewares=[drain.middleware, *_middlewares(config, engine)],
+    app = web.Application(middlewares=[drain.middleware, *_middlewares(config.server, engine)],
                           client_max_size=config.server.max_request_bytes)
     # The engine's adapter table, which its requests are numbered by; a stand-in engine (tests) has none.
     adapters = getattr(engine, "adapters", None) or AdapterTable(config)
@@ -144,7 +144,7 @@ def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
 
     if config.server.cors_allow_origin:
         async def add_cors(request: web.Request, response: web.StreamResponse) -> None:
-            for k, v in _cors_headers(config, request).items():
+            for k, v in _cors_headers(config.server, request).items():
                 response.headers.setdefault(k, v)
 
         app.on_response_prepare.append(add_cors)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import ModelConfig
 
 
 class TokenizerError(ValueError):
@@ -136,21 +136,21 @@ class RouterTokenizer:
         self._decode = None if hf_tokenizer is None else backend_decode(hf_tokenizer) or hf_tokenizer.decode
 
     @classmethod
-    def load(cls, path: str, config: Config) -> RouterTokenizer:
+    def load(cls, path: str, model: ModelConfig) -> RouterTokenizer:
         p = Path(path)
         hf = None
         try:
-            hf = _auto_tokenizer(path, config.model.revision)
+            hf = _auto_tokenizer(path, model.revision)
         except Exception:
-            if not config.model.skip_tokenizer_in_tgi:
+            if not model.skip_tokenizer_in_tgi:
                 raise
         if hf is not None and not hf.is_fast:
             raise ValueError(f"{path}: the router needs a fast tokenizer (tokenizer.json)")
-        if hf is not None and config.model.tokenizer_config_path:
-            hf.chat_template = chat_template_from(config.model.tokenizer_config_path)
+        if hf is not None and model.tokenizer_config_path:
+            hf.chat_template = chat_template_from(model.tokenizer_config_path)
         bos = _ids_from_config(p, "bos_token_id")
         vocab = _ids_from_config(p, "vocab_size")
-        return cls(hf, skip_tokenizer=config.model.skip_tokenizer_in_tgi, eos_token_ids=_ids_from_config(p, "eos_token_id"),
+        return cls(hf, skip_tokenizer=model.skip_tokenizer_in_tgi, eos_token_ids=_ids_from_config(p, "eos_token_id"),
                    bos_token_id=bos[0] if bos else None, vocab_size=vocab[0] if vocab else None)
 
     @property

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class RequestTracer:
         self.provider.shutdown()
 
 
-def make_tracer(cfg: Config) -> RequestTracer | None:
-    if not cfg.server.otlp_endpoint:
+def make_tracer(server: ServerConfig) -> RequestTracer | None:
+    if not server.otlp_endpoint:
         return None
-    return RequestTracer(cfg.server.otlp_endpoint, cfg.server.otlp_service_name)
+    return RequestTracer(server.otlp_endpoint, server.otlp_service_name)

@@ -2,7 +2,8 @@
 whose message follows TGI's wording and names the field.
 
 Types and ranges belong to the request models (`request_models`); the checks here are those that
-depend on the running server: the limits in `Config`, the tokenizer, streaming. Pure functions apart
+depend on the running server: its limits (`LimitsConfig`) and structured-output settings
+(`StructuredOutputConfig`), the tokenizer, streaming. Pure functions apart
 from the tokenizer's `encode`. The OpenAI routes come through here too (`openai_validation`), so
 both APIs enforce the same limits with the same words.
 """
@@ -14,7 +15,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import LimitsConfig, StructuredOutputConfig
 from gaudi_runtime.params import SamplingParameters, samples
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.request_models import (
@@ -77,38 +78,40 @@ def tokenize_input(inputs: str, tokenizer: _Encoder, add_special_tokens: bool = 
         raise ValidationError(f"tokenizer error {type(e).__name__}: {e}") from None
 
 
-def validate_generate(body: dict | GenerateRequest, config: Config, tokenizer: _Encoder, *, stream: bool = False,
-                      rng: random.Random | None = None, images=None) -> GenerateJob:
+def validate_generate(body: dict | GenerateRequest, limits: LimitsConfig, structured: StructuredOutputConfig,
+                      tokenizer: _Encoder, *, stream: bool = False, rng: random.Random | None = None,
+                      images=None) -> GenerateJob:
     """A TGI body `{"inputs": ..., "parameters": {...}}` -> GenerateJob.
 
     `images`: the prompt's images expanded for a vision model (`router.images.prompt_images`)."""
     request = body if isinstance(body, GenerateRequest) else parse_generate(body)
     if images is not None:
-        return validate_with_images(request.inputs, images, request.parameters, config, tokenizer,
+        return validate_with_images(request.inputs, images, request.parameters, limits, structured, tokenizer,
                                     stream=stream, rng=rng)
     input_ids = tokenize_input(request.inputs, tokenizer)
-    return validate_parameters(request.inputs, input_ids, request.parameters, config, stream=stream, rng=rng)
+    return validate_parameters(request.inputs, input_ids, request.parameters, limits, structured, stream=stream,
+                               rng=rng)
 
 
-def validate_with_images(inputs: str, images, params: GenerateParameters | dict, config: Config,
-                         tokenizer: _Encoder, *, stream: bool = False, rng: random.Random | None = None,
+def validate_with_images(inputs: str, images, params: GenerateParameters | dict, limits: LimitsConfig,
+                         structured: StructuredOutputConfig, tokenizer: _Encoder, *, stream: bool = False, rng: random.Random | None = None,
                          add_special_tokens: bool = True, grammar: GrammarSpec | None = None) -> GenerateJob:
     """Validate a vision model's prompt: its text with each image expanded into placeholder tokens."""
     input_ids = tokenize_input(images.text, tokenizer, add_special_tokens=add_special_tokens)
-    job = validate_parameters(inputs, input_ids, params, config, stream=stream, rng=rng, grammar=grammar)
+    job = validate_parameters(inputs, input_ids, params, limits, structured, stream=stream, rng=rng, grammar=grammar)
     images.attach(job.request, input_ids)
     return job
 
 
-def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParameters | dict, config: Config, *,
-                        stream: bool = False, rng: random.Random | None = None,
+def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParameters | dict, limits: LimitsConfig,
+                        structured: StructuredOutputConfig, *, stream: bool = False, rng: random.Random | None = None,
                         grammar: GrammarSpec | None = None) -> GenerateJob:
     """A tokenized prompt and TGI's parameters (a model, or a dict to parse) -> GenerateJob, within
-    the limits in `config`. `grammar`: the OpenAI routes' constraint (TGI's is `params.grammar`)."""
+    the server's `limits`. `grammar`: the OpenAI routes' constraint (TGI's is `params.grammar`)."""
     if not isinstance(params, GenerateParameters):
         params = parse_request(GenerateParameters, params)
-    check_limits(params, config, stream=stream)
-    input_ids, max_new_tokens = fit_input(input_ids, params.truncate, params.max_new_tokens, config)
+    check_limits(params, limits, structured, stream=stream)
+    input_ids, max_new_tokens = fit_input(input_ids, params.truncate, params.max_new_tokens, limits)
     best_of = 1 if params.best_of is None else params.best_of
     if params.grammar is not None:
         grammar = grammar_spec(params.grammar)
@@ -121,7 +124,7 @@ def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParam
             stop_sequences=tuple(params.stop),
             # `ignore_eos` is vLLM's extension (benchmark clients send it); the env var sets it server-wide.
             # A grammar's end is the output's: past it the grammar allows nothing but EOS.
-            ignore_eos_token=(config.limits.text_generation_server_ignore_eos_token or params.ignore_eos)
+            ignore_eos_token=(limits.text_generation_server_ignore_eos_token or params.ignore_eos)
             and grammar is None,
         ),
         top_n_tokens=params.top_n_tokens or 0,
@@ -135,31 +138,32 @@ def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParam
 
 # --- the server's limits (pure) ------------------------------------------------------------------------
 
-def check_limits(p: GenerateParameters, config: Config, *, stream: bool) -> None:
+def check_limits(p: GenerateParameters, limits: LimitsConfig, structured: StructuredOutputConfig, *,
+                 stream: bool) -> None:
     """What TGI checks against its launch settings, and what this server does not implement."""
-    check_json_schemas([("grammar", None if p.grammar is None else p.grammar.value)], config)
-    _check_best_of(p, config, stream=stream)
+    check_json_schemas([("grammar", None if p.grammar is None else p.grammar.value)], structured)
+    _check_best_of(p, limits, stream=stream)
     if stream and p.decoder_input_details:
         raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
-    if len(p.stop) > config.limits.max_stop_sequences:
-        raise ValidationError(f"`stop` supports up to {config.limits.max_stop_sequences} stop sequences. Given: {len(p.stop)}")
+    if len(p.stop) > limits.max_stop_sequences:
+        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. Given: {len(p.stop)}")
     if p.top_n_tokens is not None and p.top_n_tokens != 0:
-        if config.limits.max_top_n_tokens == 0:
+        if limits.max_top_n_tokens == 0:
             raise ValidationError(
                 "`top_n_tokens` != 0 is not allowed for this endpoint, because `--max-top-n-tokens` is set to 0")
-        if not 0 <= p.top_n_tokens <= config.limits.max_top_n_tokens:
+        if not 0 <= p.top_n_tokens <= limits.max_top_n_tokens:
             raise ValidationError(
-                f"`top_n_tokens` must be >= 0 and <= {config.limits.max_top_n_tokens}. Given: {p.top_n_tokens}")
+                f"`top_n_tokens` must be >= 0 and <= {limits.max_top_n_tokens}. Given: {p.top_n_tokens}")
     if p.top_k is not None and p.top_k > MAX_U32:
         raise ValidationError(f"Failed to deserialize the JSON body: `top_k`: expected a 32-bit unsigned integer, "
                               f"got {p.top_k}")
     if p.watermark:
         raise ValidationError("`watermark` is not supported by this server")
-    if p.grammar is not None and config.structured_output.disable_grammar_support:
+    if p.grammar is not None and structured.disable_grammar_support:
         raise ValidationError("grammar is not supported")
-    if p.truncate is not None and (p.truncate <= 0 or p.truncate > config.limits.max_input_tokens):
+    if p.truncate is not None and (p.truncate <= 0 or p.truncate > limits.max_input_tokens):
         raise ValidationError(
-            f"`truncate` must be strictly positive and less than {config.limits.max_input_tokens}. Given: {p.truncate}")
+            f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. Given: {p.truncate}")
 
 
 def grammar_spec(g: Grammar, field: str = "grammar") -> GrammarSpec:
@@ -190,13 +194,13 @@ def _sampling_requested(p: GenerateParameters) -> bool:
     return p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
 
 
-def _check_best_of(p: GenerateParameters, config: Config, *, stream: bool) -> None:
+def _check_best_of(p: GenerateParameters, limits: LimitsConfig, *, stream: bool) -> None:
     if p.best_of is None or p.best_of == 1:
         return
-    if config.limits.max_best_of == 1:
+    if limits.max_best_of == 1:
         raise ValidationError("`best_of` != 1 is not allowed for this endpoint")
-    if p.best_of < 1 or p.best_of > config.limits.max_best_of:
-        raise ValidationError(f"`best_of` must be > 0 and <= {config.limits.max_best_of}. Given: {p.best_of}")
+    if p.best_of < 1 or p.best_of > limits.max_best_of:
+        raise ValidationError(f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {p.best_of}")
     if stream:
         raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
     if not _sampling_requested(p):
@@ -206,7 +210,7 @@ def _check_best_of(p: GenerateParameters, config: Config, *, stream: bool) -> No
 
 
 def fit_input(input_ids: list[int], truncate: int | None, max_new_tokens: int | None,
-              config: Config) -> tuple[list[int], int]:
+              limits: LimitsConfig) -> tuple[list[int], int]:
     """The prompt cut to `truncate` (its end, as TGI), and `max_new_tokens` (by default all the room
     left), both within `max_input_tokens` and `max_total_tokens`."""
     if not input_ids:
@@ -214,14 +218,14 @@ def fit_input(input_ids: list[int], truncate: int | None, max_new_tokens: int | 
     if truncate is not None and len(input_ids) > truncate:
         input_ids = input_ids[-truncate:]
     input_length = len(input_ids)
-    if input_length > config.limits.max_input_tokens:
+    if input_length > limits.max_input_tokens:
         raise ValidationError(
-            f"`inputs` must have less than {config.limits.max_input_tokens} tokens. Given: {input_length}")
+            f"`inputs` must have less than {limits.max_input_tokens} tokens. Given: {input_length}")
     if max_new_tokens is None:
-        max_new_tokens = config.limits.max_total_tokens - input_length
-    if input_length + max_new_tokens > config.limits.max_total_tokens:
+        max_new_tokens = limits.max_total_tokens - input_length
+    if input_length + max_new_tokens > limits.max_total_tokens:
         raise ValidationError(
-            f"`inputs` tokens + `max_new_tokens` must be <= {config.limits.max_total_tokens}. "
+            f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
             f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`")
     return input_ids, max_new_tokens
 

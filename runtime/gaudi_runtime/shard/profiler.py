@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import DeviceConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,26 +36,26 @@ def trace_path(directory: str, rank: int) -> str:
 class StepProfiler:
     """A `torch.profiler.profile` advanced once per decode step; writes one trace, then stops."""
 
-    def __init__(self, cfg: Config, rank: int, device: str):
-        self.directory = cfg.device.prof_path
+    def __init__(self, cfg: DeviceConfig, rank: int, device: str):
+        self.directory = cfg.prof_path
         self.rank = rank
-        self.total = cfg.device.prof_waitstep + cfg.device.prof_warmupstep + cfg.device.prof_step
+        self.total = cfg.prof_waitstep + cfg.prof_warmupstep + cfg.prof_step
         self.steps = 0
         self.written: str | None = None
         os.makedirs(self.directory, exist_ok=True)
         with warnings.catch_warnings():  # PROF_WARMUPSTEP=0 is TGI-Gaudi's default, not worth a warning
             warnings.filterwarnings("ignore", message=".*won't be using warmup.*")
-            schedule = torch.profiler.schedule(wait=cfg.device.prof_waitstep, warmup=cfg.device.prof_warmupstep,
-                                               active=cfg.device.prof_step, repeat=1)
+            schedule = torch.profiler.schedule(wait=cfg.prof_waitstep, warmup=cfg.prof_warmupstep,
+                                               active=cfg.prof_step, repeat=1)
         self._prof = torch.profiler.profile(
             activities=activities(device),
             schedule=schedule,
             on_trace_ready=self._write,
-            record_shapes=cfg.device.prof_record_shapes,
+            record_shapes=cfg.prof_record_shapes,
         )
         self._prof.start()
         log.info("profiler on for rank %d: wait %d, warmup %d, record %d decode steps into %s", rank,
-                 cfg.device.prof_waitstep, cfg.device.prof_warmupstep, cfg.device.prof_step, self.directory)
+                 cfg.prof_waitstep, cfg.prof_warmupstep, cfg.prof_step, self.directory)
 
     def _write(self, prof) -> None:
         self.written = trace_path(self.directory, self.rank)
@@ -76,8 +76,8 @@ class StepProfiler:
             self._prof.stop()
 
 
-def make_profiler(cfg: Config, rank: int, device: str) -> StepProfiler | None:
+def make_profiler(cfg: DeviceConfig, rank: int, device: str) -> StepProfiler | None:
     """The profiler this rank runs, or None when profiling is off for it."""
-    if cfg.device.prof_step <= 0 or rank not in cfg.device.prof_ranks:
+    if cfg.prof_step <= 0 or rank not in cfg.prof_ranks:
         return None
     return StepProfiler(cfg, rank, device)

@@ -83,7 +83,7 @@ class ModelRunner:
         m = self.model
         self.rank, self.world_size = rank, world_size
         self.weight_bytes = weight_bytes(m)
-        backend.prepare_model(m, cfg)
+        backend.prepare_model(m, cfg.device)
         per_block = kv_bytes_per_block(m.num_layers, cfg.device.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype)
         free = backend.memory_info()
         self.num_blocks = size_kv_cache(cfg, per_block, free[0] if free else None)
@@ -112,7 +112,7 @@ class ModelRunner:
         self._prefill_context_fn = self._prefill_context_step if cfg.device.limit_hpu_graph else backend.graphed(
             self._prefill_context_step, "prefill_context")
         self._verify_fn = backend.graphed(self._verify_step, "verify")
-        self.profiler = make_profiler(cfg, rank, backend.name)  # PROF_*: None unless this rank profiles
+        self.profiler = make_profiler(cfg.device, rank, backend.name)  # PROF_*: None unless this rank profiles
 
     # ---- the step functions (what device graphs capture) --------------
 
