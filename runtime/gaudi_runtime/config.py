@@ -244,8 +244,9 @@ class SchedulingConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """What is served: the model, its name, its numeric formats and quantization, RoPE, the tokenizer."""
+class ServedModelConfig:
+    """What is served: the model, its name, its numeric formats and quantization, RoPE, the tokenizer.
+    (Not `models.base.ModelConfig`, which is a model's parsed config.json.)"""
 
     model_id: str = ""
     revision: str | None = None
@@ -346,7 +347,7 @@ class Config:
 
     server: ServerConfig = field(default_factory=ServerConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ServedModelConfig = field(default_factory=ServedModelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     structured_output: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
@@ -388,7 +389,7 @@ class Config:
 
 
 PARTS: dict[str, type] = {
-    "server": ServerConfig, "scheduling": SchedulingConfig, "model": ModelConfig, "device": DeviceConfig,
+    "server": ServerConfig, "scheduling": SchedulingConfig, "model": ServedModelConfig, "device": DeviceConfig,
     "structured_output": StructuredOutputConfig, "limits": LimitsConfig, "adapters": AdaptersConfig,
 }
 # setting -> the part that declares it.

@@ -25,6 +25,11 @@ def config(**env: str):
     return resolve(None, {**BASE, **env}, device_count=lambda d: 1)
 
 
+def parts(cfg):
+    """What the router's adapter table reads: the adapters and the base model's names."""
+    return cfg.adapters, cfg.model
+
+
 # --- the flags ----------------------------------------------------------------------------------
 
 def test_tgi_and_vllm_spellings_give_one_list_in_order():
@@ -154,7 +159,7 @@ def test_one_batch_mixes_the_base_model_and_adapters_as_peft_computes_them(tiny,
 # --- selection, scheduling, prefix cache ----------------------------------------------------------
 
 def test_requests_select_adapters_by_name():
-    table = router_adapters.AdapterTable(config(LORA_ADAPTERS="a=/x,b=/y", MODEL_NAME="base"))
+    table = router_adapters.AdapterTable(*parts(config(LORA_ADAPTERS="a=/x,b=/y", MODEL_NAME="base")))
     assert [router_adapters.tgi_slot(table, n)[0] for n in (None, "base", "/m", "a", "b")] == [0, 0, 0, 1, 2]
     assert router_adapters.openai_slot(table, "b") == (2, 2) and table.name(2) == "b"
     with pytest.raises(ValidationError, match="not a served adapter"):
@@ -162,15 +167,15 @@ def test_requests_select_adapters_by_name():
     with pytest.raises(ModelNotFoundError):
         router_adapters.openai_slot(table, "c")
     # No adapters: `model` is ignored, as TGI does; unless adapters may be loaded while serving.
-    assert router_adapters.openai_slot(router_adapters.AdapterTable(config()), "anything") == (0, 0)
-    runtime = router_adapters.AdapterTable(config(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True"))
+    assert router_adapters.openai_slot(router_adapters.AdapterTable(*parts(config())), "anything") == (0, 0)
+    runtime = router_adapters.AdapterTable(*parts(config(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")))
     with pytest.raises(ModelNotFoundError):
         router_adapters.openai_slot(runtime, "anything")
 
 
 def test_an_unloaded_adapters_slot_waits_for_its_requests_and_a_reload_is_a_new_load():
-    table = router_adapters.AdapterTable(config(LORA_ADAPTERS="a=/x", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
-                                                MAX_CPU_LORAS="2"))
+    table = router_adapters.AdapterTable(*parts(config(LORA_ADAPTERS="a=/x", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
+                                                MAX_CPU_LORAS="2")))
     assert len(table.slots) == 3 and table.free_slot(busy=set()) == 2
     first = table.slot("a"), table.entry(1).load_id
     assert table.remove("a").name == "a" and table.slot("a") is None
@@ -209,7 +214,7 @@ def test_max_loras_bounds_the_distinct_adapters_in_a_batch():
 def test_each_adapter_roots_its_own_block_hashes():
     cfg = config(LORA_ADAPTERS="a=/x,b=/y")
     cfg.adapters.lora_adapters[0]["digest"], cfg.adapters.lora_adapters[1]["digest"] = "d1", "d2"
-    table = router_adapters.AdapterTable(cfg)
+    table = router_adapters.AdapterTable(cfg.adapters, cfg.model)
     cache = PrefixCache(cfg, None, table)
     roots = [cache.slot_root(i) for i in range(3)]
     assert roots[0] == root_hash(cfg) and len(set(roots)) == 3

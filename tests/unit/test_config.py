@@ -79,3 +79,55 @@ def test_the_logged_configuration_masks_the_api_key():
     del logged["server"]["api_key"]
     assert logged == sent
     assert json.loads(resolve(None, env()).to_log_json())["server"]["api_key"] is None  # unset stays visibly unset
+
+
+# ---- the parts -------------------------------------------------------------------------------------
+
+def test_every_flag_and_env_setting_lands_in_exactly_one_part():
+    import dataclasses
+
+    from gaudi_runtime import config
+
+    declared = [f.name for typ in config.PARTS.values() for f in dataclasses.fields(typ)]
+    assert len(declared) == len(set(declared)), "a setting is declared by two parts"
+    assert list(config.PARTS) == [f.name for f in dataclasses.fields(config.Config)]
+    given = [config._attr(flag) for flag, *_ in config.FLAGS] + [env.lower() for env, *_ in config.ENV_ONLY]
+    assert len(given) == len(set(given))
+    for name in given:
+        kept = config.FOLDED_FLAGS.get(name, name)  # --max-input-length lands in max_input_tokens
+        assert kept in config.PART_OF, f"{name}: no part declares it"
+    # Every field of a part is a flag or an environment setting: no setting without its flag table row.
+    assert set(declared) == set(given) - set(config.FOLDED_FLAGS)
+
+
+def test_each_setting_is_read_from_its_part():
+    cfg = resolve(None, env(PORT=8080, MAX_N=3, PREFIX_CACHING="false", DEVICE="cpu", QUANTIZE="fp8",
+                            TOOL_CALL_PARSER="hermes", MAX_LORA_RANK=8, MAX_INPUT_LENGTH=100))
+    assert cfg.server.port == 8080 and cfg.server.shard_socket(1) == "/tmp/gaudi-serve-server-1"
+    assert cfg.limits.max_n == 3 and cfg.limits.max_input_tokens == 100
+    assert cfg.scheduling.prefix_caching is False and cfg.device.device == "cpu"
+    assert cfg.model.quantize == "fp8" and cfg.structured_output.tool_call_parser == "hermes"
+    assert cfg.adapters.max_lora_rank == 8
+    assert not hasattr(cfg, "port") and not hasattr(cfg, "max_input_length")
+
+
+def test_a_config_from_flat_settings_and_a_changed_copy():
+    from gaudi_runtime.config import Config
+
+    cfg = Config.of(model_id="m", max_input_tokens=80, port=9)
+    assert (cfg.model.model_id, cfg.limits.max_input_tokens, cfg.server.port) == ("m", 80, 9)
+    assert cfg.limits.max_total_tokens == 2048  # the rest defaulted
+    changed = cfg.replace(log_level="warning", max_n=2)
+    assert (changed.server.log_level, changed.limits.max_n, changed.server.port) == ("warning", 2, 9)
+    assert cfg.server.log_level == "info" and changed.model is cfg.model  # parts not changed are shared
+    assert changed.setting("max_n") == 2
+    with pytest.raises(TypeError, match="no such setting: prot"):
+        Config.of(prot=80)
+    with pytest.raises(dataclasses_frozen()):
+        cfg.server.port = 1  # a part handed to a reader cannot be changed under the others
+
+
+def dataclasses_frozen():
+    import dataclasses
+
+    return dataclasses.FrozenInstanceError

@@ -22,7 +22,7 @@ import logging
 import os
 from pathlib import Path
 
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import AdaptersConfig, ServedModelConfig
 from gaudi_runtime.router.adapters import AdapterTable
 from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.live_requests import Requests
@@ -38,7 +38,7 @@ class UpdateError(Exception):
         self.status, self.kind = status, kind
 
 
-def resolve_path(cfg: Config, lora_path: str) -> str:
+def resolve_path(model: ServedModelConfig, lora_path: str) -> str:
     """`lora_path` as a local directory: as is, or a hub id's snapshot (fetched as the model's is:
     HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE, the hub cache). 404 NotFoundError when neither is found."""
     if os.path.isdir(lora_path):
@@ -48,18 +48,18 @@ def resolve_path(cfg: Config, lora_path: str) -> str:
     from gaudi_runtime.download import DownloadError, ensure_snapshot
 
     try:
-        return ensure_snapshot(lora_path, None, cfg.model.huggingface_hub_cache, None)["path"]
+        return ensure_snapshot(lora_path, None, model.huggingface_hub_cache, None)["path"]
     except DownloadError as e:
         raise UpdateError(404, "NotFoundError", f"No adapter found for {lora_path}: {e}") from None
 
 
-def check_files(cfg: Config, model_dir: str, name: str, path: str) -> str:
+def check_files(adapters: AdaptersConfig, model_dir: str, name: str, path: str) -> str:
     """The adapter's digest once it fits the model and --max-lora-rank; 400 saying what is wrong otherwise."""
     from gaudi_runtime.adapters import AdapterError, check_adapter, digest
 
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
     try:
-        check_adapter(name, path, model_config, cfg.adapters.max_lora_rank)
+        check_adapter(name, path, model_config, adapters.max_lora_rank)
         return digest(path)
     except (AdapterError, OSError) as e:
         raise UpdateError(400, "BadRequestError", f"Loading lora {name} failed: {e}") from None
@@ -68,8 +68,9 @@ def check_files(cfg: Config, model_dir: str, name: str, path: str) -> str:
 class AdapterUpdates:
     """What /v1/load_lora_adapter and /v1/unload_lora_adapter do (router/lora_api.py answers)."""
 
-    def __init__(self, cfg: Config, model_dir: str, table: AdapterTable, client: ShardClient, requests: Requests):
-        self.cfg, self.model_dir = cfg, model_dir
+    def __init__(self, model: ServedModelConfig, adapters: AdaptersConfig, model_dir: str, table: AdapterTable,
+                 client: ShardClient, requests: Requests):
+        self.model, self.adapters, self.model_dir = model, adapters, model_dir
         self.table, self.client, self.requests = table, client, requests
         self._one_at_a_time = asyncio.Lock()
 
@@ -83,8 +84,8 @@ class AdapterUpdates:
             if self.table.slot(name) is not None and not inplace:
                 raise UpdateError(400, "InvalidUserInput", f"The lora adapter '{name}' has already been loaded. "
                                   "If you want to load the adapter in place, set 'load_inplace' to True.")
-            path = await asyncio.to_thread(resolve_path, self.cfg, lora_path)
-            digest = await asyncio.to_thread(check_files, self.cfg, self.model_dir, name, path)
+            path = await asyncio.to_thread(resolve_path, self.model, lora_path)
+            digest = await asyncio.to_thread(check_files, self.adapters, self.model_dir, name, path)
             slot = self.table.free_slot(self.requests.busy_adapters())
             if slot is None:
                 raise UpdateError(400, "BadRequestError", self._full(name))

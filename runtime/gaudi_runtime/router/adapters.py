@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import AdaptersConfig, ServedModelConfig
 from gaudi_runtime.router.errors import ModelNotFoundError, ValidationError
 
 
@@ -34,15 +34,15 @@ class Served:
 class AdapterTable:
     """The adapters served now, by slot and by name."""
 
-    def __init__(self, cfg: Config):
-        self.base_names = {cfg.model.model_name, cfg.model.model_id}
+    def __init__(self, adapters: AdaptersConfig, model: ServedModelConfig):
+        self.base_names = {model.model_name, model.model_id}
         # Without adapters and without runtime loading `model` is ignored, as TGI does.
-        self.selects = bool(cfg.adapters.lora_adapters) or cfg.adapters.allow_runtime_lora_updating
-        self.max_loras = cfg.adapters.max_loras
+        self.selects = bool(adapters.lora_adapters) or adapters.allow_runtime_lora_updating
+        self.max_loras = adapters.max_loras
         self._ids = itertools.count(1)
-        self.slots: list[Served | None] = [None] * (max(cfg.adapters.max_cpu_loras, len(cfg.adapters.lora_adapters)) + 1)
+        self.slots: list[Served | None] = [None] * (max(adapters.max_cpu_loras, len(adapters.lora_adapters)) + 1)
         self._named: dict[str, int] = {}
-        for i, a in enumerate(cfg.adapters.lora_adapters, start=1):
+        for i, a in enumerate(adapters.lora_adapters, start=1):
             self.put(i, a["name"], a["source"], a.get("digest") or "")
 
     def slot(self, name: str | None) -> int | None:

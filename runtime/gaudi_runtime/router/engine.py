@@ -59,7 +59,7 @@ class BatchingEngine:
         self.warmup_progress = {"done": 0, "total": 0, "phase": "prefill"}
         self.shard_info: pb.InfoResponse | None = None
         self.in_flight = 0  # generate() iterators open (--max-concurrent-requests)
-        self.adapters = AdapterTable(cfg)  # the LoRA adapters served now (router/adapters.py)
+        self.adapters = AdapterTable(cfg.adapters, cfg.model)  # the LoRA adapters served now (router/adapters.py)
         self.requests = Requests(cfg, self.metrics, self.adapters)
         self.kv_events = self.requests.prefix.events = make_kv_events(cfg.scheduling.kv_events_config)
         self.output = OutputProcessor(tokenizer, self.requests)

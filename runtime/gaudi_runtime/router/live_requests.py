@@ -66,7 +66,7 @@ class Requests:
     def __init__(self, cfg: Config, metrics: EngineMetrics, adapters: AdapterTable | None = None):
         self.cfg = cfg
         self.metrics = metrics
-        self.adapters = adapters or AdapterTable(cfg)
+        self.adapters = adapters or AdapterTable(cfg.adapters, cfg.model)
         self.waiting: deque[RequestState] = deque()
         self.allocator: BlockAllocator | None = None  # set once the shards said how many blocks they hold
         self.prefix = PrefixCache(cfg, metrics, self.adapters)

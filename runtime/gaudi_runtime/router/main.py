@@ -15,7 +15,7 @@ import socket
 from aiohttp import web
 
 from gaudi_runtime import progress
-from gaudi_runtime.config import Config, ModelConfig, ServerConfig, StructuredOutputConfig
+from gaudi_runtime.config import Config, ServedModelConfig, ServerConfig, StructuredOutputConfig
 from gaudi_runtime.router.adapter_updates import AdapterUpdates
 from gaudi_runtime.router.client import ShardClient
 from gaudi_runtime.router.drain import DRAIN, shut_down
@@ -43,7 +43,7 @@ def _site(runner: web.AppRunner, server: ServerConfig) -> web.BaseSite:
     return web.TCPSite(runner, server.hostname, server.port)
 
 
-def load_tokenizer(model: ModelConfig, model_dir: str) -> RouterTokenizer:
+def load_tokenizer(model: ServedModelConfig, model_dir: str) -> RouterTokenizer:
     """The router's tokenizer, loaded in a process that keeps torch out (the router runs no model)."""
     keep_torch_out()
     return RouterTokenizer.load(model_dir, model)
@@ -59,7 +59,8 @@ async def serve(cfg: Config, model_dir: str) -> int:
     app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg.limits))
     app[STATE].tracer = tracer = make_tracer(cfg.server)
     if cfg.adapters.allow_runtime_lora_updating:
-        app[STATE].adapter_updates = AdapterUpdates(cfg, model_dir, engine.adapters, client, engine.requests)
+        app[STATE].adapter_updates = AdapterUpdates(cfg.model, cfg.adapters, model_dir, engine.adapters, client,
+                                                    engine.requests)
     log_tool_format(cfg.structured_output, tokenizer)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()

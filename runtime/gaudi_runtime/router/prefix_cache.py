@@ -90,7 +90,7 @@ class PrefixCache:
         self.block_size = cfg.device.block_size
         self.speculates = cfg.scheduling.speculate > 0
         self.root = root_hash(cfg)
-        self.adapters = adapters or AdapterTable(cfg)
+        self.adapters = adapters or AdapterTable(cfg.adapters, cfg.model)
         self.metrics = metrics
         self.events: KvEvents | None = None  # where registrations and removals are announced
 

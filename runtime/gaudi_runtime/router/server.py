@@ -136,7 +136,7 @@ def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
     app = web.Application(middlewares=[drain.middleware, *_middlewares(config.server, engine)],
                           client_max_size=config.server.max_request_bytes)
     # The engine's adapter table, which its requests are numbered by; a stand-in engine (tests) has none.
-    adapters = getattr(engine, "adapters", None) or AdapterTable(config)
+    adapters = getattr(engine, "adapters", None) or AdapterTable(config.adapters, config.model)
     app[STATE] = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, images=images,
                           adapters=adapters)
     app[METRICS] = metrics

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gaudi_runtime.config import ModelConfig
+from gaudi_runtime.config import ServedModelConfig
 
 
 class TokenizerError(ValueError):
@@ -136,7 +136,7 @@ class RouterTokenizer:
         self._decode = None if hf_tokenizer is None else backend_decode(hf_tokenizer) or hf_tokenizer.decode
 
     @classmethod
-    def load(cls, path: str, model: ModelConfig) -> RouterTokenizer:
+    def load(cls, path: str, model: ServedModelConfig) -> RouterTokenizer:
         p = Path(path)
         hf = None
         try:
