@@ -61,7 +61,8 @@ def prefill_seq_cap(cfg: Config) -> int:
 
 def prefill_seq_bucket(max_len: int, cfg: Config) -> int:
     """Padded prompt length for a prefill whose longest prompt has max_len tokens."""
-    return bucket(max_len, cfg.device.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), cfg.device.exponential_bucketing)
+    d = cfg.device
+    return bucket(max_len, d.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), d.exponential_bucketing)
 
 
 def max_prefill_batch(seq: int, cfg: Config) -> int:
@@ -70,7 +71,8 @@ def max_prefill_batch(seq: int, cfg: Config) -> int:
 
 
 def prefill_batch_bucket(n: int, seq: int, cfg: Config) -> int:
-    return bucket(n, cfg.device.prefill_batch_bucket_size, max_prefill_batch(seq, cfg), cfg.device.exponential_bucketing)
+    d = cfg.device
+    return bucket(n, d.prefill_batch_bucket_size, max_prefill_batch(seq, cfg), d.exponential_bucketing)
 
 
 def decode_batch_cap(cfg: Config) -> int:
@@ -103,10 +105,10 @@ def decode_block_bucket(max_context: int, cfg: Config) -> int:
 def prefill_buckets(cfg: Config) -> list[tuple[int, int]]:
     """Every (batch, seq) shape a prefill may run on."""
     shapes = set()
-    seqs = bucket_values(cfg.device.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), cfg.device.exponential_bucketing)
+    d = cfg.device
+    seqs = bucket_values(d.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), d.exponential_bucketing)
     for seq in seqs:
-        for rows in bucket_values(cfg.device.prefill_batch_bucket_size, max_prefill_batch(seq, cfg),
-                                  cfg.device.exponential_bucketing):
+        for rows in bucket_values(d.prefill_batch_bucket_size, max_prefill_batch(seq, cfg), d.exponential_bucketing):
             shapes.add((rows, seq))
     return sorted(shapes)
 
@@ -133,7 +135,8 @@ def decode_flat_buckets(cfg: Config) -> list[tuple[int, int]]:
     """Every (batch, total blocks) shape a flat decode step may run on. A rows bucket holds more rows than
     the one below it, each using a block at least, so totals below that never occur and are left out."""
     shapes, fewest = [], 1
-    for rows in bucket_values(cfg.device.batch_bucket_size, decode_batch_cap(cfg), cfg.device.exponential_bucketing):
+    d = cfg.device
+    for rows in bucket_values(d.batch_bucket_size, decode_batch_cap(cfg), d.exponential_bucketing):
         totals = bucket_values(block_step(cfg), decode_total_blocks_cap(rows, cfg), exponential=True)
         shapes += [(rows, total) for total in totals if total >= fewest]
         fewest = rows + 1
@@ -174,12 +177,15 @@ SPECULATION_MAX_ROWS = 4
 def speculation_rows(cfg: Config) -> int:
     """The rows bucket of the largest speculative step (0 without --speculate): the decode bucket that
     holds SPECULATION_MAX_ROWS rows."""
-    return decode_batch_bucket(min(SPECULATION_MAX_ROWS, decode_batch_cap(cfg)), cfg) if cfg.scheduling.speculate else 0
+    if not cfg.scheduling.speculate:
+        return 0
+    return decode_batch_bucket(min(SPECULATION_MAX_ROWS, decode_batch_cap(cfg)), cfg)
 
 
 def verify_context_bucket(tokens: int, cfg: Config) -> int:
     """Context width (in blocks) of a speculative step whose longest row has `tokens` cached tokens."""
-    return bucket(ceil_div(tokens, cfg.device.block_size), block_step(cfg), decode_block_cap(cfg), exponential=True)
+    blocks = ceil_div(tokens, cfg.device.block_size)
+    return bucket(blocks, block_step(cfg), decode_block_cap(cfg), exponential=True)
 
 
 def verify_buckets(cfg: Config) -> list[tuple[int, int, int]]:

@@ -71,7 +71,8 @@ def resolve_model_dir(cfg: Config, steps: progress.Reporter | None = None) -> st
     if os.path.isdir(cfg.model.model_id):
         return cfg.model.model_id
     reporter = _DownloadSteps(steps) if steps is not None else None
-    return ensure_snapshot(cfg.model.model_id, cfg.model.revision, cfg.model.huggingface_hub_cache, reporter)["path"]
+    m = cfg.model
+    return ensure_snapshot(m.model_id, m.revision, m.huggingface_hub_cache, reporter)["path"]
 
 
 def resolve_adapter_dirs(cfg: Config, steps: progress.Reporter | None = None) -> None:
@@ -85,7 +86,8 @@ def resolve_adapter_dirs(cfg: Config, steps: progress.Reporter | None = None) ->
         if a["source"].startswith((os.sep, ".")):
             raise ConfigError(f"--lora-adapters: adapter {a['name']!r}: {a['source']} is no directory")
         try:
-            a["path"] = ensure_snapshot(a["source"], a["revision"], cfg.model.huggingface_hub_cache, reporter)["path"]
+            hub_cache = cfg.model.huggingface_hub_cache
+            a["path"] = ensure_snapshot(a["source"], a["revision"], hub_cache, reporter)["path"]
         except DownloadError as e:
             raise DownloadError(e.reason, f"adapter {a['name']!r} ({a['source']}): {e}") from e
 

@@ -126,6 +126,7 @@ def plan(cfg: Config, model_dir: str, rank: int, device_versions: dict) -> Recip
     versions = {"runtime": __version__, "torch": torch.__version__, **device_versions}
     inputs = key_inputs(cfg, model_identity(model_dir), versions)
     key = cache_key(inputs)
-    cache = RecipeCache(root=Path(cfg.device.recipe_cache_dir), key=key, rank=rank, size_mb=cfg.device.recipe_cache_size_mb,
+    cache = RecipeCache(root=Path(cfg.device.recipe_cache_dir), key=key, rank=rank,
+                        size_mb=cfg.device.recipe_cache_size_mb,
                         inputs=inputs, from_cache=False)
     return dataclasses.replace(cache, from_cache=cache.warm_marker.exists())

@@ -22,8 +22,8 @@ from ..layers.lora import AdapterRows, LoraWeights, stacked
 
 
 def load_adapters(model, cfg, model_dir: str) -> AdapterRows | None:
-    """The adapters of `cfg` (--lora-adapters, --lora-modules) into `model`; None when there are none
-    and none may be loaded later."""
+    """The adapters of `cfg`, the configuration's adapters part (--lora-adapters, --lora-modules), into
+    `model`; None when there are none and none may be loaded later."""
     if not cfg.lora_adapters and not cfg.allow_runtime_lora_updating:
         return None
     model_config = json.loads((Path(model_dir) / "config.json").read_text())

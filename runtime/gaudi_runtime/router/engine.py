@@ -63,7 +63,9 @@ class BatchingEngine:
         self.requests = Requests(cfg, self.metrics, self.adapters)
         self.kv_events = self.requests.prefix.events = make_kv_events(cfg.scheduling.kv_events_config)
         self.output = OutputProcessor(tokenizer, self.requests)
-        self.grammars = None if cfg.structured_output.disable_grammar_support else ShardGrammars(client, cfg.structured_output.grammar_compile_timeout_s)
+        structured = cfg.structured_output
+        self.grammars = None if structured.disable_grammar_support else \
+            ShardGrammars(client, structured.grammar_compile_timeout_s)
         self.batching = BatchingLoop(cfg, client, self.requests, self.output, self.metrics)
         self._task: asyncio.Task | None = None
 

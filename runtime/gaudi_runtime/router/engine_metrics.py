@@ -130,5 +130,6 @@ def cache_config_labels(block_size: int, num_blocks: int, cfg: Config) -> dict[s
     `num_gpu_blocks` counts the blocks requests may hold (block 0, the shards' padding block, is not
     one); `engine` is vLLM's engine index, always 0 for our single scheduler."""
     return {"block_size": str(block_size), "num_gpu_blocks": str(num_blocks),
-            "cache_dtype": cfg.model.kv_cache_dtype or "auto", "enable_prefix_caching": str(cfg.scheduling.prefix_caching),
+            "cache_dtype": cfg.model.kv_cache_dtype or "auto",
+            "enable_prefix_caching": str(cfg.scheduling.prefix_caching),
             "gpu_memory_utilization": str(cfg.device.memory_fraction), "engine": "0"}

@@ -168,11 +168,12 @@ def _completion_chunk_choice(reqs: list[ValidRequest], req: CompletionRequest):
 
 async def run_completions(request: web.Request, body: dict, rec: RequestRecorder) -> web.StreamResponse:
     state = get_state(request)
+    limits, structured = state.config.limits, state.config.structured_output
     with recorded(rec):
         req = parse_request(CompletionRequest, body)
         slot, load = adapters.openai_slot(state.adapters, req.model)
         reqs = [replace(r, adapter=slot, adapter_load=load)
-                for r in completion_requests(req, state.config.limits, state.config.structured_output, state.tokenizer)]
+                for r in completion_requests(req, limits, structured, state.tokenizer)]
         await admit(state, rec, reqs)
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", served_name(state, slot))
     if req.stream:
@@ -263,17 +264,17 @@ def _tool_chunks(i: int, ev: StreamEvent, stream: ToolCallStream, unsent: list[d
 
 async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> web.StreamResponse:
     state = get_state(request)
+    limits, structured = state.config.limits, state.config.structured_output
     with recorded(rec):
         req = parse_request(ChatCompletionRequest, body)
         slot, load = adapters.openai_slot(state.adapters, req.model)
-        check_chat_schemas(req, state.config.structured_output)
-        params = chat_parameters(req, state.config.limits)
-        tools = chat_tools(req, state.config.structured_output, state.tokenizer.chat_template)
+        check_chat_schemas(req, structured)
+        params = chat_parameters(req, limits)
+        tools = chat_tools(req, structured, state.tokenizer.chat_template)
         prompt = chat_prompt(req, state.tokenizer, tools, images_allowed=state.images is not None)
         images = await prompt_images(state, prompt)
         reqs = [replace(r, adapter=slot, adapter_load=load)
-                for r in chat_requests(prompt, images, params, req, state.config.limits, state.config.structured_output,
-                                          state.tokenizer, tools)]
+                for r in chat_requests(prompt, images, params, req, limits, structured, state.tokenizer, tools)]
         await admit(state, rec, reqs)
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", served_name(state, slot))
     if req.stream:

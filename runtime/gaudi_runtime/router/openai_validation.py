@@ -36,7 +36,8 @@ from gaudi_runtime.router.validation import (
 )
 
 
-def generate_parameters(req: OpenAIRequest, max_tokens: int | None, limits: LimitsConfig, **extra) -> GenerateParameters:
+def generate_parameters(req: OpenAIRequest, max_tokens: int | None, limits: LimitsConfig,
+                        **extra) -> GenerateParameters:
     """The TGI parameters of an OpenAI request; `extra` holds the route's own (echo, logprobs)."""
     if req.n > limits.max_n:
         raise ValidationError(f"`n` must be <= {limits.max_n} (--max-n). Given: {req.n}")
@@ -103,7 +104,8 @@ def completion_requests(req: CompletionRequest, limits: LimitsConfig, structured
     grammar = output_grammar(req, structured)
     out = []
     for text, ids in prompts(req.prompt, limits, tokenizer):
-        request = validate_parameters(text, ids, params, limits, structured, stream=req.stream, grammar=grammar).request
+        job = validate_parameters(text, ids, params, limits, structured, stream=req.stream, grammar=grammar)
+        request = job.request
         out += per_choice_requests(with_openai_penalties(request, req), sequences, req.seed is not None)
     return out
 
@@ -184,7 +186,8 @@ class ChatTools:
     prompt: str | None = None
 
 
-def chat_tools(req: ChatCompletionRequest, structured: StructuredOutputConfig, chat_template: str | None) -> ChatTools:
+def chat_tools(req: ChatCompletionRequest, structured: StructuredOutputConfig,
+               chat_template: str | None) -> ChatTools:
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
     named = None if isinstance(choice, str) else choice.function.name
     if not req.tools:
@@ -261,7 +264,8 @@ def _content_part(i: int, part: ContentPart, images_allowed: bool) -> str:
 
 
 def chat_requests(prompt: str, images, params: GenerateParameters, req: ChatCompletionRequest, limits: LimitsConfig,
-                  structured: StructuredOutputConfig, tokenizer: RouterTokenizer, tools: ChatTools) -> list[ValidRequest]:
+                  structured: StructuredOutputConfig, tokenizer: RouterTokenizer,
+                  tools: ChatTools) -> list[ValidRequest]:
     """The rendered prompt (its special tokens come from the template, none are added) validated, one
     request per choice."""
     grammar = output_grammar(req, structured)

@@ -44,8 +44,9 @@ from gaudi_runtime.router.kv_events import KvEvents, removed, stored
 
 def root_hash(cfg: Config) -> bytes:
     """The parent of every sequence's first block: what besides the tokens decides the KV values."""
-    salt = "|".join(str(x) for x in (cfg.model.model_id, cfg.model.revision, cfg.model.dtype, cfg.model.kv_cache_dtype, cfg.model.quantize,
-                                     cfg.model.quant_config, cfg.model.rope_scaling, cfg.model.rope_factor, cfg.device.block_size))
+    m = cfg.model
+    salt = "|".join(str(x) for x in (m.model_id, m.revision, m.dtype, m.kv_cache_dtype, m.quantize,
+                                     m.quant_config, m.rope_scaling, m.rope_factor, cfg.device.block_size))
     return hashlib.sha256(salt.encode()).digest()
 
 

@@ -234,7 +234,8 @@ def info_body(state: AppState) -> dict:
     c = state.config
     body = {
         "model_id": model_name(state),
-        "model_sha": c.model.revision if c.model.revision and len(c.model.revision) == 40 else _model_sha(c.model.model_id),
+        "model_sha": c.model.revision if c.model.revision and len(c.model.revision) == 40
+        else _model_sha(c.model.model_id),
         "model_dtype": c.model.dtype,
         "model_device_type": c.device.device,
         "model_pipeline_tag": "text-generation",

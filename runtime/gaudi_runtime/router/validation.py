@@ -94,7 +94,8 @@ def validate_generate(body: dict | GenerateRequest, limits: LimitsConfig, struct
 
 
 def validate_with_images(inputs: str, images, params: GenerateParameters | dict, limits: LimitsConfig,
-                         structured: StructuredOutputConfig, tokenizer: _Encoder, *, stream: bool = False, rng: random.Random | None = None,
+                         structured: StructuredOutputConfig, tokenizer: _Encoder, *, stream: bool = False,
+                         rng: random.Random | None = None,
                          add_special_tokens: bool = True, grammar: GrammarSpec | None = None) -> GenerateJob:
     """Validate a vision model's prompt: its text with each image expanded into placeholder tokens."""
     input_ids = tokenize_input(images.text, tokenizer, add_special_tokens=add_special_tokens)
@@ -104,7 +105,8 @@ def validate_with_images(inputs: str, images, params: GenerateParameters | dict,
 
 
 def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParameters | dict, limits: LimitsConfig,
-                        structured: StructuredOutputConfig, *, stream: bool = False, rng: random.Random | None = None,
+                        structured: StructuredOutputConfig, *, stream: bool = False,
+                        rng: random.Random | None = None,
                         grammar: GrammarSpec | None = None) -> GenerateJob:
     """A tokenized prompt and TGI's parameters (a model, or a dict to parse) -> GenerateJob, within
     the server's `limits`. `grammar`: the OpenAI routes' constraint (TGI's is `params.grammar`)."""

@@ -67,11 +67,12 @@ class ModelRunner:
         self.device = device = backend.torch_device
         self.dtype = getattr(torch, cfg.model.dtype)
         t0 = time.perf_counter()
-        attention = backend.attention(cfg.device.use_flash_attention, cfg.device.flash_attention_recompute, cfg.device.cpu_paged_attention)
-        rope = (cfg.model.rope_scaling, cfg.model.rope_factor) if cfg.model.rope_scaling else None  # --rope-scaling/--rope-factor
+        dev = cfg.device
+        attention = backend.attention(dev.use_flash_attention, dev.flash_attention_recompute, dev.cpu_paged_attention)
+        rope = (cfg.model.rope_scaling, cfg.model.rope_factor) if cfg.model.rope_scaling else None  # --rope-scaling
         self.model = load_model(model_dir, self.dtype, device, rank, world_size, process_group, rope=rope)
         self.model_dir = model_dir
-        self.adapter_rows = load_adapters(self.model, cfg, model_dir)  # None: no adapters now or later
+        self.adapter_rows = load_adapters(self.model, cfg.adapters, model_dir)  # None: no adapters now or later
         use_attention(self.model, attention)
         # FP8 (--quantize / QUANT_CONFIG) swaps layers after load; --kv-cache-dtype sets the cache's scales.
         self.model = quantize_loaded(self.model, cfg, backend.name, self.dtype, rank, world_size)
@@ -79,25 +80,25 @@ class ModelRunner:
         self.attention_name = attention_in_use(attention, self.kv_dtype)
         # Decode over the flat layout of the blocks in use (HPU, unless the math fallback keeps the gather).
         self.flat_decode = backend.flat_decode and attention.flat_decode is not None
-        log.info("attention: %s (FLASH_ATTENTION_RECOMPUTE=%s)", self.attention_name, cfg.device.flash_attention_recompute)
+        log.info("attention: %s (FLASH_ATTENTION_RECOMPUTE=%s)", self.attention_name, dev.flash_attention_recompute)
         m = self.model
         self.rank, self.world_size = rank, world_size
         self.weight_bytes = weight_bytes(m)
         backend.prepare_model(m, cfg.device)
-        per_block = kv_bytes_per_block(m.num_layers, cfg.device.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype)
+        per_block = kv_bytes_per_block(m.num_layers, dev.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype)
         free = backend.memory_info()
         self.num_blocks = size_kv_cache(cfg, per_block, free[0] if free else None)
-        self.kv_cache = allocate_kv_cache(m.num_layers, self.num_blocks, cfg.device.block_size, m.num_kv_heads,
+        self.kv_cache = allocate_kv_cache(m.num_layers, self.num_blocks, dev.block_size, m.num_kv_heads,
                                           m.head_dim, self.kv_dtype, device)
         log.info("rank %d/%d holds %.1f MiB of weights", rank, world_size, self.weight_bytes / 2**20)
         self.load_seconds = time.perf_counter() - t0
         log.info("model loaded in %.1fs; KV cache: %d blocks of %d tokens (%.1f MiB)",
-                 self.load_seconds, self.num_blocks - 1, cfg.device.block_size,
+                 self.load_seconds, self.num_blocks - 1, dev.block_size,
                  self.num_blocks * per_block / 2**20)
         self.batches: dict[int, ShardBatch] = {}
         # Grammars compiled against the model's vocabulary (xgrammar is loaded at the first grammar).
-        self.grammars = None if cfg.structured_output.disable_grammar_support else GrammarCache(model_dir, m.vocab_size,
-                                                                              m.eos_token_ids)
+        self.grammars = None if cfg.structured_output.disable_grammar_support else \
+            GrammarCache(model_dir, m.vocab_size, m.eos_token_ids)
         # Multimodal models (Llava) preprocess their prompt images here with the model's own processor.
         self.image_processor = load_processor(model_dir, m)
         self.warmup_summary: dict | None = None
@@ -107,9 +108,9 @@ class ModelRunner:
         decode_step = self._flat_decode_step if self.flat_decode else self._decode_step
         self._decode_inputs = inputs.flat_decode_inputs if self.flat_decode else inputs.decode_inputs
         self._decode_fn = backend.graphed(decode_step, "decode")
-        self._prefill_fn = self._prefill_step if cfg.device.limit_hpu_graph else backend.graphed(self._prefill_step,
-                                                                                          "prefill")
-        self._prefill_context_fn = self._prefill_context_step if cfg.device.limit_hpu_graph else backend.graphed(
+        self._prefill_fn = self._prefill_step if dev.limit_hpu_graph else backend.graphed(self._prefill_step,
+                                                                                   "prefill")
+        self._prefill_context_fn = self._prefill_context_step if dev.limit_hpu_graph else backend.graphed(
             self._prefill_context_step, "prefill_context")
         self._verify_fn = backend.graphed(self._verify_step, "verify")
         self.profiler = make_profiler(cfg.device, rank, backend.name)  # PROF_*: None unless this rank profiles
@@ -192,8 +193,8 @@ class ModelRunner:
             seq_lens=torch.from_numpy(lens).to(dev), seq_lens_host=lens,
             last_ids=out.next_ids[:len(reqs)], sampler=sampler,
             adapters=torch.tensor([r.adapter for r in reqs], device=dev) if any(r.adapter for r in reqs) else None,
-            drafts=draft_rows(reqs, out.next_ids[:len(reqs)].tolist(), self.cfg.device.block_size) if self.cfg.scheduling.speculate
-            else None,
+            drafts=draft_rows(reqs, out.next_ids[:len(reqs)].tolist(), self.cfg.device.block_size)
+            if self.cfg.scheduling.speculate else None,
         )
         return StepResult([r.id for r in reqs], out, prompt_lp, time.perf_counter_ns() - t0)
 
@@ -224,8 +225,8 @@ class ModelRunner:
         batch = ShardBatch.concat([self._take(batch_id).filter(request_ids) for batch_id, request_ids in batches])
         grammar = batch.sampler.grammar
         constrained = () if grammar is None else [m is not None for m in grammar.matchers]
-        plan = None if batch.drafts is None else batch.drafts.plan(self.cfg.scheduling.speculate, buckets.SPECULATION_MAX_ROWS,
-                                                                   constrained)
+        speculate = self.cfg.scheduling.speculate
+        plan = None if batch.drafts is None else batch.drafts.plan(speculate, buckets.SPECULATION_MAX_ROWS, constrained)
         if plan is not None:
             return batch.id, self._verify(batch, plan)
         step = self._decode_inputs(batch, self.cfg, self.backend.pads_to_buckets)
@@ -257,7 +258,8 @@ class ModelRunner:
         batch.advance(emitted, drafted)
         self.batches[batch.id] = batch
         ids = [rid for rid, tokens in zip(batch.request_ids, emitted) for _ in tokens]
-        return StepResult(ids, out, {}, time.perf_counter_ns() - t0, SpecStats.of(drafted, emitted, self.cfg.scheduling.speculate))
+        stats = SpecStats.of(drafted, emitted, self.cfg.scheduling.speculate)
+        return StepResult(ids, out, {}, time.perf_counter_ns() - t0, stats)
 
     def _take(self, batch_id: int) -> ShardBatch:
         batch = self.batches.pop(batch_id, None)

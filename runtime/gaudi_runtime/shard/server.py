@@ -80,7 +80,8 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
     progress.start_reporting(f"shard-{rank}")
     progress.report("loading")
     recipes = plan_recipe_cache(cfg, model_dir, rank)
-    backend = select_device(cfg.device.device, rank, world_size, graphs=cfg.device.enable_hpu_graph, recipe_cache=recipes)
+    backend = select_device(cfg.device.device, rank, world_size, graphs=cfg.device.enable_hpu_graph,
+                            recipe_cache=recipes)
     if backend.name != "hpu":
         recipes = None
     threads = cpu_threads(world_size) if backend.name == "cpu" else None
