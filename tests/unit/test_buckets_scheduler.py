@@ -66,18 +66,18 @@ def test_scheduler_respects_batch_size_prefill_budget_and_blocks():
     c = cfg()
     w = [Waiting(input_len=60, max_new_tokens=20)] * 20
     # 64-token prompts: 512 // 64 = 8 fit one prefill
-    assert select_prefill(w, running=0, free_blocks=1000, cfg=c.scheduling) == 8
-    assert select_prefill(w, running=14, free_blocks=1000, cfg=c.scheduling) == 2
+    assert select_prefill(w, running=0, free_blocks=1000, cfg=c) == 8
+    assert select_prefill(w, running=14, free_blocks=1000, cfg=c) == 2
     per = blocks_needed(60, 20, c)
     assert per == 5
-    assert select_prefill(w, running=0, free_blocks=3 * per + 4, cfg=c.scheduling) == 3
+    assert select_prefill(w, running=0, free_blocks=3 * per + 4, cfg=c) == 3
 
 
 def test_scheduler_is_fifo_and_honours_min_size():
     c = cfg()
     w = [Waiting(10, 10), Waiting(250, 200), Waiting(10, 10)]
     # the long one does not fit beside the first in blocks: stop there, do not skip it
-    assert select_prefill(w, running=0, free_blocks=blocks_needed(10, 10, c) + 1, cfg=c.scheduling) == 1
+    assert select_prefill(w, running=0, free_blocks=blocks_needed(10, 10, c) + 1, cfg=c) == 1
     assert select_prefill(w[:1], running=10, free_blocks=100, cfg=c, min_size=3) == 0
 
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from gaudi_runtime.config import ConfigError, resolve
@@ -84,8 +86,6 @@ def test_the_logged_configuration_masks_the_api_key():
 # ---- the parts -------------------------------------------------------------------------------------
 
 def test_every_flag_and_env_setting_lands_in_exactly_one_part():
-    import dataclasses
-
     from gaudi_runtime import config
 
     declared = [f.name for typ in config.PARTS.values() for f in dataclasses.fields(typ)]
@@ -123,11 +123,5 @@ def test_a_config_from_flat_settings_and_a_changed_copy():
     assert changed.setting("max_n") == 2
     with pytest.raises(TypeError, match="no such setting: prot"):
         Config.of(prot=80)
-    with pytest.raises(dataclasses_frozen()):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.server.port = 1  # a part handed to a reader cannot be changed under the others
-
-
-def dataclasses_frozen():
-    import dataclasses
-
-    return dataclasses.FrozenInstanceError
