@@ -3,6 +3,9 @@
 Flags and environment variables carry TGI's names and defaults: every flag
 `--max-batch-size` also reads `MAX_BATCH_SIZE`, the flag winning. Settings
 that contradict each other fail at start with one line naming the setting.
+The resolved `Config` is grouped by concern (server, scheduling, model,
+device, structured output, limits, adapters), and each part is handed to the
+code that reads it; the flag table below stays the one list of settings.
 """
 
 from __future__ import annotations
