@@ -61,8 +61,8 @@ def prefill_seq_cap(cfg: Config) -> int:
 
 def prefill_seq_bucket(max_len: int, cfg: Config) -> int:
     """Padded prompt length for a prefill whose longest prompt has max_len tokens."""
-    d = cfg.device
-    return bucket(max_len, d.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), d.exponential_bucketing)
+    return bucket(max_len, cfg.device.pad_sequence_to_multiple_of, prefill_seq_cap(cfg),
+                  cfg.device.exponential_bucketing)
 
 
 def max_prefill_batch(seq: int, cfg: Config) -> int:
@@ -71,8 +71,8 @@ def max_prefill_batch(seq: int, cfg: Config) -> int:
 
 
 def prefill_batch_bucket(n: int, seq: int, cfg: Config) -> int:
-    d = cfg.device
-    return bucket(n, d.prefill_batch_bucket_size, max_prefill_batch(seq, cfg), d.exponential_bucketing)
+    return bucket(n, cfg.device.prefill_batch_bucket_size, max_prefill_batch(seq, cfg),
+                  cfg.device.exponential_bucketing)
 
 
 def decode_batch_cap(cfg: Config) -> int:
@@ -105,10 +105,10 @@ def decode_block_bucket(max_context: int, cfg: Config) -> int:
 def prefill_buckets(cfg: Config) -> list[tuple[int, int]]:
     """Every (batch, seq) shape a prefill may run on."""
     shapes = set()
-    d = cfg.device
-    seqs = bucket_values(d.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), d.exponential_bucketing)
+    exp = cfg.device.exponential_bucketing
+    seqs = bucket_values(cfg.device.pad_sequence_to_multiple_of, prefill_seq_cap(cfg), exp)
     for seq in seqs:
-        for rows in bucket_values(d.prefill_batch_bucket_size, max_prefill_batch(seq, cfg), d.exponential_bucketing):
+        for rows in bucket_values(cfg.device.prefill_batch_bucket_size, max_prefill_batch(seq, cfg), exp):
             shapes.add((rows, seq))
     return sorted(shapes)
 
@@ -135,8 +135,8 @@ def decode_flat_buckets(cfg: Config) -> list[tuple[int, int]]:
     """Every (batch, total blocks) shape a flat decode step may run on. A rows bucket holds more rows than
     the one below it, each using a block at least, so totals below that never occur and are left out."""
     shapes, fewest = [], 1
-    d = cfg.device
-    for rows in bucket_values(d.batch_bucket_size, decode_batch_cap(cfg), d.exponential_bucketing):
+    exp = cfg.device.exponential_bucketing
+    for rows in bucket_values(cfg.device.batch_bucket_size, decode_batch_cap(cfg), exp):
         totals = bucket_values(block_step(cfg), decode_total_blocks_cap(rows, cfg), exponential=True)
         shapes += [(rows, total) for total in totals if total >= fewest]
         fewest = rows + 1
