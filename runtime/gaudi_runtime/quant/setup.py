@@ -7,7 +7,7 @@ import logging
 import torch
 from torch import nn
 
-from gaudi_runtime.config import Config
+from gaudi_runtime.config import Config, ServedModelConfig
 from gaudi_runtime.quant.apply import load_rank_stats, quantize_model, set_kv_scales
 from gaudi_runtime.quant.config import QuantConfig, check_quant_config
 
@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 KV_DTYPES = {"fp8_e4m3fn": torch.float8_e4m3fn}
 
 
-def kv_cache_dtype(cfg: Config, model_dtype: torch.dtype) -> torch.dtype:
-    return KV_DTYPES[cfg.model.kv_cache_dtype] if cfg.model.kv_cache_dtype else model_dtype
+def kv_cache_dtype(model: ServedModelConfig, model_dtype: torch.dtype) -> torch.dtype:
+    return KV_DTYPES[model.kv_cache_dtype] if model.kv_cache_dtype else model_dtype
 
 
 def quant_config(cfg: Config) -> QuantConfig:

@@ -76,7 +76,7 @@ class ModelRunner:
         use_attention(self.model, attention)
         # FP8 (--quantize / QUANT_CONFIG) swaps layers after load; --kv-cache-dtype sets the cache's scales.
         self.model = quantize_loaded(self.model, cfg, backend.name, self.dtype, rank, world_size)
-        self.kv_dtype = kv_cache_dtype(cfg, self.dtype)
+        self.kv_dtype = kv_cache_dtype(cfg.model, self.dtype)
         self.attention_name = attention_in_use(attention, self.kv_dtype)
         # Decode over the flat layout of the blocks in use (HPU, unless the math fallback keeps the gather).
         self.flat_decode = backend.flat_decode and attention.flat_decode is not None
