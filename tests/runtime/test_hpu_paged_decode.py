@@ -142,7 +142,7 @@ def test_adapters_loaded_after_warmup_replay_its_graphs_and_give_the_start_adapt
     list(hpu.warmup())
     warmed = len(fake_hpu["captures"])
     for slot, (name, path) in enumerate([("a", a), ("b", b)], start=1):
-        write_adapter(hpu.model, slot, read_new_adapter(hpu.model, cfg, str(model_dir), name, str(path)))
+        write_adapter(hpu.model, slot, read_new_adapter(hpu.model, cfg.adapters, str(model_dir), name, str(path)))
     slots = [1, 0, 2, 1, 2]
     on_hpu = generate(hpu, adapters=slots)
     assert len(fake_hpu["captures"]) == warmed and hpu.unwarmed_shapes == 0

@@ -76,7 +76,8 @@ def read_adapter(model, name: str, path: str, model_config: dict, max_rank: int,
 
 
 def read_new_adapter(model, cfg, model_dir: str, name: str, path: str) -> dict[str, list]:
-    """`read_adapter` for a load while serving (--allow-runtime-lora-updating): the model's slots exist."""
+    """`read_adapter` for a load while serving (--allow-runtime-lora-updating): the model's slots exist.
+    `cfg`: the configuration's adapters part."""
     if not cfg.allow_runtime_lora_updating:
         raise ValueError("adapters are loaded while serving only with --allow-runtime-lora-updating")
     model_config = json.loads((Path(model_dir) / "config.json").read_text())

@@ -142,7 +142,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         runner = self.runner
         try:
             parts = await asyncio.get_running_loop().run_in_executor(
-                None, read_new_adapter, runner.model, runner.cfg, runner.model_dir, request.name, request.path)
+                None, read_new_adapter, runner.model, runner.cfg.adapters, runner.model_dir, request.name, request.path)
             error = None
         except (AdapterError, OSError, ValueError) as e:
             parts, error = None, str(e)
