@@ -13,8 +13,8 @@ def test_defaults_follow_tgi():
     cfg = resolve(None, env())
     assert cfg.max_total_tokens == 2048
     assert cfg.max_input_tokens == 2047
-    # TGI's max-input-tokens + 50, at most one chunk of 512: a longer prompt is prefilled in chunks.
-    assert cfg.max_batch_prefill_tokens == 512
+    # TGI's max-input-tokens + 50, at most one chunk of 384: a longer prompt is prefilled in chunks.
+    assert cfg.max_batch_prefill_tokens == 384
     assert resolve(None, env(MAX_INPUT_TOKENS=256)).max_batch_prefill_tokens == 256 + 50
     assert cfg.max_concurrent_requests == 128
     assert cfg.max_waiting_tokens == 20
