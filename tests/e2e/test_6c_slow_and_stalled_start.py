@@ -3,7 +3,7 @@
 prober and restarts are played from the rendered pod's probes (tests/e2e/kubelet_prober.py: kwok runs
 none).
 
-* A slow warmup: the shard is throttled (stopped 2.5 s, run 0.1 s, as a CPU-starved process is) for
+* A slow warmup: the shard is throttled (stopped 2.5 s after each step, as a CPU-starved process is) for
   longer than anything the rendered pod allows without progress: the startupProbe's budget, the
   livenessProbe's failures, the stall window. It still makes a step every few seconds, so it reaches
   Ready without a restart.
@@ -28,7 +28,7 @@ from tests.e2e.control_plane import clean_env
 from tests.e2e.harness import OperatorProcess, condition, http_json, isvc_manifest, wait_for
 from tests.e2e.kubelet_prober import ProbingKubelet
 from tests.e2e.test_6_real_runtime import container_command
-from tests.runtime.launched import alive, children
+from tests.runtime.launched import alive, shard_pids
 
 pytestmark = pytest.mark.simulated  # kwok nodes and pods, the local operator
 
@@ -40,8 +40,10 @@ SERVING = {"maxInputTokens": 256, "maxTotalTokens": 512, "maxBatchSize": 32}
 BATCHING = {"padSequenceToMultipleOf": 16, "batchBucketSize": 2, "prefillBatchBucketSize": 2, "hpuGraphs": False}
 
 
-def shard_pids(launcher: int) -> list[int]:
-    return [p for p in children(launcher) if b"shard" in open(f"/proc/{p}/cmdline", "rb").read()]
+def signal_live(pids: list[int], sig: int) -> None:
+    for p in pids:
+        if alive(p):
+            os.kill(p, sig)
 
 
 def start_pod(cluster: Cluster, ns: str, name: str, tmp_path: Path, cleanup: list[str]) -> ProbingKubelet:
@@ -68,7 +70,12 @@ def warming(kubelet: ProbingKubelet, url: str) -> dict | None:
         code, body = http_json("GET", url + "/health", timeout=2)
     except OSError:
         return None
-    return body["warmup"] if code == 503 and body.get("status") == "warming_up" and body["warmup"]["done"] else None
+    warming_up = code == 503 and body.get("status") == "warming_up"
+    return body["warmup"] if (warming_up or code == 200) and body["warmup"]["done"] else None
+
+
+def steps_done(kubelet: ProbingKubelet, url: str) -> int:
+    return (warming(kubelet, url) or {"done": 0})["done"]
 
 
 def allowances(pod: dict) -> dict[str, float]:
@@ -94,20 +101,23 @@ def test_a_warmup_longer_than_any_allowance_reaches_ready_without_a_restart(
         done = threading.Event()
 
         def throttle() -> None:
-            """A starved shard, as slow on a fast machine as on a loaded one: stopped for 2.5 s, then run
-            only until the warmup has advanced (at most 0.3 s)."""
+            """A starved shard, as slow on a fast machine as on a loaded one: stopped for 2.5 s after each
+            step of the warmup, then run in slices, growing while no step is made, until it makes the next
+            (counted while it is stopped, so a fast step cannot run on into many)."""
+            slice_s = 0.001
             while not done.is_set() and time.monotonic() < throttle_until:
                 pids = shard_pids(kubelet.proc.pid)
-                at = (warming(kubelet, url) or {"done": 0})["done"]
-                for p in pids:
-                    os.kill(p, signal.SIGSTOP)
+                signal_live(pids, signal.SIGSTOP)
+                at = steps_done(kubelet, url)
                 done.wait(2.5)
-                for p in pids:
-                    if alive(p):
-                        os.kill(p, signal.SIGCONT)
-                run_until = time.monotonic() + 0.3
-                while time.monotonic() < run_until and (warming(kubelet, url) or {"done": at})["done"] <= at:
-                    done.wait(0.01)  # poll interval while the shard runs
+                while not done.is_set():
+                    signal_live(pids, signal.SIGCONT)
+                    done.wait(slice_s)  # the shard's run
+                    signal_live(pids, signal.SIGSTOP)
+                    if steps_done(kubelet, url) > at:
+                        slice_s = max(slice_s / 2, 0.001)
+                        break
+                    slice_s = min(slice_s * 2, 1.0)
         throttler = threading.Thread(target=throttle, daemon=True)
         throttler.start()
         try:
@@ -117,12 +127,11 @@ def test_a_warmup_longer_than_any_allowance_reaches_ready_without_a_restart(
             wait_for(lambda: time.monotonic() >= throttle_until, 120, "the throttled stretch to pass",
                      interval=0.5)
             mid = warming(kubelet, url)
-            assert mid is not None and mid["done"] > first["done"], (first, mid)  # slow, not stuck
+            assert mid is not None and first["done"] < mid["done"] < mid["total"], (first, mid)  # slow, not stuck
         finally:
             done.set()
             throttler.join(10)
-            for p in shard_pids(kubelet.proc.pid):
-                os.kill(p, signal.SIGCONT)
+            signal_live(shard_pids(kubelet.proc.pid), signal.SIGCONT)
         status = wait_for(lambda: (s := kube.status(ns, "slow")).get("phase") == "Ready" and s, 240, "slow Ready")
         took = time.monotonic() - began
     finally:
@@ -144,8 +153,7 @@ def test_a_stalled_warmup_is_restarted_with_the_reason_in_status(
     try:
         first = wait_for(lambda: warming(kubelet, url), 240, "warmup's first shapes", interval=0.05)
         stuck_at = time.monotonic()
-        for p in shard_pids(kubelet.proc.pid):
-            os.kill(p, signal.SIGSTOP)  # the shard hangs: no shape finishes any more
+        signal_live(shard_pids(kubelet.proc.pid), signal.SIGSTOP)  # the shard hangs: no shape finishes any more
         wait_for(lambda: kubelet.restarts == 1, STALL_S + 90, "the stalled container to be restarted")
         assert time.monotonic() - stuck_at >= STALL_S
         (pod,) = kube.live_pods(ns, "stuck")
