@@ -81,10 +81,15 @@ def test_hand_edits_of_the_deployment_are_reverted(cluster: Cluster, operator: O
         c = dep["spec"]["template"]["spec"]["containers"][0]
         return dep if c["image"] == "registry.example/runtime:1.0" and dep["spec"]["replicas"] == 1 else None
     wait_for(restored, 60, "the operator to restore the Deployment")
-    wait_for(lambda: len(kube.live_pods(ns, "drift")) == 1 and kube.status(ns, "drift").get("phase") == "Ready",
-             60, "one ready pod of the spec's image")
-    (pod,) = kube.live_pods(ns, "drift")
-    assert pod["spec"]["containers"][0]["image"] == "registry.example/runtime:1.0"
+
+    def settled() -> bool:
+        """The rollback is over: one pod, of the spec's image, and no other ReplicaSet scaled up (a single
+        pod seen mid-rollback may have a surge pod coming)."""
+        pods = kube.live_pods(ns, "drift")
+        scaled = [r for r in kube.replicasets(ns, "drift") if r["spec"].get("replicas")]
+        return (len(pods) == 1 and len(scaled) == 1 and kube.status(ns, "drift").get("phase") == "Ready"
+                and pods[0]["spec"]["containers"][0]["image"] == "registry.example/runtime:1.0")
+    wait_for(settled, 60, "one ready pod of the spec's image")
 
 
 def test_deleting_the_inference_service_garbage_collects_every_child(cluster: Cluster, operator: OperatorProcess,
