@@ -173,8 +173,8 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
     ("CPU_PAGED_ATTENTION", _bool, True, "CPU: decode attention reads the paged KV cache in place with a C kernel, "
      "compiled at start with the system compiler (CC, else cc) into $XDG_CACHE_HOME/gaudi-serve/kernels; "
      "false, or no compiler, or a float8 KV cache: each step gathers the blocks into a copy first."),
-    ("CPU_GEMV", _bool, True, "CPU: a product of one activation row (batch-1 decode), and of two to eight "
-     "bf16 rows on a CPU with avx512_bf16 (small decode batches), runs through a C kernel over the plain "
+    ("CPU_GEMV", _bool, True, "CPU: a product of one to eight activation rows (decode at small batches, a "
+     "speculative step's few tokens) runs through a C kernel over the plain "
      "weights, compiled as CPU_PAGED_ATTENTION's is; each linear layer "
      "keeps its plain weight for it beside oneDNN's reordered copy, twice the linear weights' memory. false, "
      "or no compiler: oneDNN for every product."),

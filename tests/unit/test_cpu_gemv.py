@@ -1,7 +1,8 @@
 """The few-row product kernel (``cpu_gemv.c``) gives F.linear's answer for every shape a layer has (rows
 that are not a whole number of vectors, a handful of outputs, a bias), whatever the thread count: one row in
-bf16 and float32, two to eight float32 rows, two to eight bf16 rows where the CPU has avx512_bf16; without a
-C compiler, layers keep oneDNN's path after one warning."""
+bf16 and float32, two to eight float32 rows, two to eight bf16 rows (through the CPU's bf16 dot product where
+it has avx512_bf16, and widened, as a CPU without it runs them); without a C compiler, layers keep oneDNN's
+path after one warning."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gaudi_runtime.device import cpu_gemm, cpu_gemv
+from gaudi_runtime.device import cpu_gemm, cpu_gemv, cpu_kernels
 from gaudi_runtime.models.registry import load_model
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 
@@ -24,6 +25,13 @@ def kernel():
     if k is None:
         pytest.fail("the kernel did not build here: is there a C compiler (cc or $CC)?")
     return k
+
+
+@pytest.fixture(scope="module")
+def widened_kernel(tmp_path_factory):
+    """The kernel as a CPU without avx512_bf16 builds it (the same build here where the CPU lacks it)."""
+    environ = {"XDG_CACHE_HOME": str(tmp_path_factory.mktemp("kernels"))}
+    return cpu_kernels.load(cpu_gemv.SOURCE, "gemv", cpu_gemv.GemvKernel, environ, extra_flags=("-mno-avx512bf16",))
 
 
 @pytest.fixture
@@ -56,14 +64,8 @@ def test_matches_a_float64_reference_and_f_linear(kernel, shape, with_bias, dtyp
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-6)
 
 
-def few_rows_supported() -> bool:
-    return bool(torch.cpu._is_avx512_bf16_supported())
-
-
-def test_takes_several_float32_rows_and_several_bf16_rows_only_with_avx512_bf16(kernel):
-    assert kernel.takes_rows(1, torch.bfloat16) and kernel.takes_rows(1, torch.float32)
-    assert kernel.takes_rows(8, torch.bfloat16) == kernel.takes_rows(2, torch.bfloat16) == few_rows_supported()
-    assert kernel.takes_rows(2, torch.float32) and kernel.takes_rows(8, torch.float32)
+def test_takes_two_to_eight_rows_of_either_dtype(kernel):
+    assert all(kernel.takes_rows(n, dtype) for n in range(1, 9) for dtype in (torch.bfloat16, torch.float32))
     assert not kernel.takes_rows(9, torch.bfloat16) and not kernel.takes_rows(9, torch.float32)
     _, w, _ = operands(8, 64, torch.float32)
     with pytest.raises(ValueError, match="9 rows of torch.float32"):
@@ -74,10 +76,10 @@ def test_takes_several_float32_rows_and_several_bf16_rows_only_with_avx512_bf16(
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("rows", [2, 3, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_several_rows_match_a_float64_reference_and_f_linear(kernel, shape, rows, dtype):
-    if dtype == torch.bfloat16 and not few_rows_supported():
-        pytest.skip("several bf16 rows need avx512_bf16; this CPU has one row only")
+@pytest.mark.parametrize("dtype,build", [(torch.float32, "native"), (torch.bfloat16, "native"),
+                                         (torch.bfloat16, "widened")])
+def test_several_rows_match_a_float64_reference_and_f_linear(kernel, widened_kernel, shape, rows, dtype, build):
+    kernel = widened_kernel if build == "widened" else kernel
     _, w, b = operands(*shape, dtype)
     x = torch.randn(rows, 1, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = kernel(x, w, b)

@@ -10,9 +10,8 @@ count measured (same sums in another order: float32 rounding apart).
 
 A product of a few rows (decode at small batches) is bound by reading the
 weights, and oneDNN reads them far below the memory's speed; ``cpu_gemv``
-streams the plain weight instead (one row in either dtype, up to eight float32 rows,
-up to eight bf16 rows on a CPU with avx512_bf16), which a layer then keeps beside the reordered copy
-(CPU_GEMV=false gives that memory back).
+streams the plain weight instead (up to eight rows in either dtype), which a layer then keeps beside
+the reordered copy (CPU_GEMV=false gives that memory back).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 /* One activation row times a weight matrix on a CPU: y = x W^T (+ bias), with W [out, in] as loaded;
-   then two to eight float32 rows; and, at the end of the file, two to eight bfloat16 rows on a CPU with
-   avx512_bf16.
+   then two to eight float32 rows; and, at the end of the file, two to eight bfloat16 rows (with the
+   CPU's bfloat16 dot product where it has avx512_bf16, else widened to float32).
 
    Decode at batch 1 multiplies one row by every weight matrix of the model, a product bound by how
    fast the weights stream from memory. oneDNN (over its reordered weights) and torch's float32 path
@@ -191,12 +191,14 @@ int gemm_rows_f32(float *y, const float *x, const float *w, const float *bias, i
 
 int max_rows_f32(void) { return MAX_ROWS_F32; }
 
-/* ---- a few rows, bfloat16, on a CPU with avx512_bf16 ---------------------------------------------
+/* ---- a few rows, bfloat16 ------------------------------------------------------------------------
    Decode at batch 2-8 multiplies a few rows by every weight: still bound by reading the weights, where
    oneDNN runs at a third of the memory's speed (docs/performance.md). The loop above, run over several
    rows, is bound by its arithmetic instead (a multiply-add per value and row, plus widening); the CPU's
    bfloat16 dot product (two values per lane and instruction, products exact, sums in float32, denormal
-   inputs read as zero) keeps up with the memory to about eight rows. It needs the instruction, hence the one intrinsic header. */
+   inputs read as zero) keeps up with the memory to about eight rows. It needs the instruction, hence the
+   one intrinsic header. A CPU without it widens, as the one-row loop does: slower than the instruction,
+   still well ahead of oneDNN, which widens too there (docs/performance.md). */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -255,14 +257,71 @@ int gemm_rows_bf16(uint16_t *y, const uint16_t *x, const uint16_t *w, const uint
     return -3;
 }
 #else
-enum { MAX_ROWS = 1 };
+/* Without the instruction: each weight step widened once, as one_row widens it, and multiplied with every
+   row, the rows widened beforehand into the same order. Still one read of the weights, one multiply-add
+   per value and row; float32 sums, one rounding to bfloat16. */
 
-int gemm_rows_bf16(void *y, const void *x, const void *w, const void *bias, int64_t in, int64_t out, int rows,
-                   int threads) {
-    (void)y, (void)x, (void)w, (void)bias, (void)in, (void)out, (void)rows, (void)threads;
-    return -3;
+enum { MAX_ROWS = 8 };
+
+/* Output o of every row m; xs: the rows widened, row m's steps at xs + m * steps * STEP. */
+ALWAYS_INLINE void rows_out(uint16_t *y, const float *xs, const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                            int64_t in, int64_t out, int64_t o, const int rows) {
+    const int64_t steps = in / STEP;
+    const uint16_t *row = w + (size_t)o * (size_t)in;
+    f32xL acc[MAX_ROWS];
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++) acc[m] = (f32xL){0};
+    for (int64_t s = 0; s < steps; s++) {
+        f32xL wa, wb;
+        load_step(row, s * STEP, 1, &wa, &wb);
+#pragma GCC unroll 8
+        for (int m = 0; m < rows; m++) {
+            f32xL xa, xb;
+            memcpy(&xa, xs + (m * steps + s) * STEP, sizeof xa);
+            memcpy(&xb, xs + (m * steps + s) * STEP + LANES, sizeof xb);
+            acc[m] += xa * wa + xb * wb;
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < rows; m++) {
+        float v = sum_lanes(acc[m]);
+        for (int64_t i = steps * STEP; i < in; i++) v += load_one(x + (size_t)m * in, i, 1) * load_one(row, i, 1);
+        if (bias) v += load_one(bias, o, 1);
+        y[(size_t)m * out + o] = to_bf16(v);
+    }
+}
+
+#define ROWS_CASE(R)                                                                  \
+    case R: {                                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")            \
+        for (int64_t o = 0; o < out; o++) rows_out(y, xs, x, w, bias, in, out, o, R); \
+        break;                                                                        \
+    }
+
+/* x [rows, in], w [out, in], bias [out] or NULL, y [rows, out]: all bfloat16, contiguous. Returns 0, -2
+   when there is no memory for the widened rows, or -3 for a row count the kernel does not take. */
+int gemm_rows_bf16(uint16_t *y, const uint16_t *x, const uint16_t *w, const uint16_t *bias, int64_t in, int64_t out,
+                   int rows, int threads) {
+    if (rows < 2 || rows > MAX_ROWS) return -3;
+    const int64_t steps = in / STEP;
+    float *xs = malloc((size_t)rows * (size_t)(steps > 0 ? steps : 1) * STEP * sizeof(float));
+    if (!xs) return -2;
+    for (int m = 0; m < rows; m++)
+        for (int64_t s = 0; s < steps; s++) {
+            f32xL a, b;
+            load_step(x + (size_t)m * in, s * STEP, 1, &a, &b);
+            memcpy(xs + (m * steps + s) * STEP, &a, sizeof a);
+            memcpy(xs + (m * steps + s) * STEP + LANES, &b, sizeof b);
+        }
+    const int64_t most = (in * out) / MIN_VALUES_PER_THREAD;
+    if (threads > most) threads = most > 1 ? (int)most : 1;
+    switch (rows) {
+        ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+    }
+    free(xs);
+    return 0;
 }
 #endif
 
-/* How many rows gemm_rows_bf16 takes here: 1 (none: only gemv) without avx512_bf16. */
+/* How many rows gemm_rows_bf16 takes. */
 int max_rows_bf16(void) { return MAX_ROWS; }

@@ -3,10 +3,9 @@
 Decode at small batches multiplies a few rows by every weight matrix: a product bound by reading the
 weights. oneDNN's matrix product over its reordered bfloat16 weights, and torch's float32 ``F.linear``, run
 it at a fraction of the memory's speed; the kernel streams each plain weight row once (docs/performance.md):
-one row in either dtype, up to ``max_rows_f32`` float32 rows, and up to ``max_rows_bf16`` bfloat16 rows
-where the CPU has avx512_bf16. It is
-compiled at first use (``cpu_kernels``); no compiler or a failed build: one warning, and every product
-runs on oneDNN.
+one row in either dtype, up to ``max_rows_f32`` float32 rows and up to ``max_rows_bf16`` bfloat16 rows
+(with the CPU's bfloat16 dot product where it has avx512_bf16). It is compiled at first use
+(``cpu_kernels``); no compiler or a failed build: one warning, and every product runs on oneDNN.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ class GemvKernel:
         rows_f32.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int] * 2
         rows_f32.restype = ctypes.c_int
         self._rows_f32 = rows_f32
-        self.max_rows_bf16 = int(lib.max_rows_bf16())  # 1 where the CPU lacks avx512_bf16
+        self.max_rows_bf16 = int(lib.max_rows_bf16())
         self.max_rows_f32 = int(lib.max_rows_f32())
 
     def takes_rows(self, rows: int, dtype: torch.dtype) -> bool:
@@ -78,7 +77,9 @@ class GemvKernel:
         if rows == 1 and self._fn(*args, DTYPES[x.dtype], torch.get_num_threads()) != 0:
             raise MemoryError("gemv: no memory for the widened activation row")
         several = self._rows if x.dtype == torch.bfloat16 else self._rows_f32
-        if rows > 1 and several(*args, rows, torch.get_num_threads()) != 0:
+        if rows > 1 and (err := several(*args, rows, torch.get_num_threads())) != 0:
+            if err == -2:
+                raise MemoryError("gemv: no memory for the widened activation rows")
             raise ValueError(f"gemv: {rows} rows are not ones this kernel takes here")
         return y
 
