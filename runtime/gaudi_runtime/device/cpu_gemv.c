@@ -110,20 +110,36 @@ ALWAYS_INLINE void one_row(void *y, const float *xs, const void *x, const void *
         ((float *)y)[o] = v;
 }
 
+/* The threads worth starting for a product of in x out values (MIN_VALUES_PER_THREAD each at least). */
+static int threads_for(int threads, int64_t in, int64_t out) {
+    const int64_t most = (in * out) / MIN_VALUES_PER_THREAD;
+    return threads > most ? (most > 1 ? (int)most : 1) : threads;
+}
+
+/* The rows of x [rows, in] widened to float32 in step order (row m's steps from m * (in / STEP) * STEP),
+   read once per weight row by the loops below; NULL when there is no memory. */
+static float *widen_rows(const void *x, int rows, int64_t in, const int bf16) {
+    const int64_t steps = in / STEP;
+    float *xs = malloc((size_t)rows * (size_t)(steps > 0 ? steps : 1) * STEP * sizeof(float));
+    if (!xs) return NULL;
+    for (int m = 0; m < rows; m++) {
+        const void *row = (const char *)x + (size_t)m * (size_t)in * (bf16 ? 2 : 4);
+        for (int64_t s = 0; s < steps; s++) {
+            f32xL a, b;
+            load_step(row, s * STEP, bf16, &a, &b);
+            memcpy(xs + (m * steps + s) * STEP, &a, sizeof a);
+            memcpy(xs + (m * steps + s) * STEP + LANES, &b, sizeof b);
+        }
+    }
+    return xs;
+}
+
 /* Returns 0, or -2 when there is no memory for the widened copy of x. */
 int gemv(void *y, const void *x, const void *w, const void *bias, int64_t in, int64_t out, int dtype, int threads) {
     const int bf16 = dtype == DTYPE_BFLOAT16;
-    const int64_t steps = in / STEP;
-    float *xs = malloc((size_t)(steps > 0 ? steps : 1) * STEP * sizeof(float));
+    float *xs = widen_rows(x, 1, in, bf16);
     if (!xs) return -2;
-    for (int64_t s = 0; s < steps; s++) {
-        f32xL a, b;
-        load_step(x, s * STEP, bf16, &a, &b);
-        memcpy(xs + s * STEP, &a, sizeof a);
-        memcpy(xs + s * STEP + LANES, &b, sizeof b);
-    }
-    const int64_t most = (in * out) / MIN_VALUES_PER_THREAD;
-    if (threads > most) threads = most > 1 ? (int)most : 1;
+    threads = threads_for(threads, in, out);
     /* Two copies of the loop, so that each is compiled for its dtype. */
     if (bf16) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -180,8 +196,7 @@ ALWAYS_INLINE void rows_out_f32(float *y, const float *x, const float *w, const 
    -3 for a row count the kernel does not take. Each output is summed by one thread in one fixed order. */
 int gemm_rows_f32(float *y, const float *x, const float *w, const float *bias, int64_t in, int64_t out, int rows,
                   int threads) {
-    const int64_t most = (in * out) / MIN_VALUES_PER_THREAD;
-    if (threads > most) threads = most > 1 ? (int)most : 1;
+    threads = threads_for(threads, in, out);
     switch (rows) {
         ROWS_F32_CASE(2) ROWS_F32_CASE(3) ROWS_F32_CASE(4) ROWS_F32_CASE(5) ROWS_F32_CASE(6) ROWS_F32_CASE(7)
         ROWS_F32_CASE(8)
@@ -249,8 +264,7 @@ ALWAYS_INLINE void rows_out(uint16_t *y, const uint16_t *x, const uint16_t *w, c
    or -3 for a row count the kernel does not take. */
 int gemm_rows_bf16(uint16_t *y, const uint16_t *x, const uint16_t *w, const uint16_t *bias, int64_t in, int64_t out,
                    int rows, int threads) {
-    const int64_t most = (in * out) / MIN_VALUES_PER_THREAD;
-    if (threads > most) threads = most > 1 ? (int)most : 1;
+    threads = threads_for(threads, in, out);
     switch (rows) {
         ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
     }
@@ -303,18 +317,9 @@ ALWAYS_INLINE void rows_out(uint16_t *y, const float *xs, const uint16_t *x, con
 int gemm_rows_bf16(uint16_t *y, const uint16_t *x, const uint16_t *w, const uint16_t *bias, int64_t in, int64_t out,
                    int rows, int threads) {
     if (rows < 2 || rows > MAX_ROWS) return -3;
-    const int64_t steps = in / STEP;
-    float *xs = malloc((size_t)rows * (size_t)(steps > 0 ? steps : 1) * STEP * sizeof(float));
+    float *xs = widen_rows(x, rows, in, 1);
     if (!xs) return -2;
-    for (int m = 0; m < rows; m++)
-        for (int64_t s = 0; s < steps; s++) {
-            f32xL a, b;
-            load_step(x + (size_t)m * in, s * STEP, 1, &a, &b);
-            memcpy(xs + (m * steps + s) * STEP, &a, sizeof a);
-            memcpy(xs + (m * steps + s) * STEP + LANES, &b, sizeof b);
-        }
-    const int64_t most = (in * out) / MIN_VALUES_PER_THREAD;
-    if (threads > most) threads = most > 1 ? (int)most : 1;
+    threads = threads_for(threads, in, out);
     switch (rows) {
         ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
     }
