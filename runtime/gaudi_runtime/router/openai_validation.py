@@ -219,7 +219,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: RouterTokenizer, tools: C
     if tools.prompt:
         messages[-1]["content"] += tools.prompt
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools.tools)
+        return tokenizer.apply_chat_template(messages, tools=tools.tools, variables=req.chat_template_kwargs)
     except TokenizerError as e:
         raise ValidationError(str(e)) from None
 
