@@ -113,3 +113,27 @@ def test_sampled_rows_think_freely_then_answer_in_the_grammar(grammars):
         assert not re.fullmatch(REGEX, tok.decode(thought))
         answer = answer[:answer.index(1)] if 1 in answer else answer
         assert re.fullmatch(REGEX, tok.decode(answer)), tok.decode(answer)
+
+
+def test_a_forced_deepseek_call_follows_the_thinking(grammars):
+    """tool_choice required on a DeepSeek-R1: free thinking, then only a call in DeepSeek-V3's format."""
+    from gaudi_runtime.router.tool_calls import call_grammar, parse
+
+    tok, vocab = grammars.tokenizer, grammars.vocab_size
+    start, end = grammars.think
+    spec = call_grammar("deepseek_v3", [("get_time", {"type": "object", "properties": {"zone": {"enum": ["utc"]}},
+                                                       "required": ["zone"]})], several=False)
+    gate = ThinkingGate(grammars.matcher(spec.kind, spec.value), start, end, True)
+    rows = GrammarRows.of(grammars, [gate])
+    for t in _ids(tok, "no call yet") + [end]:
+        assert _allowed(rows, vocab)[0] == set(range(vocab))
+        rows.accept([t])
+    answer = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n"
+              '{"zone": "utc"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    assert _ids(tok, "Sure")[0] not in _allowed(rows, vocab)[0]
+    for t in _ids(tok, answer):
+        assert t in _allowed(rows, vocab)[0], tok.decode([t])
+        rows.accept([t])
+    assert _allowed(rows, vocab)[0] == {1}
+    (call,) = parse("deepseek_v3", answer, final=True).calls
+    assert (call.name, json.loads(call.arguments)) == ("get_time", {"zone": "utc"})
