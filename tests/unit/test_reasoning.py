@@ -64,3 +64,19 @@ def test_the_answer_streams_once_it_starts_and_no_marker_text_leaks():
     out = [s.add(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
     assert out == [("I think", ""), (" so", ""), ("", ""), ("", ""), ("", ""), ("", ""), ("", ""),
                    ("", "Yes"), ("", "."), ("", "")]
+
+
+def test_the_launcher_refuses_a_tokenizer_without_single_thinking_tokens(tmp_path):
+    from gaudi_runtime.config import Config, ConfigError
+    from gaudi_runtime.launcher import check_reasoning
+    from gaudi_runtime.tools.tiny_model import train_tokenizer
+
+    tok = train_tokenizer()
+    tok.save_pretrained(tmp_path)
+    cfg = Config.of(model_id="m", reasoning_parser="qwen3")
+    with pytest.raises(ConfigError, match=r"--reasoning-parser qwen3: the tokenizer does not hold <think> and "):
+        check_reasoning(cfg, str(tmp_path))
+    check_reasoning(Config.of(model_id="m"), str(tmp_path))  # no parser: nothing to check
+    tok.add_tokens(["<think>", "</think>"])
+    tok.save_pretrained(tmp_path)
+    check_reasoning(cfg, str(tmp_path))
