@@ -108,6 +108,16 @@ def test_generate_stays_raw_text(qwen3):
     assert r.status_code == 200 and r.json()["generated_text"] == THOUGHT
 
 
+def test_a_tgi_grammar_waits_for_the_thinking_too(qwen3):
+    grammar = {"type": "regex", "value": "[a-z]+"}
+    for inputs, gated in (("Think first.<think>\n", True), ("No thinking.<think>\n\n</think>\n\n", False)):
+        r = httpx.post(qwen3.url + "/generate", timeout=60, json={
+            "inputs": inputs, "parameters": {"max_new_tokens": 4, "grammar": grammar}})
+        assert r.status_code == 200
+        (started,) = [q for q in qwen3.engine.started if q.inputs == inputs][-1:]
+        assert (started.grammar.thinking is not None) == gated and started.grammar.value == "[a-z]+"
+
+
 def test_thinking_switched_off_is_all_answer(qwen3):
     reply = "No thinking </think> here."
     out = client(qwen3).chat.completions.create(model="m", messages=ask(reply), max_tokens=200,

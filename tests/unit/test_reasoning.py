@@ -80,3 +80,14 @@ def test_the_launcher_refuses_a_tokenizer_without_single_thinking_tokens(tmp_pat
     tok.add_tokens(["<think>", "</think>"])
     tok.save_pretrained(tmp_path)
     check_reasoning(cfg, str(tmp_path))
+
+
+def test_an_earlier_answers_thinking_reaches_the_template_under_both_names():
+    from gaudi_runtime.router.openai_validation import chat_messages
+    from gaudi_runtime.router.request_models import ChatCompletionRequest, parse_request
+
+    req = parse_request(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello.", "reasoning": "Greet back."},
+        {"role": "user", "content": "and?"}]})
+    assert chat_messages(req.messages)[1] == {"role": "assistant", "content": "Hello.", "reasoning": "Greet back.",
+                                              "reasoning_content": "Greet back."}
