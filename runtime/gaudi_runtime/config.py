@@ -137,7 +137,8 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
      "not render tools, which then get them in a prompt)."),
     ("--reasoning-parser", None, str, None, "How the model marks its thinking, by vLLM's names: deepseek_r1 or "
      "qwen3 (<think>...</think>). Chat completions then carry the thinking in `reasoning` and the answer in "
-     "`content`, and grammars (response_format, tool_choice required or named) apply to the answer only. "
+     "`content`, and grammars (TGI's grammar, response_format, guided_*, tool_choice required or named) "
+     "apply to the answer only. "
      "Default: none (the thinking is content)."),
     ("--warmup-stall-seconds", None, float, 600.0, "While the server is not serving yet (model download, load, "
      "warmup): seconds without any step done (a downloaded chunk, a loaded weight, a warmed shape) after which the "
