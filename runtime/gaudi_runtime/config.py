@@ -132,9 +132,14 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
      "guided_*, and tool_choice required or named get a 422."),
     ("--grammar-compile-timeout-s", None, float, 10.0, "Longest the router waits for the shards to compile a "
      "request's grammar (a JSON schema, a regex, a tool set); past it the request gets a 422."),
-    ("--tool-call-parser", None, str, None, "Tool-call format of the model's output: llama3_json, mistral or "
-     "hermes (default: recognised from the chat template; llama3_json for a template that does not render "
-     "tools, which then get them in a prompt)."),
+    ("--tool-call-parser", None, str, None, "Tool-call format of the model's output: llama3_json, mistral, "
+     "hermes or deepseek_v3 (default: recognised from the chat template; llama3_json for a template that does "
+     "not render tools, which then get them in a prompt)."),
+    ("--reasoning-parser", None, str, None, "How the model marks its thinking, by vLLM's names: deepseek_r1 or "
+     "qwen3 (<think>...</think>). Chat completions then carry the thinking in `reasoning` and the answer in "
+     "`content`, and grammars (TGI's grammar, response_format, guided_*, tool_choice required or named) "
+     "apply to the answer only. "
+     "Default: none (the thinking is content)."),
     ("--warmup-stall-seconds", None, float, 600.0, "While the server is not serving yet (model download, load, "
      "warmup): seconds without any step done (a downloaded chunk, a loaded weight, a warmed shape) after which the "
      "start counts as stuck: /livez answers 503 and, 10 s later (a liveness probe sees it first), the launcher "
@@ -306,6 +311,7 @@ class StructuredOutputConfig:
     disable_grammar_support: bool = False
     grammar_compile_timeout_s: float = 10.0
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     max_json_schema_bytes: int = 32 * 1024
     max_json_schema_depth: int = 32
 
@@ -523,7 +529,9 @@ def kv_events_config(raw: str | dict | None) -> dict | None:
 
 
 # Tool-call formats the router parses (and constrains, for tool_choice required or named).
-TOOL_CALL_PARSERS = ("llama3_json", "mistral", "hermes")
+TOOL_CALL_PARSERS = ("llama3_json", "mistral", "hermes", "deepseek_v3")
+# Reasoning formats the router splits from the answer (router/reasoning.py), by vLLM's names.
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def _derive_structured_output(v: dict[str, object]) -> None:
@@ -537,6 +545,11 @@ def _derive_structured_output(v: dict[str, object]) -> None:
         v["tool_call_parser"] = None
     elif parser is not None and parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"--tool-call-parser {parser!r}: choose one of {', '.join(TOOL_CALL_PARSERS)}")
+    reasoning = v["reasoning_parser"]
+    if reasoning in ("", "none"):
+        v["reasoning_parser"] = None
+    elif reasoning is not None and reasoning not in REASONING_PARSERS:
+        raise ConfigError(f"--reasoning-parser {reasoning!r}: choose one of {', '.join(REASONING_PARSERS)}")
 
 
 def _derive_token_limits(v: dict[str, object]) -> None:

@@ -106,6 +106,23 @@ def check_adapters(cfg: Config, model_dir: str) -> None:
         a["digest"] = digest(a["path"])
 
 
+def check_reasoning(cfg: Config, model_dir: str) -> None:
+    """--reasoning-parser needs the tokenizer to hold `<think>` and `</think>` as single tokens (the
+    shards' grammars wait for the one that ends the thinking): else ConfigError before any shard starts."""
+    parser = cfg.structured_output.reasoning_parser
+    if parser is None:
+        return
+    from transformers import AutoTokenizer
+
+    from gaudi_runtime.router.reasoning import thinking_tokens
+
+    tok = AutoTokenizer.from_pretrained(model_dir)  # as the router loads it
+    try:
+        thinking_tokens(parser, lambda text: tok.encode(text, add_special_tokens=False))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 @dataclass(frozen=True)
 class Watchdog:
     """The stall rule over the pod's start (progress.py), and what to do when it holds."""
@@ -387,6 +404,7 @@ def _launch(cfg: Config, progress_dir: str) -> int:
     check_model(model_dir)
     check_image_budget(cfg.limits, json.loads((Path(model_dir) / "config.json").read_text()))
     check_adapters(cfg, model_dir)
+    check_reasoning(cfg, model_dir)
     log.info("effective configuration: %s", cfg.to_log_json())  # every flag and env setting, secrets masked
     log.info("launching %d shard(s) and the router for %s", cfg.device.num_shard, model_dir)
     procs = spawn(cfg, model_dir, download_seconds, progress_dir, listen_fd=early.hand_over())

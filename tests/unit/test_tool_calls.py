@@ -20,13 +20,21 @@ OUTPUTS = {  # format -> (output with two calls after some text, output with tex
                 + "]", "Hello [there]"),
     "llama3_json": ("<|python_tag|>" + json.dumps({"name": "get_weather", "parameters": ARGS}) + "; "
                     + json.dumps({"name": "get_time", "parameters": ARGS}), "Hello {there}"),
+    # DeepSeek-V3's template writes each call so (its chat_template, tokenizer_config.json)
+    "deepseek_v3": ("Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+                    "```json\n" + json.dumps(ARGS) + "\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function"
+                    "<｜tool▁sep｜>get_time\n```json\n" + json.dumps(ARGS) + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+                    "Hello ```json\n{}\n``` <｜there｜>"),
 }
+DEEPSEEK_TEMPLATE = ("{%- for m in messages %}{%- if m.tool_calls %}<｜tool▁calls▁begin｜>{%- endif %}{%- endfor %}"
+                     "<｜Assistant｜>")
 
 
 def test_the_format_is_read_from_the_chat_template():
     assert detect_format(CHAT_TEMPLATES["qwen2"]) == "hermes"
     assert detect_format(CHAT_TEMPLATES["mistral"]) == "mistral"
     assert detect_format(CHAT_TEMPLATES["llama31"]) == "llama3_json"
+    assert detect_format(DEEPSEEK_TEMPLATE) == "deepseek_v3"
     assert detect_format(CHAT_TEMPLATE) is None
     assert detect_format(CHAT_TEMPLATE, "hermes") == "hermes"  # --tool-call-parser wins
 
@@ -94,6 +102,18 @@ def test_a_marker_being_written_is_held_back_until_it_is_one():
     s = ToolCallStream("hermes")
     s.add("Hi <tool")
     assert s.add("box>") == [{"content": "<toolbox>"}]
+
+
+def test_deepseek_calls_stream_their_arguments_as_they_grow():
+    s = ToolCallStream("deepseek_v3")
+    assert s.add("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_") == []
+    named, args = s.add("weather\n```json\n{\"city\": ")
+    assert named["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert args["tool_calls"][0]["function"] == {"arguments": '{"city": '}
+    (d,) = s.add('"Par')
+    assert d["tool_calls"][0]["function"] == {"arguments": '"Par'}
+    (d,) = s.add('is"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', final=True)
+    assert d["tool_calls"][0]["function"] == {"arguments": 'is"}'}
 
 
 def test_arguments_given_as_a_json_string_are_decoded():

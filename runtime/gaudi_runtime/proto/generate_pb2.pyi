@@ -206,12 +206,24 @@ class Request(_message.Message):
     def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., prefill_logprobs: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., adapter_index: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
-    __slots__ = ("type", "value")
+    __slots__ = ("type", "value", "thinking")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    THINKING_FIELD_NUMBER: _ClassVar[int]
     type: str
     value: str
-    def __init__(self, type: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    thinking: Thinking
+    def __init__(self, type: _Optional[str] = ..., value: _Optional[str] = ..., thinking: _Optional[_Union[Thinking, _Mapping]] = ...) -> None: ...
+
+class Thinking(_message.Message):
+    __slots__ = ("start_token", "end_token", "open")
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    start_token: int
+    end_token: int
+    open: bool
+    def __init__(self, start_token: _Optional[int] = ..., end_token: _Optional[int] = ..., open: _Optional[bool] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests")

@@ -44,7 +44,7 @@ from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.live_requests import Requests, RequestState
 from gaudi_runtime.router.output import OutputProcessor
 from gaudi_runtime.router.scheduler import decode_call_steps, join_min_size, select_prefill
-from gaudi_runtime.router.types import GenerationError
+from gaudi_runtime.router.types import GenerationError, GrammarSpec
 
 log = logging.getLogger(__name__)
 
@@ -338,10 +338,16 @@ def prefill_request(state: RequestState, start: int | None = None, end: int | No
         blocks=state.blocks, prefill_logprobs=r.decoder_input_details, images=r.images,
         cached_tokens=state.cached_tokens if start is None else start, adapter_index=r.adapter,
         max_new_tokens=r.stopping.max_new_tokens,
-        grammar=pb.Grammar(type=r.grammar.kind, value=r.grammar.value) if r.grammar is not None else None,
+        grammar=shard_grammar(r.grammar) if r.grammar is not None else None,
         parameters=pb.NextTokenChooserParameters(
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
             do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,
             frequency_penalty=s.frequency_penalty, generated_frequency_penalty=s.generated_frequency_penalty,
             presence_penalty=s.presence_penalty),
     )
+
+
+def shard_grammar(g: GrammarSpec) -> pb.Grammar:
+    thinking = None if g.thinking is None else \
+        pb.Thinking(start_token=g.thinking[0], end_token=g.thinking[1], open=g.thinking[2])
+    return pb.Grammar(type=g.kind, value=g.value, thinking=thinking)

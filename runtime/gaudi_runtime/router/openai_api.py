@@ -6,7 +6,9 @@ shapes. Stop sequences stay in the returned text, as TGI does.
 
 Several choices (`n`, and `best_of` on completions) are ordinary requests, one per choice with a
 seed of its own, run together and gathered here. With tools, each choice's output is parsed into
-`tool_calls` in the model's format (`tool_calls`), as a whole or as stream deltas.
+`tool_calls` in the model's format (`tool_calls`), as a whole or as stream deltas. With
+--reasoning-parser, a chat answer's thinking goes in `reasoning` and only what follows it is the
+content (and parsed for tool calls): `reasoning`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 
 import gaudi_runtime
-from gaudi_runtime.router import adapters, json_text, sse
+from gaudi_runtime.router import adapters, json_text, reasoning, sse
 from gaudi_runtime.router.http_common import (
     admit,
     finite_logprob,
@@ -204,44 +206,59 @@ def chat_logprobs(tokens: list[Token], tops: list[list[Token]]) -> dict:
     return {"content": content}
 
 
-def _raw_text(tokens: list[Token], fmt: str) -> str:
-    """The output as the tool-call parser reads it: special tokens left out, but for the format's markers."""
-    return "".join(t.text for t in tokens if not t.special or t.text in MARKERS[fmt])
+def _kept(fmt: str | None, thinking: str | None) -> tuple[str, ...]:
+    """The special tokens the parsers read: the tool-call format's markers, the thinking's."""
+    return (MARKERS[fmt] if fmt is not None else ()) + (reasoning.MARKERS if thinking is not None else ())
 
 
-def _chat_choice(i: int, g: Generation, req: ChatCompletionRequest, fmt: str | None) -> dict:
+def _raw_text(tokens: list[Token], kept: tuple[str, ...]) -> str:
+    """The output as the parsers read it: special tokens left out, but for their markers."""
+    return "".join(t.text for t in tokens if not t.special or t.text in kept)
+
+
+def _chat_choice(i: int, g: Generation, req: ChatCompletionRequest, fmt: str | None, thinking: str | None) -> dict:
     message: dict = {"role": "assistant", "content": g.end.generated_text}
+    answer = _raw_text(g.tokens, _kept(fmt, None)) if fmt is not None else None
+    if thinking is not None:  # the answer after the thinking; null when the thinking took the whole output
+        message["reasoning"], answer = reasoning.split(thinking, _raw_text(g.tokens, _kept(fmt, thinking)))
+        message["content"] = answer or (None if message["reasoning"] is not None else "")
     finish = FINISH[g.end.finish_reason]
     if fmt is not None:
-        parsed = parse(fmt, _raw_text(g.tokens, fmt), final=True)
+        parsed = parse(fmt, answer, final=True)
         calls = tool_calls_json(parsed.calls)
         if calls:
-            message = {"role": "assistant", "content": parsed.content if parsed.content.strip() else None,
-                       "tool_calls": calls}
+            message.update(content=parsed.content if parsed.content.strip() else None, tool_calls=calls)
             finish = "tool_calls" if finish == "stop" else finish
     return {"index": i, "message": message,
             "logprobs": chat_logprobs(g.tokens, g.top_tokens) if req.logprobs else None, "finish_reason": finish}
 
 
-def _chat_chunk_choice(req: ChatCompletionRequest, fmt: str | None):
-    streams: dict[int, ToolCallStream] = {}
+def _chat_chunk_choice(req: ChatCompletionRequest, fmt: str | None, thinking: str | None):
+    streams: dict = {}  # per choice, its ToolCallStream or reasoning.ReasoningStream
     unsent: dict[int, list[dict]] = {}  # per choice, the log-probabilities of tokens no chunk carried yet
+    kept = _kept(fmt, thinking)
+
+    def stream():
+        tools = ToolCallStream(fmt) if fmt is not None else None
+        return tools if thinking is None else reasoning.ReasoningStream(reasoning.Split(thinking), tools)
 
     def choice(i: int, ev: StreamEvent) -> list[str]:
         lp = chat_logprobs([ev.token], [list(ev.top_tokens)]) if req.logprobs else None
-        if fmt is None:
+        if fmt is None and thinking is None:
             content = json_text.string("" if ev.token.special else ev.token.text)
             return [f'{{"index": {i}, "delta": {{"role": "assistant", "content": {content}}}, '
                     f'"logprobs": {json_text.dumps(lp)}, "finish_reason": {_finish_text(ev)}}}']
-        return [json_text.dumps(c) for c in _tool_chunks(i, ev, streams.setdefault(i, ToolCallStream(fmt)),
-                                                         unsent.setdefault(i, []), lp)]
+        if i not in streams:
+            streams[i] = stream()
+        return [json_text.dumps(c) for c in _tool_chunks(i, ev, streams[i], unsent.setdefault(i, []), lp, kept)]
 
     return choice
 
 
-def _tool_chunks(i: int, ev: StreamEvent, stream: ToolCallStream, unsent: list[dict], lp: dict | None) -> list[dict]:
-    """The chunks one token gives a choice whose output is parsed for tool calls: none while the
-    parser holds the text back, one per delta it then gives, and the one ending the choice. Each
+def _tool_chunks(i: int, ev: StreamEvent, stream, unsent: list[dict], lp: dict | None,
+                 kept: tuple[str, ...]) -> list[dict]:
+    """The chunks one token gives a choice whose output is parsed (for tool calls, for its thinking):
+    none while the parsers hold the text back, one per delta they then give, and the one ending the choice. Each
     token's log-probability goes out once, with the first chunk at or after it, so that the chunks'
     add up to the whole answer's."""
     if lp is not None:
@@ -252,7 +269,7 @@ def _tool_chunks(i: int, ev: StreamEvent, stream: ToolCallStream, unsent: list[d
         unsent.clear()
         return taken
 
-    text = ev.token.text if not ev.token.special or ev.token.text in MARKERS[stream.fmt] else ""
+    text = ev.token.text if not ev.token.special or ev.token.text in kept else ""
     out = [{"index": i, "delta": {"role": "assistant", **d}, "logprobs": logprobs(), "finish_reason": None}
            for d in stream.add(text, final=ev.end is not None)]
     if ev.end is not None:
@@ -273,16 +290,17 @@ async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> we
         tools = chat_tools(req, structured, state.tokenizer.chat_template)
         prompt = chat_prompt(req, state.tokenizer, tools, images_allowed=state.images is not None)
         images = await prompt_images(state, prompt)
+        thinking = reasoning.start_state(state.thinking.parser, prompt) if state.thinking is not None else None
         reqs = [replace(r, adapter=slot, adapter_load=load)
                 for r in chat_requests(prompt, images, params, req, limits, structured, state.tokenizer, tools)]
         await admit(state, rec, reqs)
     envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", served_name(state, slot))
     if req.stream:
         return await _stream(request, reqs, req, rec, envelope, "chat.completion.chunk",
-                             _chat_chunk_choice(req, tools.fmt))
+                             _chat_chunk_choice(req, tools.fmt, thinking))
     gens = await generate_all(state, reqs, rec)
     rec.success_pending()
-    choices = [_chat_choice(i, g, req, tools.fmt) for i, g in enumerate(gens)]
+    choices = [_chat_choice(i, g, req, tools.fmt, thinking) for i, g in enumerate(gens)]
     return json_response(envelope.wrap("chat.completion", choices, _generated(gens)))
 
 

@@ -219,7 +219,7 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer: RouterTokenizer, tools: C
     if tools.prompt:
         messages[-1]["content"] += tools.prompt
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools.tools)
+        return tokenizer.apply_chat_template(messages, tools=tools.tools, variables=req.chat_template_kwargs)
     except TokenizerError as e:
         raise ValidationError(str(e)) from None
 
@@ -235,8 +235,17 @@ def chat_messages(messages: list[ChatMessage], *, images_allowed: bool = False) 
         message = {**m.model_dump(exclude_none=True), "content": content or ""}
         if m.tool_calls:
             message["tool_calls"] = [_history_call(c.model_dump(exclude_none=True)) for c in m.tool_calls]
+        _both_reasoning_names(message)
         out.append(message)
     return out
+
+
+def _both_reasoning_names(message: dict) -> None:
+    """An earlier answer's thinking under both names: clients send back vLLM's `reasoning` (or the
+    older `reasoning_content`), and templates read `reasoning_content` (Qwen3's)."""
+    for have, want in (("reasoning", "reasoning_content"), ("reasoning_content", "reasoning")):
+        if message.get(have) is not None and want not in message:
+            message[want] = message[have]
 
 
 def _history_call(call: dict) -> dict:

@@ -319,6 +319,9 @@ class ChatCompletionRequest(OpenAIRequest):
         None, description="TGI's: the instruction appended, after the tools as JSON, to the last message when the "
         "chat template does not render tools (default: how to call in the server's format); with a template "
         "that renders them, appended alone when given")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: more variables for the chat template, such as {\"enable_thinking\": false} "
+        "for Qwen3")
 
 
 # --- parsing, with errors in TGI's wording ---------------------------------------------------------

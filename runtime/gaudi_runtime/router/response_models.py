@@ -292,7 +292,9 @@ class MessageToolCall(Closed):
 
 class AssistantMessage(Closed):
     role: Literal["assistant"]
-    content: str | None = Field(description="null when the answer is tool calls and nothing else")
+    content: str | None = Field(description="null when the answer is tool calls and nothing else, or when the "
+                                "thinking took the whole output")
+    reasoning: str | None = absent("With --reasoning-parser: the model's thinking (null when it did not think)")
     tool_calls: list[MessageToolCall] = absent("The calls the model made, when it made some")
 
 
@@ -326,6 +328,7 @@ class ChatDelta(Closed):
 
     role: Literal["assistant"] = absent()
     content: str = absent()
+    reasoning: str = absent("With --reasoning-parser: the next piece of the thinking")
     tool_calls: list[ToolCallDelta] = absent()
 
 

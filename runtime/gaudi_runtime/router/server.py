@@ -28,6 +28,7 @@ from gaudi_runtime.router.errors import (
     openai_not_found,
 )
 from gaudi_runtime.router.metrics import Metrics
+from gaudi_runtime.router.reasoning import thinking_tokens
 from gaudi_runtime.router.routes import add_routes, open_route
 from gaudi_runtime.router.state import STATE, AppState
 from gaudi_runtime.router.tokenizer import RouterTokenizer
@@ -138,7 +139,8 @@ def build_app(config: Config, engine: Engine, tokenizer: RouterTokenizer,
     # The engine's adapter table, which its requests are numbered by; a stand-in engine (tests) has none.
     adapters = getattr(engine, "adapters", None) or AdapterTable(config.adapters, config.model)
     app[STATE] = AppState(config=config, engine=engine, tokenizer=tokenizer, metrics=metrics, images=images,
-                          adapters=adapters)
+                          adapters=adapters, thinking=thinking_tokens(config.structured_output.reasoning_parser,
+                                                                      _encoder(tokenizer)))
     app[METRICS] = metrics
     app[DRAIN] = drain
 
@@ -166,3 +168,7 @@ async def start(app: web.Application, host: str, port: int) -> tuple[web.AppRunn
     sockets = runner.addresses
     bound = sockets[0][1] if sockets else port
     return runner, bound
+
+
+def _encoder(tokenizer: RouterTokenizer):
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)

@@ -10,6 +10,7 @@ from aiohttp import web
 from gaudi_runtime.config import Config
 from gaudi_runtime.router.adapters import AdapterTable
 from gaudi_runtime.router.metrics import Metrics
+from gaudi_runtime.router.reasoning import ThinkingTokens
 from gaudi_runtime.router.tokenizer import RouterTokenizer
 from gaudi_runtime.router.types import Engine
 
@@ -24,6 +25,7 @@ class AppState:
     images: object | None = None  # router.images.ImagePrompter of a vision model, else None
     tracer: object | None = None  # router.tracing.RequestTracer with --otlp-endpoint, else None
     adapters: AdapterTable | None = None  # the LoRA adapters served now (the engine's; build_app sets it)
+    thinking: ThinkingTokens | None = None  # the reasoning format, with --reasoning-parser (build_app sets it)
     adapter_updates: object | None = None  # router.adapter_updates.AdapterUpdates with runtime LoRA updating
 
 

@@ -6,6 +6,7 @@ token ids and decoded text is the comma-separated ids (TGI-Gaudi's benchmarking 
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import sys
@@ -196,12 +197,21 @@ class RouterTokenizer:
             template = template.get("default")
         return template if isinstance(template, str) else None
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            variables: dict[str, Any] | None = None) -> str:
+        """The conversation rendered, ready for the assistant's answer; `variables`: more for the
+        template (a request's `chat_template_kwargs`), none of which may be the renderer's own options."""
         if self.hf is None or not getattr(self.hf, "chat_template", None):
             raise TokenizerError("this model's tokenizer has no chat template")
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
         if tools:
             kwargs["tools"] = tools
+        if variables:
+            own = set(inspect.signature(self.hf.apply_chat_template).parameters) | {"messages"}
+            taken = sorted(own & set(variables))
+            if taken:
+                raise TokenizerError(f"`chat_template_kwargs`: {', '.join(taken)} cannot be set this way")
+            kwargs.update(variables)
         try:
             return self.hf.apply_chat_template(messages, **kwargs)
         except Exception as e:  # jinja errors raised by the template itself

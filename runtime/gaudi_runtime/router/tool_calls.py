@@ -10,6 +10,9 @@ which tells the model to call in `llama3_json` unless --tool-call-parser names a
   optionally after `<|python_tag|>`; several are separated by `;`.
 - `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`.
 - `hermes` (Qwen2.5, Hermes, Qwen3): each call is `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+- `deepseek_v3` (DeepSeek-V3, R1): `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`,
+  a newline and the arguments in a ```json fence, `<｜tool▁call▁end｜>` (calls separated by a newline), and
+  `<｜tool▁calls▁end｜>`.
 
 Parsing reads the text so far from the start each time (outputs are short), so streaming is the
 difference between two parses: the text before a call streams as content, a call's name goes out
@@ -38,10 +41,14 @@ _ARG_KEYS = ("arguments", "parameters")
 _TEMPLATE_MARKERS = (
     ("hermes", ("<tool_call>",)),
     ("mistral", ("[TOOL_CALLS]", "[AVAILABLE_TOOLS]")),
+    ("deepseek_v3", ("<｜tool▁calls▁begin｜>",)),
     ("llama3_json", ("<|python_tag|>", "\"parameters\": dictionary of argument name")),
 )
 
-MARKERS = {"llama3_json": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",), "hermes": ("<tool_call>", "</tool_call>")}
+DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_SEP, DS_CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+MARKERS = {"llama3_json": ("<|python_tag|>",), "mistral": ("[TOOL_CALLS]",), "hermes": ("<tool_call>", "</tool_call>"),
+           "deepseek_v3": (DS_CALLS, DS_CALLS_END, DS_CALL, DS_SEP, DS_CALL_END)}
 
 
 def detect_format(chat_template: str | None, configured: str | None = None) -> str | None:
@@ -92,13 +99,16 @@ _CALL_SHAPES = {
     "llama3_json": '{"name": <function name>, "parameters": <arguments object>}',
     "hermes": '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>',
     "mistral": '[TOOL_CALLS][{"name": <function name>, "arguments": <arguments object>}]',
+    "deepseek_v3": f"{DS_CALLS}{DS_CALL}function{DS_SEP}<function name>\n```json\n<arguments object>\n```"
+                   f"{DS_CALL_END}{DS_CALLS_END}",
 }
 TOOL_PROMPT_SEPARATOR = "\n---\n"
 
 
 def default_tool_prompt(fmt: str) -> str:
     """The instruction given with the tools when the request has no `tool_prompt`: how to call in `fmt`."""
-    return (f"To call one of the functions above, answer with only this, on one line: {_CALL_SHAPES[fmt]}; "
+    where = "on one line: " if "\n" not in _CALL_SHAPES[fmt] else "as it is written here:\n"
+    return (f"To call one of the functions above, answer with only this, {where}{_CALL_SHAPES[fmt]}; "
             "the arguments object follows the function's parameters schema.")
 
 
@@ -116,13 +126,16 @@ def tool_prompt(tools: list[dict], fmt: str, instruction: str | None, template_r
 # --- the grammar that makes the model call ----------------------------------------------------------
 
 def _tag(fmt: str, name: str, parameters: dict | None) -> dict:
+    schema = parameters if parameters is not None else {"type": "object", "additionalProperties": True}
+    # One whitespace at most between JSON elements: a sampled model could otherwise pad forever.
+    content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    if fmt == "deepseek_v3":
+        return {"type": "tag", "begin": f"{DS_CALL}function{DS_SEP}{name}\n```json\n", "content": content,
+                "end": f"\n```{DS_CALL_END}"}
     key = "parameters" if fmt == "llama3_json" else "arguments"
     begin = "{" + f"\"name\": {json.dumps(name, ensure_ascii=False)}, \"{key}\": "
     if fmt == "hermes":
         begin = "<tool_call>\n" + begin
-    schema = parameters if parameters is not None else {"type": "object", "additionalProperties": True}
-    # One whitespace at most between JSON elements: a sampled model could otherwise pad forever.
-    content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
     return {"type": "tag", "begin": begin, "content": content, "end": "}\n</tool_call>" if fmt == "hermes" else "}"}
 
 
@@ -130,11 +143,12 @@ def call_grammar(fmt: str, tools: list[tuple[str, dict | None]], *, several: boo
     """A grammar whose every output is one call (or, `several`, one or more) to one of `tools`
     (name, parameters schema), in `fmt`: an xgrammar structural tag."""
     calls = {"type": "tags_with_separator", "tags": [_tag(fmt, n, p) for n, p in tools],
-             "separator": {"llama3_json": "; ", "mistral": ", ", "hermes": "\n"}[fmt],
+             "separator": {"llama3_json": "; ", "mistral": ", ", "hermes": "\n", "deepseek_v3": "\n"}[fmt],
              "at_least_one": True, "stop_after_first": not several}
-    if fmt == "mistral":
-        calls = {"type": "sequence", "elements": [{"type": "const_string", "value": "[TOOL_CALLS]["}, calls,
-                                                  {"type": "const_string", "value": "]"}]}
+    around = {"mistral": ("[TOOL_CALLS][", "]"), "deepseek_v3": (DS_CALLS, DS_CALLS_END)}.get(fmt)
+    if around is not None:
+        calls = {"type": "sequence", "elements": [{"type": "const_string", "value": around[0]}, calls,
+                                                  {"type": "const_string", "value": around[1]}]}
     value = json.dumps({"type": "structural_tag", "format": calls}, ensure_ascii=False)
     return GrammarSpec("structural_tag", value, "tools")
 
@@ -279,7 +293,8 @@ def _content_until(text: str, marker: str, final: bool) -> tuple[str, int]:
 
 def parse(fmt: str, text: str, final: bool) -> Parsed:
     """The content and calls of `text` in `fmt`; `final`: the output is complete (nothing held back)."""
-    return {"hermes": _parse_hermes, "mistral": _parse_mistral, "llama3_json": _parse_llama}[fmt](text, final)
+    return {"hermes": _parse_hermes, "mistral": _parse_mistral, "llama3_json": _parse_llama,
+            "deepseek_v3": _parse_deepseek}[fmt](text, final)
 
 
 def _parse_hermes(t: str, final: bool) -> Parsed:
@@ -361,6 +376,52 @@ def _parse_llama(t: str, final: bool) -> Parsed:
     if t[rest:].strip() and (final or complete):
         out.content += t[rest:]
     return out
+
+
+def _parse_deepseek(t: str, final: bool) -> Parsed:
+    content, k = _content_until(t, DS_CALLS, final)
+    out = Parsed(content)
+    j = k + len(DS_CALLS)
+    while k >= 0:
+        j = _skip_ws(t, j)
+        if t.startswith(DS_CALLS_END, j):
+            j += len(DS_CALLS_END)
+            break
+        if not t.startswith(DS_CALL, j):
+            if not final and any(m.startswith(t[j:]) for m in (DS_CALL, DS_CALLS_END)):
+                return out  # a marker being written, or nothing yet
+            break
+        call = _deepseek_call(t, j + len(DS_CALL))
+        if call is None or call.end is None:
+            out.calls += [call] if call is not None else []
+            return out
+        out.calls.append(call)
+        j = call.end
+    if k >= 0 and t[j:].strip() and final:
+        out.content += t[j:]
+    return out
+
+
+def _deepseek_call(t: str, i: int) -> Call | None:
+    """The call after `<｜tool▁call▁begin｜>` at t[i], as far as `t` goes; None until its name is written."""
+    sep = t.find(DS_SEP, i)
+    line = t.find("\n", sep) if sep >= 0 else -1
+    if line < 0:
+        return None
+    call = Call(name=t[sep + len(DS_SEP):line].strip())
+    j = _skip_ws(t, line + 1)
+    if t.startswith("```json", j):
+        j = _skip_ws(t, j + len("```json"))
+    elif "```json".startswith(t[j:]):
+        return call
+    if j >= len(t) or t[j] != "{":
+        return call
+    end = _value_end(t, j)
+    call.arguments = t[j:] if end is None else t[j:end]
+    closing = t.find(DS_CALL_END, end) if end is not None else -1
+    if closing >= 0:
+        call.end = closing + len(DS_CALL_END)
+    return call
 
 
 # --- OpenAI's shapes ------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ class GrammarSpec:
     kind: str
     value: str
     field: str = "grammar"
+    # A reasoning model's (start token, end token, prompt opened it): the grammar waits for the end of
+    # the thinking (router/reasoning.py gate_grammars, shard/grammar.py ThinkingGate). None: it does not.
+    thinking: tuple[int, int, bool] | None = None
 
 
 @dataclass

@@ -9,6 +9,10 @@ shape every step of a bucket), the sampler sets the logits of the tokens it forb
 after the step every matcher accepts the token its row took. Rows without a grammar have every bit
 set. Every rank runs the same matchers on the same tokens, so they mask alike.
 
+A reasoning model's grammar constrains its answer only: its matcher waits behind a `ThinkingGate`
+until the thinking has ended (the router says which tokens open and close it, and whether the
+prompt opened it).
+
 xgrammar imports torch: only the shards import this module, never the router.
 """
 
@@ -181,6 +185,33 @@ def _bound(node):
     return node
 
 
+class ThinkingGate:
+    """The matcher of a reasoning model's answer: while the model thinks, every token is allowed and
+    the grammar sees none; from the token after the one that ends the thinking (`end`, one token in
+    these tokenizers), the grammar's matcher decides. `open`: the prompt opened the thinking; else the
+    output may open it with `start` as its first token (allowed beside the grammar's first tokens),
+    and any other first token is the answer's."""
+
+    def __init__(self, matcher, start: int, end: int, open: bool):
+        self.matcher = matcher
+        self.start, self.end = start, end
+        self.thinking = open
+        self.first = not open  # the first token is still to come and may open the thinking
+
+    def accept_token(self, token: int) -> bool:
+        first, self.first = self.first, False
+        if first and token == self.start:
+            self.thinking = True
+            return True
+        if self.thinking:
+            self.thinking = token != self.end
+            return True
+        return self.matcher.accept_token(token)
+
+    def is_terminated(self) -> bool:
+        return not self.thinking and self.matcher.is_terminated()
+
+
 class GrammarRows:
     """The matchers of a batch's rows (None: the row is unconstrained) and the host bitmask they
     fill. A row whose matcher has ended (it took a stop token, or a step computed after the router
@@ -222,8 +253,14 @@ class GrammarRows:
             self._host = torch.empty((rows, self.words), dtype=torch.int32)
         mask = self._host[:rows]
         mask.fill_(-1)
-        live, indices = [], []
+        live, indices, opening = [], [], []
         for i, m in enumerate(self.matchers):
+            if isinstance(m, ThinkingGate):
+                if m.thinking:
+                    continue  # a row that thinks is free
+                if m.first:
+                    opening.append((i, m.start))
+                m = m.matcher
             if m is None:
                 continue
             if m.is_terminated():
@@ -233,6 +270,8 @@ class GrammarRows:
                 indices.append(i)
         if live:
             self.cache.fill(live, mask, indices)
+        for i, t in opening:
+            mask[i, t // _BITS] |= _int32_bit(t % _BITS)
         return mask
 
     def accept(self, tokens: Sequence[int]) -> None:

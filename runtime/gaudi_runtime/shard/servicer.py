@@ -99,7 +99,8 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
                          top_n_tokens=r.top_n_tokens, blocks=list(r.blocks), prefill_logprobs=r.prefill_logprobs,
                          images=list(r.images), cached_tokens=r.cached_tokens, adapter=r.adapter_index,
                          max_new_tokens=r.max_new_tokens,
-                         grammar=(r.grammar.type, r.grammar.value) if r.HasField("grammar") else None)
+                         grammar=(r.grammar.type, r.grammar.value) if r.HasField("grammar") else None,
+                         thinking=_thinking(r))
             for r in request.batch.requests
         ]
         async with self.order.turn(request.sequence):
@@ -178,3 +179,11 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         except GrammarError as e:
             return pb.CompileGrammarResponse(error=str(e))
         return pb.CompileGrammarResponse(compile_ns=compiled.compile_ns)
+
+
+def _thinking(r) -> tuple[int, int, bool] | None:
+    """A reasoning model's thinking tokens, for the gate in front of its grammar (None: no gate)."""
+    if not r.HasField("grammar") or not r.grammar.HasField("thinking"):
+        return None
+    t = r.grammar.thinking
+    return t.start_token, t.end_token, t.open

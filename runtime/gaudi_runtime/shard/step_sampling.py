@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from gaudi_runtime.device.base import Backend
-from gaudi_runtime.shard.grammar import GrammarCache, GrammarRows
+from gaudi_runtime.shard.grammar import GrammarCache, GrammarRows, ThinkingGate
 from gaudi_runtime.shard.inputs import PrefillInput
 from gaudi_runtime.shard.sampling import BatchSampler, SampleOutput
 
@@ -25,9 +25,15 @@ def grammar_rows(grammars: GrammarCache | None, reqs: list[PrefillInput]) -> Gra
             raise ValueError("grammar is not supported")
         return None
     try:
-        return GrammarRows.of(grammars, [None if r.grammar is None else grammars.matcher(*r.grammar) for r in reqs])
+        return GrammarRows.of(grammars, [None if r.grammar is None else _matcher(grammars, r) for r in reqs])
     except ValueError as e:
         raise ValueError(f"grammar: {e}") from e
+
+
+def _matcher(grammars: GrammarCache, r: PrefillInput):
+    """The request's matcher; a reasoning model's behind a gate that holds it until the thinking ends."""
+    m = grammars.matcher(*r.grammar)
+    return m if r.thinking is None else ThinkingGate(m, *r.thinking)
 
 
 def prefill_sampler(reqs: list[PrefillInput], vocab_size: int, device: torch.device,
