@@ -149,9 +149,10 @@ def _gemma(common, shape):
                                     tie_word_embeddings=True)
 
 
-# Phi-3's LongRoPE, with an original length the test prompts cross so that both factor sets run, and
-# Phi-4-mini's partial rotary factor (12 of 16 features rotated: 6 factors per set).
-PHI3_ORIGINAL_LENGTH = 32
+# Phi-3's LongRoPE, with an original length between the test's short sequences (prompt and answer) and its
+# long prompts, so that both factor sets run, and Phi-4-mini's partial rotary factor (12 of 16 features
+# rotated: 6 factors per set).
+PHI3_ORIGINAL_LENGTH = 48
 PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
              "original_max_position_embeddings": PHI3_ORIGINAL_LENGTH,
              "short_factor": [1.0, 1.2, 1.5, 2.0, 2.7, 3.5], "long_factor": [1.0, 2.5, 6.0, 14.0, 30.0, 60.0]}
