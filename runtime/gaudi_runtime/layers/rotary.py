@@ -6,12 +6,12 @@ also spelled ``su``). A ``rotary_dim`` below ``head_dim`` (``partial_rotary_fact
 
 ``longrope`` choice: transformers picks one factor set per forward call, the long one when
 ``max(position_ids) + 1 > original_max_position_embeddings``, else the short one, and multiplies cos and
-sin by the attention factor. Here each row of a batch is such a call: the table holds the short rows for
-positions ``[0, original)`` and after them the long rows for every position, and a row whose largest
-position is at or past ``original`` reads the long rows. In ``generate()`` a prompt is one call and each
-new token another, so a prompt longer than ``original`` is rotated long throughout, a shorter one short,
-and each new token long from position ``original`` on: rows of a whole prompt and of one decoded token
-give exactly those results.
+sin by the attention factor; Phi-3's ``generate()`` recomputes the whole cache with the long set at the
+step a sequence first passes the original length. Here each row of a batch is such a call: the table
+holds the short rows for positions ``[0, original)`` and after them the long rows for every position,
+and a row whose largest position is at or past ``original`` reads the long rows. A whole prompt longer
+than ``original`` is then rotated long throughout and a sequence that stays within it short, as in
+transformers; docs/design.md ("Model code") lists where a row is not such a call.
 
 ``dynamic`` (NTK) choice: transformers recomputes the frequencies only when a
 sequence grows past ``max_position_embeddings`` and uses the unscaled
