@@ -29,7 +29,7 @@ def logits(model, ids):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma", "starcoder2", "falcon", "falcon7b", "starcoder",
-                                    "mixtral"])
+                                    "mixtral", "phi3", "granite"])
 def test_every_family_runs_in_fp8(family, tmp_path, monkeypatch):
     model_dir = make_tiny_model(tmp_path, family)
     model = load_model(str(model_dir), torch.float32, "cpu")

@@ -27,6 +27,8 @@ FAMILY_ARCHITECTURES = {
     "falcon7b": "FalconForCausalLM",
     "starcoder": "GPTBigCodeForCausalLM",
     "llava": "LlavaNextForConditionalGeneration",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 POSITIONS = 4096  # the tiny configs' max_position_embeddings
 WINDOW = 64

@@ -6,8 +6,9 @@ Two row layouts occur in checkpoints, in units of ``head_dim`` rows:
   key head, then its value head. Falcon's new decoder architecture
   (Falcon-40B/180B, group = heads / kv_heads) and the models without
   multi-query attention (group 1: q, k, v per head) store it this way.
-* ``multi_query``: every query head, then the one key head, then the one
-  value head (Falcon-7B, Starcoder).
+* ``stacked``: every query head, then every key head, then every value head
+  (Phi-3's ``qkv_proj``); ``multi_query`` is this layout with one key/value
+  head (Falcon-7B, Starcoder).
 
 Each rank keeps ``QKVParallelLinear``'s per-rank layout ``[its q heads; its k
 heads; its v heads]`` (KV heads replicated when there are fewer than ranks),
@@ -21,15 +22,16 @@ from torch import nn
 
 from .linear import QKVParallelLinear, TPContext, _copy_into
 
-LAYOUTS = ("grouped", "multi_query")
+LAYOUTS = ("grouped", "multi_query", "stacked")
 
 
 def source_heads(layout: str, num_heads: int, num_kv_heads: int) -> tuple[list[int], list[int], list[int]]:
     """Checkpoint row block (in heads) of every query, key and value head, for ``layout``."""
-    if layout == "multi_query":
-        if num_kv_heads != 1:
+    if layout in ("multi_query", "stacked"):
+        if layout == "multi_query" and num_kv_heads != 1:
             raise ValueError(f"the multi_query layout has 1 key/value head, not {num_kv_heads}")
-        return list(range(num_heads)), [num_heads], [num_heads + 1]
+        k = [num_heads + g for g in range(num_kv_heads)]
+        return list(range(num_heads)), k, [i + num_kv_heads for i in k]
     if layout != "grouped":
         raise ValueError(f"unknown fused qkv layout {layout!r}; known: {', '.join(LAYOUTS)}")
     if num_heads % num_kv_heads != 0:

@@ -185,7 +185,18 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             divide(s, tp.size, "output size")
         super().__init__(input_size, sum(output_sizes), bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        """One projection's checkpoint tensor (``shard_id``), or with None the checkpoint's own fused
+        tensor (Phi-3's ``gate_up_proj``: the projections' rows one after the other), cut the same way."""
+        if shard_id is None:
+            if loaded.shape[0] != sum(self.output_sizes):
+                raise ValueError(f"fused projection has {loaded.shape[0]} rows, expected "
+                                 f"{' + '.join(map(str, self.output_sizes))}")
+            start = 0
+            for i, total in enumerate(self.output_sizes):
+                self.weight_loader(param, loaded.narrow(0, start, total), i)
+                start += total
+            return
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
         size = self.output_sizes[shard_id] // self.tp.size
         _copy_into(param, offset, size, loaded.narrow(0, self.tp.rank * size, size))

@@ -1,6 +1,17 @@
 """Rotary position embedding (Llama "rotate half" convention) with a precomputed cos/sin cache.
 
-Supported ``rope_scaling`` types: default, ``llama3``, ``linear``, ``dynamic``.
+Supported ``rope_scaling`` types: default, ``llama3``, ``linear``, ``dynamic``, ``longrope`` (Phi-3's,
+also spelled ``su``). A ``rotary_dim`` below ``head_dim`` (``partial_rotary_factor``) rotates the first
+``rotary_dim`` features of each head and passes the rest through.
+
+``longrope`` choice: transformers picks one factor set per forward call, the long one when
+``max(position_ids) + 1 > original_max_position_embeddings``, else the short one, and multiplies cos and
+sin by the attention factor; Phi-3's ``generate()`` recomputes the whole cache with the long set at the
+step a sequence first passes the original length. Here each row of a batch is such a call: the table
+holds the short rows for positions ``[0, original)`` and after them the long rows for every position,
+and a row whose largest position is at or past ``original`` reads the long rows. A whole prompt longer
+than ``original`` is then rotated long throughout and a sequence that stays within it short, as in
+transformers; docs/design.md ("Model code") lists where a row is not such a call.
 
 ``dynamic`` (NTK) choice: transformers recomputes the frequencies only when a
 sequence grows past ``max_position_embeddings`` and uses the unscaled
@@ -20,7 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "longrope")
+ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs
 
 
 def rope_params_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -44,13 +56,39 @@ def rope_params_from_config(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] 
     if theta is None:
         theta = merged.get("rope_theta", 10000.0)
     rope_type = merged.get("rope_type", merged.get("type", "default"))
+    rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if rope_type in (None, "default"):
         return float(theta), None
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     merged = dict(merged)
     merged["rope_type"] = rope_type
+    if rope_type == "longrope" and cfg.get("original_max_position_embeddings"):
+        # The top-level field wins over the dict's (Phi-3 writes it there), as transformers reads it.
+        merged["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     return float(theta), merged
+
+
+def longrope_inv_freqs(dim: int, theta: float, scaling: dict[str, Any],
+                       max_position_embeddings: int) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """LongRoPE's ``(short inv_freq, long inv_freq, attention factor, original length)``, computed as
+    transformers computes them (float32; the factors divide the base frequencies)."""
+    original = int(scaling.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    sets = []
+    for name in ("short_factor", "long_factor"):
+        ext = torch.tensor(scaling[name], dtype=torch.float32)
+        if ext.shape != (dim // 2,):
+            raise ValueError(f"rope_scaling.{name} has {ext.numel()} entries; the rotary dimension "
+                             f"{dim} needs {dim // 2}")
+        sets.append(1.0 / (ext * theta ** shape))
+    return sets[0], sets[1], float(attention), original
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
@@ -68,6 +106,8 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
         seq_len = max_position_embeddings  # see module docstring
         base = theta * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    if rope_type == "longrope":
+        raise ValueError("longrope has two frequency sets: use longrope_inv_freqs")
     if rope_type == "llama3":
         low_freq_factor = float(scaling["low_freq_factor"])
         high_freq_factor = float(scaling["high_freq_factor"])
@@ -84,7 +124,8 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds cos/sin for positions ``[0, max_position)``; ``forward(positions, q, k)`` rotates q and k.
+    """Holds cos/sin for positions ``[0, max_position)`` (longrope: both sets, ``table_rows``);
+    ``forward(positions, q, k)`` rotates q and k.
 
     q: ``[..., num_heads, head_dim]``, k: ``[..., num_kv_heads, head_dim]``, positions: ``[...]``.
     Positions outside the cache are not checked (no host sync); the caller keeps them in range. (The
@@ -97,16 +138,32 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float = 10000.0,
                  scaling: dict[str, Any] | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, rotary_dim: int | None = None):
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         self.max_position = max_position
-        inv_freq = compute_inv_freq(head_dim, theta, scaling, max_position)
+        # longrope: rows from this position on in the table are the long set's (see the module docstring).
+        self.long_from: int | None = None
         t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [P, D/2], fp32 like transformers
-        # attention_scaling is 1.0 for all supported types; cast like transformers does (cos.to(x.dtype)).
-        self.register_buffer("cos", freqs.cos().to(dtype).to(device), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype).to(device), persistent=False)
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            short, long, attention, self.long_from = longrope_inv_freqs(self.rotary_dim, theta, scaling,
+                                                                        max_position)
+            freqs = torch.cat([torch.outer(t[:self.long_from], short), torch.outer(t, long)])
+        else:
+            attention = 1.0
+            freqs = torch.outer(t, compute_inv_freq(self.rotary_dim, theta, scaling, max_position))  # fp32
+        # Scaled, then cast, as transformers does (cos * attention_scaling, then .to(x.dtype)).
+        self.register_buffer("cos", (freqs.cos() * attention).to(dtype).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * attention).to(dtype).to(device), persistent=False)
+
+    def table_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """The table row of each position ``[B, S]``: the position itself, or with longrope, in a row
+        whose largest position reaches ``long_from``, the position's row in the long set."""
+        if self.long_from is None:
+            return positions
+        last = positions.amax(dim=-1, keepdim=True) if positions.dim() > 1 else positions
+        return positions + (last >= self.long_from).to(positions.dtype) * self.long_from
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -114,14 +171,22 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        rows = self.table_rows(positions)
+        if self.rotary_dim < self.head_dim:
+            r = self.rotary_dim
+            q_rot, k_rot = self._rotate_both(rows, q[..., :r], k[..., :r])
+            return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        return self._rotate_both(rows, q, k)
+
+    def _rotate_both(self, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         if self.kernel is not None:
-            rotated = self.kernel(positions, q, k, self.cos, self.sin)
+            rotated = self.kernel(rows, q, k, self.cos, self.sin)
             if rotated is not None:
                 return rotated
         # Looked up per layer, not cached across layers: a device graph captured on a cache hit would
         # bake in the rows of the positions it was captured with.
-        cos = self.cos[positions].unsqueeze(-2)  # [..., 1, D/2]
-        sin = self.sin[positions].unsqueeze(-2)
+        cos = self.cos[rows].unsqueeze(-2)  # [..., 1, D/2]
+        sin = self.sin[rows].unsqueeze(-2)
         # q and k rotated as one tensor: half the small operators a decode step runs per layer.
         heads = q.shape[-2]
         both = self._rotate(torch.cat((q, k), dim=-2), cos, sin)

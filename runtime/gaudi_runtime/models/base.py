@@ -50,6 +50,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     # The attention window config.json declares; None: every token sees the whole sequence.
     sliding_window: int | None = None
+    # The leading features of each head RoPE rotates (partial_rotary_factor); None: all of head_dim.
+    rotary_dim: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
     @staticmethod
@@ -96,7 +98,7 @@ def rotary_embedding(cfg, dtype: torch.dtype, device: torch.device) -> RotaryEmb
     device, so that every device gets the same float32 tables."""
     with torch.device("cpu"):
         return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                               dtype=dtype, device=device)
+                               dtype=dtype, device=device, rotary_dim=cfg.rotary_dim)
 
 
 def materialize(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:

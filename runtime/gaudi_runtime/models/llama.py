@@ -8,8 +8,9 @@ Differences between the families are configuration only:
   the context (``base.ModelConfig.context_length``), so results stay exact.
 * ``tie_word_embeddings``: the LM head shares the embedding parameter.
 
-Gemma, Mixtral, Starcoder2 and Llava's language model reuse these modules; the
-decoder layer and stack take their MLP and norm from overridable hooks.
+Gemma, Mixtral, Starcoder2, Phi-3, Granite and Llava's language model reuse these
+modules; the decoder layer and stack take their attention, MLP and norm from
+overridable hooks, and the attention its q/k/v projection.
 """
 
 from __future__ import annotations
@@ -67,12 +68,16 @@ class LlamaConfig(ModelConfig):
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, tp: TPContext):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
-                                          cfg.num_kv_heads, bias=cfg.qkv_bias, tp=tp)
+        self.qkv_proj = self.build_qkv(cfg, tp)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                         bias=cfg.o_bias, tp=tp)
         self.rotary = rotary  # shared by all layers
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim)
+
+    def build_qkv(self, cfg: LlamaConfig, tp: TPContext) -> QKVParallelLinear:
+        """The fused q/k/v projection, loaded from the checkpoint's q_proj, k_proj and v_proj."""
+        return QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads,
+                                 bias=cfg.qkv_bias, tp=tp)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata):
         q, k, v = self.attn.split_heads(self.qkv_proj(x))
@@ -97,10 +102,11 @@ class LlamaDecoderLayer(nn.Module):
 
     norm_class: ClassVar[type[nn.Module]] = RMSNorm
     mlp_class: ClassVar[type[nn.Module]] = LlamaMLP
+    attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
 
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, tp: TPContext):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, tp)
+        self.self_attn = self.attention_class(cfg, rotary, tp)
         self.build_mlp(cfg, tp)
         self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.norm_eps)

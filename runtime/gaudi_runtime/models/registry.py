@@ -16,10 +16,12 @@ from .base import CausalLMBase
 from .falcon import FalconForCausalLM
 from .gemma import GemmaForCausalLM
 from .gpt_bigcode import GPTBigCodeForCausalLM
+from .granite import GraniteForCausalLM
 from .interface import CausalLM
 from .llama import LlamaForCausalLM
 from .llava_next import LlavaNextForConditionalGeneration
 from .mixtral import MixtralForCausalLM
+from .phi3 import Phi3ForCausalLM
 from .starcoder2 import Starcoder2ForCausalLM
 
 # config.json "architectures" entry -> model class (Mistral and Qwen2 are Llama config variations).
@@ -35,6 +37,8 @@ SUPPORTED_ARCHITECTURES: dict[str, type[CausalLMBase]] = {
     "FalconForCausalLM": FalconForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
 }
 
 

@@ -7,10 +7,12 @@ SIGTERM or SIGINT starts a graceful shutdown (router/drain.py): running requests
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import socket
+from pathlib import Path
 
 from aiohttp import web
 
@@ -22,6 +24,7 @@ from gaudi_runtime.router.drain import DRAIN, shut_down
 from gaudi_runtime.router.engine import BatchingEngine
 from gaudi_runtime.router.images import ImagePrompter
 from gaudi_runtime.router.metrics import Metrics
+from gaudi_runtime.router.prefix_cache import longrope_original_length
 from gaudi_runtime.router.server import build_app
 from gaudi_runtime.router.state import STATE
 from gaudi_runtime.router.tokenizer import RouterTokenizer, keep_torch_out
@@ -56,6 +59,8 @@ async def serve(cfg: Config, model_dir: str) -> int:
     client = ShardClient([cfg.server.shard_socket(r) for r in range(cfg.device.num_shard)])
     metrics = Metrics(cfg.model.model_name)
     engine = BatchingEngine(cfg, client, tokenizer, metrics)
+    engine.requests.prefix.long_rope_from = longrope_original_length(
+        json.loads((Path(model_dir) / "config.json").read_text()), cfg.model.rope_scaling)
     app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg.limits))
     app[STATE].tracer = tracer = make_tracer(cfg.server)
     if cfg.adapters.allow_runtime_lora_updating:

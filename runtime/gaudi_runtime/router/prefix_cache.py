@@ -4,7 +4,9 @@ A full block of a sequence is named by a hash chained from its parent block's ha
 token ids, plus what else decides its KV values: the digest of each image whose placeholder tokens
 start in it (later blocks inherit it through the chain), and, at the root, the model, its dtype
 and the KV cache's, and the request's LoRA adapter (its name and content digest): two adapters
-never share a block. Equal hashes mean equal KV, so a request whose first blocks' hashes are
+never share a block. With LongRoPE (Phi-3), a prompt longer than the original length is rotated
+with the long factor set and a shorter one with the short set (layers/rotary.py), so the two kinds
+chain from different roots and never share a block. Equal hashes mean equal KV, so a request whose first blocks' hashes are
 registered (router/blocks.py) reads those blocks instead of computing them, and the shards compute
 only the rest of its prompt (`Request.cached_tokens`).
 
@@ -48,6 +50,25 @@ def root_hash(cfg: Config) -> bytes:
     salt = "|".join(str(x) for x in (m.model_id, m.revision, m.dtype, m.kv_cache_dtype, m.quantize,
                                      m.quant_config, m.rope_scaling, m.rope_factor, cfg.device.block_size))
     return hashlib.sha256(salt.encode()).digest()
+
+
+LONGROPE_TYPES = ("longrope", "su")
+
+
+def longrope_original_length(model_config: dict, rope_override: str | None = None) -> int | None:
+    """The prompt length past which a LongRoPE model rotates with its long factor set (config.json's
+    original_max_position_embeddings, read as layers/rotary.py and models/phi3.py read it); None for
+    any other RoPE, or when --rope-scaling replaces the model's."""
+    if rope_override:
+        return None
+    rope = {**(model_config.get("rope_scaling") or {}), **(model_config.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type"))
+    phi3 = model_config.get("model_type") == "phi3"
+    if kind not in LONGROPE_TYPES and not (phi3 and kind == "yarn"):
+        return None
+    default = 4096 if phi3 else model_config.get("max_position_embeddings")
+    return int(model_config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+               or default)
 
 
 def adapter_root(base: bytes, name: str, digest: str) -> bytes:
@@ -94,6 +115,7 @@ class PrefixCache:
         self.adapters = adapters or AdapterTable(cfg.adapters, cfg.model)
         self.metrics = metrics
         self.events: KvEvents | None = None  # where registrations and removals are announced
+        self.long_rope_from: int | None = None  # `longrope_original_length` of the model served
 
     def removed(self, hashes: list[bytes]) -> None:
         """The allocator dropped these hashes (its `on_removed`)."""
@@ -103,7 +125,7 @@ class PrefixCache:
     def prompt_hashes(self, state) -> list[bytes]:
         """The hashes of the full blocks of `state`'s prompt (computed once)."""
         if state.block_hashes is None:
-            state.block_hashes = chain_hashes(state.req.input_ids, self.block_size, self.slot_root(state.req.adapter),
+            state.block_hashes = chain_hashes(state.req.input_ids, self.block_size, self._root(state),
                                               self._extras(state))
         return state.block_hashes
 
@@ -112,6 +134,13 @@ class PrefixCache:
         slot is not reused while a request holds it)."""
         entry = self.adapters.entry(slot)
         return self.root if entry is None else adapter_root(self.root, entry.name, entry.digest)
+
+    def _root(self, state) -> bytes:
+        """The root of `state`'s chain: its adapter's, apart for a prompt LongRoPE rotates long."""
+        root = self.slot_root(state.req.adapter)
+        if self.long_rope_from is not None and len(state.req.input_ids) > self.long_rope_from:
+            return hashlib.sha256(root + b"|longrope-long").digest()
+        return root
 
     def _extras(self, state) -> dict[int, bytes] | None:
         req = state.req
@@ -179,7 +208,7 @@ class PrefixCache:
         hashes = self.prompt_hashes(state)
         first = len(hashes)
         tokens = prompt + state.output_ids[:fed]
-        parent = hashes[-1] if hashes else self.slot_root(state.req.adapter)
+        parent = hashes[-1] if hashes else self._root(state)
         new = chain_hashes(tokens[first * self.block_size:], self.block_size, parent, self._extras(state), first)
         self._register(allocator, state, hashes + new, tokens, first)
 

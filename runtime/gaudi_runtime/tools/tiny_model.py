@@ -149,6 +149,33 @@ def _gemma(common, shape):
                                     tie_word_embeddings=True)
 
 
+# Phi-3's LongRoPE, with an original length between the test's short sequences (prompt and answer) and its
+# long prompts, so that both factor sets run, and Phi-4-mini's partial rotary factor (12 of 16 features
+# rotated: 6 factors per set).
+PHI3_ORIGINAL_LENGTH = 48
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+             "original_max_position_embeddings": PHI3_ORIGINAL_LENGTH,
+             "short_factor": [1.0, 1.2, 1.5, 2.0, 2.7, 3.5], "long_factor": [1.0, 2.5, 6.0, 14.0, 30.0, 60.0]}
+
+
+def _phi3(common, shape):
+    import transformers
+
+    # Phi-3-mini-4k's window, wider than any test sequence; fused qkv_proj and gate_up_proj in the checkpoint.
+    return transformers.Phi3Config(**common, **shape, rope_parameters=dict(PHI3_ROPE),
+                                   original_max_position_embeddings=PHI3_ORIGINAL_LENGTH,
+                                   partial_rotary_factor=PHI3_ROPE["partial_rotary_factor"],
+                                   sliding_window=2047, tie_word_embeddings=False, pad_token_id=None)
+
+
+def _granite(common, shape):
+    import transformers
+
+    # Every multiplier far from 1 (and the softmax scale far from head_dim ** -0.5), so none can be skipped.
+    return transformers.GraniteConfig(**common, **shape, embedding_multiplier=12.0, attention_multiplier=0.6,
+                                      residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True)
+
+
 def _starcoder2(common, shape):
     import transformers
 
@@ -251,6 +278,8 @@ FAMILIES = {
     "qwen2": _qwen2,
     "mixtral": _mixtral,
     "gemma": _gemma,
+    "phi3": _phi3,
+    "granite": _granite,
     "starcoder2": _starcoder2,
     "falcon": _falcon,
     "falcon7b": _falcon7b,

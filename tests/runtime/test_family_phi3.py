@@ -1,0 +1,163 @@
+"""Phi-3 served through HTTP equals transformers' greedy output, with 1 and 2 shards.
+
+The tiny random-weight Phi-3 has what sets Phi-3 apart from Llama: fused ``qkv_proj`` and
+``gate_up_proj`` checkpoint tensors (each rank cuts its heads and rows out of them), LongRoPE with an
+original length of 48 tokens, Phi-4-mini's partial rotary factor (0.75) and random norm weights.
+Short prompts and their answers stay within 48 tokens (the short factor set), a longer prompt is
+rotated long throughout, and both kinds share batches (the set is chosen per sequence, not per batch).
+A sequence that crosses 48 tokens while decoding is not compared: transformers recomputes its whole
+cache with the long set at that step and we do not (docs/design.md, "Model code").
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import torch
+
+from gaudi_runtime.tools.tiny_model import PHI3_ORIGINAL_LENGTH, make_tiny_model, randomize_vectors
+from tests.runtime.family_parity import (
+    PROMPTS,
+    check_concurrent_requests,
+    check_single_requests,
+    generate_ids,
+    serve,
+)
+from tests.runtime.launched import greedy_reference
+
+# Longer than the LongRoPE original length (48 tokens: 58) and within --max-input-tokens (64).
+LONG_PROMPT = " ".join(["kubernetes pod operator cluster node graph warmup bucket prefill decode hello world the a "
+                        "deep serve request stream answer question data train weight layer attention head vector "
+                        "gaudi card"] * 2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("phi3"), "phi3")
+    randomize_vectors(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1shard", "2shards"])
+def server(request, model_dir, tmp_path_factory):
+    srv = serve(model_dir, tmp_path_factory.mktemp(f"phi3-{request.param}"), request.param)
+    yield srv
+    srv.stop()
+
+
+def test_greedy_single_requests_match_transformers(server):
+    check_single_requests(server)
+
+
+def test_greedy_concurrent_requests_match_transformers(server):
+    check_concurrent_requests(server)
+
+
+def test_prompt_past_original_length_batched_with_short_ones(server):
+    """A prompt longer than the original length alone, then at once with short prompts: each sequence
+    gets the factor set transformers gives it alone."""
+    from transformers import AutoTokenizer
+
+    n = len(AutoTokenizer.from_pretrained(server.model_dir)(LONG_PROMPT).input_ids)
+    assert PHI3_ORIGINAL_LENGTH < n <= 64, n
+    prompts = [LONG_PROMPT, *PROMPTS[:3]]
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            alone = await generate_ids(s, server.url, LONG_PROMPT, 16)
+            together = await asyncio.gather(*(generate_ids(s, server.url, p, 16) for p in prompts))
+            return alone, together
+
+    alone, together = asyncio.run(run())
+    assert alone == greedy_reference(server.model_dir, LONG_PROMPT, 16)
+    for prompt, got in zip(prompts, together):
+        assert got == greedy_reference(server.model_dir, prompt, 16), prompt
+
+
+def _rope_config_v4() -> dict:
+    """Phi-3.5-mini's config.json layout (transformers 4's: ``rope_scaling``, the original length at the
+    top level only)."""
+    return {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 64, "hidden_size": 64,
+            "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 256, "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
+                             "long_factor": [1.0, 3.0, 7.0, 15.0, 31.0, 63.0]}}
+
+
+@pytest.mark.parametrize("layout", ["v4", "v5"])
+def test_longrope_tables_match_transformers(layout):
+    """cos/sin of every position, for a prompt of each length and a decode step at each position, equal
+    transformers' Phi3RotaryEmbedding (short or long set, attention factor, partial rotary)."""
+    import transformers
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from gaudi_runtime.models.base import rotary_embedding
+    from gaudi_runtime.models.phi3 import Phi3Config
+
+    raw = _rope_config_v4()
+    ref_cfg = transformers.Phi3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    if layout == "v5":  # the layout transformers 5 writes
+        raw = {**ref_cfg.to_dict(), "architectures": raw["architectures"]}
+    ours = rotary_embedding(Phi3Config.from_dict(raw, "Phi3ForCausalLM"), torch.float32, torch.device("cpu"))
+    assert ours.rotary_dim == 12
+    ref = Phi3RotaryEmbedding(ref_cfg)
+    x = torch.zeros(1, dtype=torch.float32)
+    for length in (1, 20, 32, 33, 100, 256):
+        prompt = torch.arange(length)[None]  # one prefill row of `length` tokens
+        step = torch.tensor([[length - 1]])  # one decode row at the last position
+        for positions in (prompt, step):
+            cos, sin = ref(x, positions)
+            rows = ours.table_rows(positions)
+            torch.testing.assert_close(ours.cos[rows], cos[..., :6], atol=0, rtol=0)
+            torch.testing.assert_close(ours.sin[rows], sin[..., :6], atol=0, rtol=0)
+
+
+def test_longrope_rows_choose_their_set_per_row():
+    """In one batch, a row reaching the original length reads the long rows and a shorter one the short."""
+    from gaudi_runtime.layers.rotary import RotaryEmbedding
+
+    scaling = {"rope_type": "longrope", "original_max_position_embeddings": 8,
+               "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0]}
+    rope = RotaryEmbedding(4, 64, scaling=scaling)
+    positions = torch.tensor([[0, 1, 2, 0], [5, 6, 7, 8], [7, 0, 0, 0], [8, 0, 0, 0]])  # pads at position 0
+    assert rope.table_rows(positions).tolist() == [[0, 1, 2, 0], [13, 14, 15, 16], [7, 0, 0, 0], [16, 8, 8, 8]]
+    assert rope.cos.shape == (8 + 64, 2)
+
+
+def test_partial_rotary_passes_the_rest_through():
+    from gaudi_runtime.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(16, 32, rotary_dim=12)
+    q, k = torch.randn(1, 3, 4, 16), torch.randn(1, 3, 2, 16)
+    rq, rk = rope(torch.tensor([[0, 5, 9]]), q, k)
+    assert torch.equal(rq[..., 12:], q[..., 12:]) and torch.equal(rk[..., 12:], k[..., 12:])
+    assert not torch.equal(rq[:, 1:, :, :12], q[:, 1:, :, :12])
+
+
+def test_legacy_su_type_reads_as_longrope():
+    from gaudi_runtime.models.phi3 import Phi3Config
+
+    raw = _rope_config_v4()
+    raw["rope_scaling"] = {**raw["rope_scaling"], "type": "su"}
+    cfg = Phi3Config.from_dict(raw, "Phi3ForCausalLM")
+    assert cfg.rope_scaling["rope_type"] == "longrope"
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 32
+
+
+def test_router_reads_the_original_length_the_model_uses():
+    """The prefix cache keeps long and short prompts' blocks apart at the length the rotary switches at."""
+    from gaudi_runtime.models.phi3 import Phi3Config
+    from gaudi_runtime.router.prefix_cache import longrope_original_length
+
+    v4 = _rope_config_v4()
+    no_top = {k: v for k, v in v4.items() if k != "original_max_position_embeddings"}
+    su = {**v4, "rope_scaling": {**v4["rope_scaling"], "type": "su"}}
+    for raw in (v4, no_top, su):
+        model = Phi3Config.from_dict(raw, "Phi3ForCausalLM").rope_scaling["original_max_position_embeddings"]
+        assert longrope_original_length(raw) == model
+    assert longrope_original_length(no_top) == 4096  # Phi3Config's default, as transformers reads it
+    assert longrope_original_length(v4, rope_override="linear") is None
+    assert longrope_original_length({"model_type": "llama", "rope_scaling": {"rope_type": "llama3"}}) is None
