@@ -24,6 +24,7 @@ import torch
 from gaudi_runtime.layers import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
 from gaudi_runtime.layers.attention import use_attention
 from gaudi_runtime.layers.attention_backend import AttentionBackend
+from gaudi_runtime.layers.kv_cache import allocate_cache, model_token_shapes
 from gaudi_runtime.layers.rotary import compute_inv_freq, rope_params_from_config
 from gaudi_runtime.models import SUPPORTED_ARCHITECTURES, UnsupportedModelError, load_model
 
@@ -75,8 +76,8 @@ class PagedRunner:
         for n in need:
             self.tables.append(free[:n])
             free = free[n:]
-        self.caches = allocate_kv_cache(model.num_layers, 1 + sum(need) + 3, block_size, model.num_kv_heads,
-                                        model.head_dim, dtype, "cpu")
+        self.caches = allocate_cache(model.num_layers, 1 + sum(need) + 3, block_size, model_token_shapes(model),
+                                     dtype, "cpu")
         self.nb = max(need) + 1  # decode block-table width (a bucket wider than any table)
         self.out: list[list[int]] = [[] for _ in prompts]
 

@@ -13,6 +13,7 @@ from .. import progress
 from ..download import WEIGHTS_INDEX, DownloadError, weight_files
 from ..layers.linear import LazyWeight, TPContext
 from .base import CausalLMBase
+from .deepseek_v3 import DeepseekV3ForCausalLM
 from .falcon import FalconForCausalLM
 from .gemma import GemmaForCausalLM
 from .gpt_bigcode import GPTBigCodeForCausalLM
@@ -35,6 +36,7 @@ SUPPORTED_ARCHITECTURES: dict[str, type[CausalLMBase]] = {
     "FalconForCausalLM": FalconForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
