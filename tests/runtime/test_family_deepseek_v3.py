@@ -70,11 +70,11 @@ def test_prefix_caching_and_chunked_prefill_match_transformers(model_dir, tmp_pa
     srv = serve(model_dir, tmp_path, shards, args=(*SMALL_ARGS, "--prefix-caching", "true",
                                                    "--max-batch-prefill-tokens", "16"))
     try:
-        check_conversations(srv, conversations=3, turns=3)
         prompt = SYSTEM + " the gaudi card shard router token batch cache serve request stream answer"
         check_prompts(srv, [prompt], 8)
         code, info = get_json(srv.url + "/info")
         assert code == 200 and info["prefill_chunks"] >= 1
+        check_conversations(srv, conversations=3, turns=3)
     finally:
         srv.stop()
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, context_prefill_mask
+from .flat_paged_attention import flat_blocks_attention
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, TPContext, divide, materialize
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
@@ -144,12 +145,7 @@ class MLAttention(nn.Module):
         else:
             if kv_cache is None:
                 raise ValueError("decode needs a KV cache")
-            if meta.block_list is not None:
-                raise ValueError("multi-head latent attention does not decode over the flat block layout")
-            cached_c, cached_pe = gather_latent(kv_cache, meta.block_tables, c.dtype)
-            if meta.decode_mask is None:
-                meta.decode_mask = decode_mask(meta.context_lens, cached_c.shape[1])
-            out = self._absorbed(q_nope, q_pe, cached_c, cached_pe, meta.decode_mask)
+            out = self._absorbed(q_nope, q_pe, kv_cache, meta)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.shape.v_head_dim))
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
@@ -181,17 +177,26 @@ class MLAttention(nn.Module):
                                              attn_mask=mask, is_causal=mask is None, scale=self.scale)
         return out.transpose(1, 2)
 
-    def _absorbed(self, q_nope, q_pe, c, k_pe, mask: torch.Tensor) -> torch.Tensor:
-        """One query token per row over the cached latent, without expanding it -> ``[B, 1, H, V]``."""
+    def _absorbed(self, q_nope, q_pe, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """One query token per row over the cached latent, without expanding it -> ``[B, 1, H, V]``: the
+        query's nope part mapped into latent space, attention with keys (latent, rope key) and values
+        (latent) shared by all heads, the latent output mapped back through the value rows."""
         sh = self.shape
         w = self.kv_b_proj.weight.view(self.num_heads, sh.qk_nope_head_dim + sh.v_head_dim, sh.kv_lora_rank)
         w_k, w_v = w.split([sh.qk_nope_head_dim, sh.v_head_dim], dim=1)  # [H, N, R], [H, V, R]
-        q_latent = torch.einsum("bhn,hnr->bhr", q_nope[:, 0], w_k)  # [B, H, R]
-        scores = (torch.matmul(q_latent, c.transpose(1, 2)) + torch.matmul(q_pe[:, 0], k_pe.transpose(1, 2)))
-        scores = (scores.float() * self.scale).masked_fill(~mask[:, 0], float("-inf"))  # [B, H, L]
-        probs = torch.softmax(scores, dim=-1).to(c.dtype)
-        out_latent = torch.matmul(probs, c)  # [B, H, R]
-        return torch.einsum("bhr,hvr->bhv", out_latent, w_v)[:, None]
+        q = torch.cat([torch.einsum("bhn,hnr->bhr", q_nope[:, 0], w_k), q_pe[:, 0]], -1)  # [B, H, R + P]
+        if meta.block_list is not None:  # the blocks in use, laid out flat (HPU): static shapes per bucket
+            c, pe = (t.index_select(0, meta.block_list) for t in kv_cache)  # [T, bs, 1, R], [T, bs, 1, P]
+            out_latent = flat_blocks_attention(q, torch.cat([c, pe], -1), c, meta.block_groups, meta.block_bias,
+                                               self.scale)
+        else:
+            c, pe = gather_latent(kv_cache, meta.block_tables, q.dtype)
+            if meta.decode_mask is None:
+                meta.decode_mask = decode_mask(meta.context_lens, c.shape[1])
+            scores = torch.matmul(q, torch.cat([c, pe], -1).transpose(1, 2)).float() * self.scale  # [B, H, L]
+            probs = torch.softmax(scores.masked_fill(~meta.decode_mask[:, 0], float("-inf")), dim=-1)
+            out_latent = torch.matmul(probs.to(c.dtype), c)  # [B, H, R]
+        return torch.einsum("bhr,hvr->bhv", out_latent.to(w_v.dtype), w_v)[:, None]
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
