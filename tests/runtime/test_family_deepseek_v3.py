@@ -96,3 +96,24 @@ def test_speculation_matches_transformers(model_dir, tmp_path):
         check_concurrent_requests(srv)
     finally:
         srv.stop()
+
+
+def test_hpu_decodes_the_latent_over_flat_blocks_with_the_cpu_paths_tokens(fake_hpu, model_dir):
+    """On Gaudi (the recording fake), MLA and the grouped experts run with the shapes warmup compiled,
+    decode reads the latent over the flat block layout, and the tokens are the CPU path's."""
+    from gaudi_runtime.device.base import Backend
+    from gaudi_runtime.device.hpu import HpuBackend
+    from gaudi_runtime.shard.runner import ModelRunner
+    from tests.runtime.test_hpu_paged_decode import config, generate
+
+    cfg = config(model_dir)
+    hpu = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
+    assert hpu.flat_decode
+    assert [tuple(t.shape[2:]) for t in hpu.kv_cache[0]] == [(1, 32), (1, 16)]
+    list(hpu.warmup())
+    warmed = len(fake_hpu["captures"])
+    on_hpu = generate(hpu)
+    assert len(fake_hpu["captures"]) == warmed and hpu.unwarmed_shapes == 0  # serving compiled nothing
+    assert any(name == "decode" and len(shapes[3]) == 1 for name, shapes in fake_hpu["replays"])  # flat blocks
+    cpu = ModelRunner(cfg, str(model_dir), Backend(torch.device("cpu")))
+    assert generate(cpu) == on_hpu
