@@ -108,3 +108,19 @@ def test_grouped_route_matches_a_plain_reading_of_the_rule(n_group, topk_group, 
     # The bias chooses: without it some tokens get other experts; it never weights (weights are plain scores).
     _, unbiased = grouped_route(logits, torch.zeros(8), top_k, n_group, topk_group, renormalize, 2.5)
     assert not torch.equal(unbiased, ids)
+
+
+def test_a_float8_latent_cache_gives_prefill_and_decode_the_same_latent():
+    """Prefill attends to the latent as the float8 cache holds it, so a token decoded over the cache
+    equals the same token computed in a prefill."""
+    layer = _layer()
+    x = torch.randn(1, 7, SHAPE.hidden_size)
+    blocks = [3, 1]
+    cache = allocate_cache(1, 5, BLOCK, layer.kv_token_shapes, torch.float8_e4m3fn, "cpu")[0]
+    with torch.no_grad():
+        whole = _prefill(layer, x, tuple(torch.zeros_like(t) for t in cache), blocks)[0, -1]
+        _prefill(layer, x[:, :6], cache, blocks)
+        meta = AttentionMetadata(is_prefill=False, slots=torch.tensor([[blocks[1] * BLOCK + 2]]),
+                                 block_tables=torch.tensor([blocks]), context_lens=torch.tensor([7]))
+        decoded = layer(x[:, 6:], torch.tensor([[6]]), cache, meta)[0, 0]
+    torch.testing.assert_close(decoded, whole, atol=1e-5, rtol=1e-5)

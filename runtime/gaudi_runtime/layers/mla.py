@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, context_prefill_mask
+from .attention import FP8_KV_DTYPES, AttentionMetadata, context_prefill_mask, fp8_round_trip
 from .flat_paged_attention import flat_blocks_attention
 from .linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, TPContext, divide, materialize
 from .norm import RMSNorm
@@ -76,11 +76,18 @@ class HeadsUpProjection(nn.Module):
 
 def write_latent(cache: tuple[torch.Tensor, torch.Tensor], c: torch.Tensor, k_pe: torch.Tensor,
                  slots: torch.Tensor) -> None:
-    """Scatter ``c`` ``[B, S, R]`` and ``k_pe`` ``[B, S, P]`` into the pair of latent caches at ``slots``."""
+    """Scatter ``c`` ``[B, S, R]`` and ``k_pe`` ``[B, S, P]`` into the pair of latent caches at ``slots``.
+    A float8 cache stores them saturated to its range (scale 1: the normed latent is small)."""
     flat = slots.reshape(-1)
     for dst, x in zip(cache, (c, k_pe)):
         d = dst.shape[-1]
-        dst.view(-1, d).index_copy_(0, flat, x.reshape(-1, d).to(dst.dtype))
+        rows = x.reshape(-1, d)
+        if dst.dtype in FP8_KV_DTYPES:  # index_copy_ has no float8 kernel on CPU: copy the bytes
+            limit = torch.finfo(dst.dtype).max
+            rows = rows.float().clamp(-limit, limit).to(dst.dtype)
+            dst.view(torch.uint8).view(-1, d).index_copy_(0, flat, rows.view(torch.uint8))
+        else:
+            dst.view(-1, d).index_copy_(0, flat, rows.to(dst.dtype))
 
 
 def gather_latent(cache: tuple[torch.Tensor, torch.Tensor], block_tables: torch.Tensor,
@@ -132,6 +139,8 @@ class MLAttention(nn.Module):
         q_nope, q_pe, c, k_pe = self._project(x, positions)
         if kv_cache is not None:
             write_latent(kv_cache, c, k_pe, meta.slots)
+            if kv_cache[0].dtype in FP8_KV_DTYPES:  # attend to what the cache holds, as decode will
+                c, k_pe = fp8_round_trip(c, kv_cache[0].dtype, 1.0), fp8_round_trip(k_pe, kv_cache[1].dtype, 1.0)
         if meta.is_prefill:
             if meta.block_tables is not None:
                 cached_c, cached_pe = gather_latent(kv_cache, meta.block_tables, c.dtype)
