@@ -4,7 +4,7 @@
 * greedy generation through the paged KV cache (block_size 4, shuffled blocks) == transformers generate;
 * a continuous-batching pattern (prefills joining running decodes, changing row order) == generate;
   both with decode over the gathered blocks and in place (the CPU kernel);
-* config variants (biases, MHA, head_dim != hidden/heads, linear/dynamic/llama3 RoPE in both config
+* config variants (biases, MHA, head_dim != hidden/heads, linear/dynamic/llama3/yarn RoPE in both config
   layouts, sharded checkpoints, Mistral's sliding window) with every weight perturbed;
 * unknown architectures raise UnsupportedModelError;
 * tensor parallelism (gloo, 2 and 4 CPU processes) gives the tp=1 tokens and logits.
@@ -232,11 +232,17 @@ def _variant_config(name: str):
                                                                                    "rope_theta": 1e6}), None
     if name == "mistral-window":
         return transformers.MistralConfig(**common, num_key_value_heads=2, sliding_window=64), None
+    if name == "qwen2-yarn-legacy":  # long-context Qwen's yarn: cos/sin scaled by the attention factor
+        cfg = transformers.Qwen2Config(**common, num_key_value_heads=2, use_sliding_window=False,
+                                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                        "original_max_position_embeddings": 32})
+        return cfg, {"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32}}
     raise ValueError(name)
 
 
 VARIANTS = ["llama-bias-mha-linear", "llama-dynamic-legacy", "llama3-legacy", "qwen2-random-bias",
-            "mistral-window"]
+            "mistral-window", "qwen2-yarn-legacy"]
 
 
 @pytest.fixture(scope="session")
