@@ -126,6 +126,7 @@ class DeepseekV3Model(nn.Module):
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     config_class = DeepseekV3Config
     attention_class = MLAttention
+    attention_name = "multi-head latent attention (torch; decode: absorbed, over the cached latent)"
 
     def build(self, cfg: DeepseekV3Config, tp: TPContext) -> None:
         with torch.device("cpu"):  # host tables even while building on meta (see base.rotary_embedding)

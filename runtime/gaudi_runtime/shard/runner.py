@@ -77,7 +77,8 @@ class ModelRunner:
         # FP8 (--quantize / QUANT_CONFIG) swaps layers after load; --kv-cache-dtype sets the cache's scales.
         self.model = quantize_loaded(self.model, cfg, backend.name, self.dtype, rank, world_size)
         self.kv_dtype = kv_cache_dtype(cfg.model, self.dtype)
-        self.attention_name = attention_in_use(attention, self.kv_dtype)
+        # A model whose attention is its own (DeepSeek's latent attention) names it; the backend's kernels are not used.
+        self.attention_name = getattr(self.model, "attention_name", None) or attention_in_use(attention, self.kv_dtype)
         # Decode over the flat layout of the blocks in use (HPU, unless the math fallback keeps the gather).
         self.flat_decode = backend.flat_decode and attention.flat_decode is not None
         log.info("attention: %s (FLASH_ATTENTION_RECOMPUTE=%s)", self.attention_name, dev.flash_attention_recompute)
