@@ -119,3 +119,23 @@ def test_hpu_decodes_the_latent_over_flat_blocks_with_the_cpu_paths_tokens(fake_
     assert any(name == "decode" and len(shapes[3]) == 1 for name, shapes in fake_hpu["replays"])  # flat blocks
     cpu = ModelRunner(cfg, str(model_dir), Backend(torch.device("cpu")))
     assert generate(cpu) == on_hpu
+
+
+def test_the_kv_budget_counts_latent_bytes(model_dir):
+    """With the device's free memory known, the shard fits as many blocks as the latent's bytes allow: 48
+    values per token and layer (the 32-wide latent and the 16-wide rope key), not keys and values of 4
+    heads of 32 (256)."""
+    from gaudi_runtime.device.base import Backend
+    from gaudi_runtime.shard.runner import ModelRunner
+    from tests.runtime.test_hpu_paged_decode import config
+
+    cfg = config(model_dir)
+    per_block = 3 * cfg.device.block_size * (32 + 16) * 4  # layers x tokens x values x float32
+
+    class KnownMemory(Backend):
+        def memory_info(self):
+            return int(100 * per_block / cfg.device.memory_fraction) + 1, 2**40
+
+    runner = ModelRunner(cfg, str(model_dir), KnownMemory(torch.device("cpu")))
+    assert runner.num_blocks == 100
+    assert sum(t.numel() * t.element_size() for layer in runner.kv_cache for t in layer) == 100 * per_block
