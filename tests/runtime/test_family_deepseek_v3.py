@@ -4,8 +4,10 @@ transformers' greedy output.
 In process: prefill logits, and greedy generation through the paged latent cache (shuffled blocks of
 4 tokens, decode with the absorbed projections), with and without ``q_lora_rank``. Served: 1 and 2
 shards (each rank holds half the heads and half of every expert, and the whole latent), then with
-prefix caching over a shared prompt prefix, chunked prefill and ``--speculate 3``; every answer is
-transformers' greedy output token for token.
+prefix caching (conversations resending their history) with chunked prefill, and ``--speculate 3``;
+every answer is transformers' greedy output token for token. On Gaudi (the recording fake) decode reads
+the latent over the flat block layout with warmed shapes only, giving the CPU path's tokens; and the
+shard sizes its cache by the latent's bytes.
 """
 
 from __future__ import annotations
