@@ -4,7 +4,7 @@
 * greedy generation through the paged KV cache (block_size 4, shuffled blocks) == transformers generate;
 * a continuous-batching pattern (prefills joining running decodes, changing row order) == generate;
   both with decode over the gathered blocks and in place (the CPU kernel);
-* config variants (biases, MHA, head_dim != hidden/heads, linear/dynamic/llama3 RoPE in both config
+* config variants (biases, MHA, head_dim != hidden/heads, linear/dynamic/llama3/yarn RoPE in both config
   layouts, sharded checkpoints, Mistral's sliding window) with every weight perturbed;
 * unknown architectures raise UnsupportedModelError;
 * tensor parallelism (gloo, 2 and 4 CPU processes) gives the tp=1 tokens and logits.
@@ -24,6 +24,7 @@ import torch
 from gaudi_runtime.layers import AttentionMetadata, allocate_kv_cache, kv_bytes_per_block
 from gaudi_runtime.layers.attention import use_attention
 from gaudi_runtime.layers.attention_backend import AttentionBackend
+from gaudi_runtime.layers.kv_cache import allocate_cache, model_token_shapes
 from gaudi_runtime.layers.rotary import compute_inv_freq, rope_params_from_config
 from gaudi_runtime.models import SUPPORTED_ARCHITECTURES, UnsupportedModelError, load_model
 
@@ -75,8 +76,8 @@ class PagedRunner:
         for n in need:
             self.tables.append(free[:n])
             free = free[n:]
-        self.caches = allocate_kv_cache(model.num_layers, 1 + sum(need) + 3, block_size, model.num_kv_heads,
-                                        model.head_dim, dtype, "cpu")
+        self.caches = allocate_cache(model.num_layers, 1 + sum(need) + 3, block_size, model_token_shapes(model),
+                                     dtype, "cpu")
         self.nb = max(need) + 1  # decode block-table width (a bucket wider than any table)
         self.out: list[list[int]] = [[] for _ in prompts]
 
@@ -231,11 +232,17 @@ def _variant_config(name: str):
                                                                                    "rope_theta": 1e6}), None
     if name == "mistral-window":
         return transformers.MistralConfig(**common, num_key_value_heads=2, sliding_window=64), None
+    if name == "qwen2-yarn-legacy":  # long-context Qwen's yarn: cos/sin scaled by the attention factor
+        cfg = transformers.Qwen2Config(**common, num_key_value_heads=2, use_sliding_window=False,
+                                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                        "original_max_position_embeddings": 32})
+        return cfg, {"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32}}
     raise ValueError(name)
 
 
 VARIANTS = ["llama-bias-mha-linear", "llama-dynamic-legacy", "llama3-legacy", "qwen2-random-bias",
-            "mistral-window"]
+            "mistral-window", "qwen2-yarn-legacy"]
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ FAMILY_ARCHITECTURES = {
     "llava": "LlavaNextForConditionalGeneration",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 POSITIONS = 4096  # the tiny configs' max_position_embeddings
 WINDOW = 64
@@ -75,13 +76,16 @@ def test_qwen2_declares_a_window_it_uses_only_when_told():
 
 @pytest.mark.parametrize("family", FAMILY_ARCHITECTURES)
 def test_every_family_gives_the_runner_its_interface(family):
-    model = build(config(family))
+    cfg = config(family)
+    model = build(cfg)
     torch.manual_seed(0)
     for p in model.parameters():
         p.data.normal_(0, 0.1)
     assert isinstance(model, CausalLM)
     assert model.takes_images == isinstance(model, TakesImages) == (family == "llava")
-    assert model.num_layers == 2 and model.vocab_size == 128
+    text = cfg["text_config"] if family == "llava" else cfg
+    layers = text.get("num_hidden_layers", text.get("n_layer"))
+    assert model.num_layers == layers and model.vocab_size == 128
     assert model.dtype == torch.float32 and model.device == torch.device("cpu")
     assert model.num_heads % model.num_kv_heads == 0
     hidden = model(torch.tensor([[3, 4, 5]]), torch.arange(3)[None], None, _prefill_meta(3))

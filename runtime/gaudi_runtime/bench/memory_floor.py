@@ -17,6 +17,7 @@ import time
 import torch
 
 from gaudi_runtime.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from gaudi_runtime.layers.kv_cache import cache_bytes_per_block, model_token_shapes
 from gaudi_runtime.models.registry import load_model
 
 BUFFER_BYTES = 1 << 30  # well past any last-level cache, so the sum streams from memory
@@ -34,7 +35,7 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
 
 
 def kv_bytes_per_token(model, dtype: torch.dtype) -> int:
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * torch.empty((), dtype=dtype).element_size()
+    return cache_bytes_per_block(model.num_layers, 1, model_token_shapes(model), dtype)
 
 
 def read_bandwidth(threads: int, repeats: int = 5) -> float:

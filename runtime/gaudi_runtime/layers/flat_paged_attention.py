@@ -77,9 +77,17 @@ def flat_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     are never repeated; scores, softmax and the sum over blocks are float32. `adjust` is
     ``torch.ops.hpu.block_softmax_adjustment`` or None (then `block_rescale`). Blocks read from a cache of
     another dtype (float8) are cast to q's; their scales are the caller's (fold them into `scale`)."""
-    b, hq, d = q.shape
-    t, hkv = block_list.shape[0], k_cache.shape[2]
     keys, values = k_cache.index_select(0, block_list), v_cache.index_select(0, block_list)  # [T, bs, Hkv, D]
+    return flat_blocks_attention(q, keys, values, block_groups, block_bias, scale, adjust)
+
+
+def flat_blocks_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_groups: torch.Tensor,
+                          block_bias: torch.Tensor, scale: float, adjust=None) -> torch.Tensor:
+    """`flat_paged_decode` over blocks already gathered: keys ``[T, bs, Hkv, D]``, values ``[T, bs, Hkv, Dv]``
+    (multi-head latent attention's keys are its latent and rope key, its values the latent alone) ->
+    ``[B, Hq, Dv]``."""
+    b, hq, d = q.shape
+    t, hkv, dv = keys.shape[0], keys.shape[2], values.shape[-1]
     if keys.dtype != q.dtype:
         keys, values = keys.to(q.dtype), values.to(q.dtype)
     # Each block's query is its row's; padding blocks (group B) meet a zero query.
@@ -89,11 +97,11 @@ def flat_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_max = scores.amax(-1, keepdim=True)  # [T, Hkv, G, 1]
     probs = (scores - block_max).exp()
     block_sums = probs.sum(-1, keepdim=True)
-    weighted = torch.matmul(probs.to(values.dtype), values.transpose(1, 2))  # [T, Hkv, G, D]
+    weighted = torch.matmul(probs.to(values.dtype), values.transpose(1, 2))  # [T, Hkv, G, Dv]
     if adjust is None:
         rescale = block_rescale(block_max, block_sums, block_groups, b)
     else:  # as vLLM calls it: [T, H, 1, 1] float32 maxima and sums
         rescale = adjust(block_max.view(t, hq, 1, 1), block_sums.view(t, hq, 1, 1), block_groups, b)
     out = weighted.float() * rescale.view(t, hkv, -1, 1)
-    rows = out.new_zeros(b + 1, hkv, hq // hkv, d).index_add_(0, block_groups, out)  # row B: padding, dropped
-    return rows[:b].view(b, hq, d).to(q.dtype)
+    rows = out.new_zeros(b + 1, hkv, hq // hkv, dv).index_add_(0, block_groups, out)  # row B: padding, dropped
+    return rows[:b].view(b, hq, dv).to(q.dtype)

@@ -44,6 +44,30 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> 
     return weights.gather(1, order), ids
 
 
+def grouped_route(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, n_group: int,
+                  topk_group: int, renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router: ``[T, E]`` logits -> (float32 weights ``[T, k]``, expert ids ``[T, k]``), ids
+    ascending per token.
+
+    Sigmoid scores; the experts are chosen by score + ``correction_bias`` (the load-balancing bias only
+    chooses, it never weights) within the ``topk_group`` groups (of ``n_group`` equal groups) whose two
+    best biased scores sum highest. A chosen expert's weight is its unbiased score, divided by the sum of
+    the chosen ones' with ``renormalize``, times ``scaling_factor``.
+    """
+    t, e = router_logits.shape
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    group_scores = choice.view(t, n_group, e // n_group).topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)
+    groups = group_scores.topk(topk_group, dim=-1)[1]
+    in_group = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    choice = choice.masked_fill(~in_group.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1)[1].sort(dim=-1)[0]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, ids
+
+
 def expert_params_mapping(num_experts: int, gate: str = "w1", up: str = "w3", down: str = "w2",
                           prefix: str = "experts") -> dict[str, tuple[str, tuple[int, str]]]:
     """Checkpoint name fragment -> (parameter name, shard id) for ``loading.load_checkpoint``.
@@ -106,12 +130,16 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.route(x)
         if x.shape[0] * self.top_k < self.num_experts:
             out = self._gathered(x, weights, ids)
         else:
             out = self._dense(x, weights, ids)
         return self.tp.all_reduce(out).reshape(shape)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, hidden]`` -> (float32 weights ``[T, k]``, expert ids ``[T, k]`` ascending)."""
+        return route(self.gate(x), self.top_k, self.renormalize)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         combine = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
@@ -137,4 +165,43 @@ class FusedMoE(nn.Module):
         return out
 
 
-__all__ = ["ExpertWeights", "FusedMoE", "expert_params_mapping", "route"]
+class GroupedTopKGate(nn.Module):
+    """DeepSeek-V3's router weight with its ``e_score_correction_bias`` (named as in the checkpoint),
+    replicated. Not a linear layer: it runs in float32, and no backend may repack or release it."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
+        for p in (self.weight, self.e_score_correction_bias):
+            p.weight_loader = _load_whole
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+def _load_whole(param: nn.Parameter, loaded) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"router shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(materialize(loaded))
+
+
+class GroupedFusedMoE(FusedMoE):
+    """``FusedMoE`` routed by `grouped_route` (DeepSeek-V3): same experts, same compute paths."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, tp: TPContext,
+                 n_group: int, topk_group: int, renormalize: bool, scaling_factor: float):
+        super().__init__(num_experts, top_k, hidden_size, intermediate_size, tp, renormalize)
+        if num_experts % n_group or not 0 < topk_group <= n_group:
+            raise ValueError(f"n_routed_experts {num_experts} in n_group {n_group} groups, topk_group {topk_group}: "
+                             "the experts must split evenly into groups and topk_group be between 1 and n_group")
+        self.n_group, self.topk_group, self.scaling_factor = n_group, topk_group, scaling_factor
+        self.gate = GroupedTopKGate(hidden_size, num_experts)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grouped_route(self.gate(x), self.gate.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                             self.renormalize, self.scaling_factor)
+
+
+__all__ = ["ExpertWeights", "FusedMoE", "GroupedFusedMoE", "GroupedTopKGate", "expert_params_mapping",
+           "grouped_route", "route"]

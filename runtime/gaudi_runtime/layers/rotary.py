@@ -1,7 +1,7 @@
 """Rotary position embedding (Llama "rotate half" convention) with a precomputed cos/sin cache.
 
 Supported ``rope_scaling`` types: default, ``llama3``, ``linear``, ``dynamic``, ``longrope`` (Phi-3's,
-also spelled ``su``). A ``rotary_dim`` below ``head_dim`` (``partial_rotary_factor``) rotates the first
+also spelled ``su``), ``yarn``. A ``rotary_dim`` below ``head_dim`` (``partial_rotary_factor``) rotates the first
 ``rotary_dim`` features of each head and passes the rest through.
 
 ``longrope`` choice: transformers picks one factor set per forward call, the long one when
@@ -12,6 +12,12 @@ holds the short rows for positions ``[0, original)`` and after them the long row
 and a row whose largest position is at or past ``original`` reads the long rows. A whole prompt longer
 than ``original`` is then rotated long throughout and a sequence that stays within it short, as in
 transformers; docs/design.md ("Model code") lists where a row is not such a call.
+
+``yarn`` (DeepSeek-V2/V3, long-context Qwen): frequencies blended between the
+original and the ``factor``-interpolated ones along a linear ramp, and cos/sin
+multiplied by an attention factor (from ``mscale`` / ``mscale_all_dim`` where
+the config gives them), as transformers does; a model whose softmax scale also
+changes (DeepSeek's ``mscale_all_dim``) takes it from ``yarn_softmax_scale``.
 
 ``dynamic`` (NTK) choice: transformers recomputes the frequencies only when a
 sequence grows past ``max_position_embeddings`` and uses the unscaled
@@ -31,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "longrope", "yarn")
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs
 
 
@@ -120,7 +126,62 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None
         smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, inv_freq_llama)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(dim, theta, scaling, max_position_embeddings)
     raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched by ``factor``."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_factor(scaling: dict[str, Any], max_position_embeddings: int) -> float:
+    factor = scaling.get("factor")
+    if factor is None:
+        return max_position_embeddings / scaling["original_max_position_embeddings"]
+    return float(factor)
+
+
+def attention_factor(scaling: dict[str, Any] | None, max_position_embeddings: int) -> float:
+    """What cos and sin are multiplied by: 1 except for yarn."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, max_position_embeddings)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_softmax_scale(scale: float, scaling: dict[str, Any] | None, max_position_embeddings: int) -> float:
+    """A softmax scale corrected by ``mscale_all_dim`` squared (DeepSeek's yarn); unchanged otherwise."""
+    if scaling is None or scaling["rope_type"] == "default" or not scaling.get("mscale_all_dim"):
+        return scale
+    m = yarn_mscale(_yarn_factor(scaling, max_position_embeddings), scaling["mscale_all_dim"])
+    return scale * m * m
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any], max_position_embeddings: int) -> torch.Tensor:
+    factor = _yarn_factor(scaling, max_position_embeddings)
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
+    extrapolated = 1 - ramp  # 1: keep the original frequency, 0: interpolate fully
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
 
 
 class RotaryEmbedding(nn.Module):
@@ -151,9 +212,9 @@ class RotaryEmbedding(nn.Module):
                                                                         max_position)
             freqs = torch.cat([torch.outer(t[:self.long_from], short), torch.outer(t, long)])
         else:
-            attention = 1.0
+            attention = attention_factor(scaling, max_position)  # yarn's, else 1
             freqs = torch.outer(t, compute_inv_freq(self.rotary_dim, theta, scaling, max_position))  # fp32
-        # Scaled, then cast, as transformers does (cos * attention_scaling, then .to(x.dtype)).
+        # Scaled (longrope, yarn), then cast, as transformers does (cos * attention_scaling, then .to(x.dtype)).
         self.register_buffer("cos", (freqs.cos() * attention).to(dtype).to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * attention).to(dtype).to(device), persistent=False)
 

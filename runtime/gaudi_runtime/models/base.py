@@ -123,6 +123,8 @@ class CausalLMBase(nn.Module):
     config_class: ClassVar[type[ModelConfig]]
     packed_modules_mapping: ClassVar[dict[str, tuple[str, object]]] = {}
     takes_images: ClassVar[bool] = False
+    # The attention module whose head counts the shard sizes the cache by (``layers/mla.MLAttention`` for MLA).
+    attention_class: ClassVar[type[nn.Module]] = Attention
     # Where the decoder (ids -> final hidden states) and the LM head sit.
     decoder: ClassVar[str] = "model"
     head: ClassVar[str] = "lm_head"
@@ -137,11 +139,12 @@ class CausalLMBase(nn.Module):
             self.build(cfg, tp)
             self._add_head(cfg, tp)
         materialize(self, dtype, self.device)
-        attn = self._first(Attention)
+        attn = self._first(self.attention_class)
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = attn.num_heads
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = cfg.head_dim
+        self.kv_token_shapes = getattr(attn, "kv_token_shapes", ((attn.num_kv_heads, cfg.head_dim),) * 2)
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = list(cfg.eos_token_ids)

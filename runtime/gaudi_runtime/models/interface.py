@@ -23,6 +23,9 @@ class CausalLM(Protocol):
     num_heads: int  # attention heads on this rank
     num_kv_heads: int  # key/value heads on this rank: the KV cache's shape
     head_dim: int
+    # (heads, dim) per token of each of a layer's two cache tensors: what the KV cache is sized and
+    # allocated by (keys and values; MLA's latent and rope key, ``layers/mla.py``)
+    kv_token_shapes: tuple[tuple[int, int], tuple[int, int]]
     hidden_size: int
     vocab_size: int  # the model's own vocabulary (logits carry no tensor-parallel padding)
     eos_token_ids: list[int]

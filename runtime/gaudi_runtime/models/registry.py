@@ -13,6 +13,7 @@ from .. import progress
 from ..download import WEIGHTS_INDEX, DownloadError, weight_files
 from ..layers.linear import LazyWeight, TPContext
 from .base import CausalLMBase
+from .deepseek_v3 import DeepseekV3ForCausalLM
 from .falcon import FalconForCausalLM
 from .gemma import GemmaForCausalLM
 from .gpt_bigcode import GPTBigCodeForCausalLM
@@ -39,6 +40,7 @@ SUPPORTED_ARCHITECTURES: dict[str, type[CausalLMBase]] = {
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -19,7 +19,7 @@ from gaudi_runtime import buckets
 from gaudi_runtime.config import Config
 from gaudi_runtime.device.base import Backend
 from gaudi_runtime.layers.attention import AttentionMetadata, attention_in_use, use_attention
-from gaudi_runtime.layers.kv_cache import allocate_kv_cache, kv_bytes_per_block
+from gaudi_runtime.layers.kv_cache import allocate_cache, cache_bytes_per_block, model_token_shapes
 from gaudi_runtime.models import load_model
 from gaudi_runtime.models.lora import load_adapters
 from gaudi_runtime.quant.setup import kv_cache_dtype, quantize_loaded
@@ -77,7 +77,8 @@ class ModelRunner:
         # FP8 (--quantize / QUANT_CONFIG) swaps layers after load; --kv-cache-dtype sets the cache's scales.
         self.model = quantize_loaded(self.model, cfg, backend.name, self.dtype, rank, world_size)
         self.kv_dtype = kv_cache_dtype(cfg.model, self.dtype)
-        self.attention_name = attention_in_use(attention, self.kv_dtype)
+        # A model whose attention is its own (DeepSeek's latent attention) names it; the backend's kernels are not used.
+        self.attention_name = getattr(self.model, "attention_name", None) or attention_in_use(attention, self.kv_dtype)
         # Decode over the flat layout of the blocks in use (HPU, unless the math fallback keeps the gather).
         self.flat_decode = backend.flat_decode and attention.flat_decode is not None
         log.info("attention: %s (FLASH_ATTENTION_RECOMPUTE=%s)", self.attention_name, dev.flash_attention_recompute)
@@ -85,11 +86,12 @@ class ModelRunner:
         self.rank, self.world_size = rank, world_size
         self.weight_bytes = weight_bytes(m)
         backend.prepare_model(m, cfg.device)
-        per_block = kv_bytes_per_block(m.num_layers, dev.block_size, m.num_kv_heads, m.head_dim, self.kv_dtype)
+        token_shapes = model_token_shapes(m)  # what one token costs per layer: the model says (latent for MLA)
+        per_block = cache_bytes_per_block(m.num_layers, dev.block_size, token_shapes, self.kv_dtype)
         free = backend.memory_info()
         self.num_blocks = size_kv_cache(cfg, per_block, free[0] if free else None)
-        self.kv_cache = allocate_kv_cache(m.num_layers, self.num_blocks, dev.block_size, m.num_kv_heads,
-                                          m.head_dim, self.kv_dtype, device)
+        self.kv_cache = allocate_cache(m.num_layers, self.num_blocks, dev.block_size, token_shapes, self.kv_dtype,
+                                       device)
         log.info("rank %d/%d holds %.1f MiB of weights", rank, world_size, self.weight_bytes / 2**20)
         self.load_seconds = time.perf_counter() - t0
         log.info("model loaded in %.1fs; KV cache: %d blocks of %d tokens (%.1f MiB)",

@@ -141,6 +141,23 @@ def _mixtral(common, shape):
                                       sliding_window=None, tie_word_embeddings=False)
 
 
+def _deepseek_v3(common, shape):
+    import transformers
+
+    # DeepSeek-V3 in miniature: latent attention (q and kv low-rank, rope part 16 wide, v heads 24 wide),
+    # one dense layer then mixtures of 8 experts, top-2 within the best 2 of 4 groups, one shared expert,
+    # and yarn rope whose mscale_all_dim changes the softmax scale.
+    return transformers.DeepseekV3Config(
+        **common, hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=3, num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_attention_heads"], q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=16, v_head_dim=24, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 1.0})
+
+
 def _gemma(common, shape):
     import transformers
 
@@ -285,6 +302,7 @@ FAMILIES = {
     "falcon7b": _falcon7b,
     "starcoder": _starcoder,
     "llava": _llava,
+    "deepseek_v3": _deepseek_v3,
 }
 
 
