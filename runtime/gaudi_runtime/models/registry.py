@@ -20,6 +20,8 @@ from .interface import CausalLM
 from .llama import LlamaForCausalLM
 from .llava_next import LlavaNextForConditionalGeneration
 from .mixtral import MixtralForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM
 from .starcoder2 import Starcoder2ForCausalLM
 
 # config.json "architectures" entry -> model class (Mistral and Qwen2 are Llama config variations).
@@ -30,6 +32,8 @@ SUPPORTED_ARCHITECTURES: dict[str, type[CausalLMBase]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,

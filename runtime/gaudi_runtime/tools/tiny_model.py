@@ -61,7 +61,26 @@ QWEN25_TEMPLATE = """{%- if tools %}<|im_start|>system\n
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"""
 
-CHAT_TEMPLATES = {"llama31": LLAMA31_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "qwen2": QWEN25_TEMPLATE}
+# Qwen3: Qwen2.5's hermes tools, plus thinking. The answer starts with a <think> section unless the request
+# says `enable_thinking: false` (then an empty one is written into the prompt); past assistant turns keep
+# only what follows their </think>.
+QWEN3_TEMPLATE = QWEN25_TEMPLATE.replace(
+    "{%- if message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}",
+    "{%- if message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{{ (message.content or '').split('</think>')[-1].lstrip('\\n') }}",
+).replace(
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}",
+)
+THINK_TOKENS = ["<think>", "</think>"]
+
+CHAT_TEMPLATES = {"llama31": LLAMA31_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "qwen2": QWEN25_TEMPLATE,
+                  "qwen3": QWEN3_TEMPLATE, "qwen3_moe": QWEN3_TEMPLATE}
+# Families whose tokenizer has <think> and </think> as tokens of their own (not special: they stay in
+# the decoded text, where a reasoning parser finds them).
+THINKING_FAMILIES = {"qwen3", "qwen3_moe"}
 
 _WORDS = (
     "the a deep learning model is what how why when gaudi card shard router token batch cache "
@@ -139,6 +158,26 @@ def _mixtral(common, shape):
     # 8 experts, top-2, like Mixtral-8x7B: decode batches of 1-3 tokens take the gathered-experts path.
     return transformers.MixtralConfig(**common, **shape, num_local_experts=8, num_experts_per_tok=2,
                                       sliding_window=None, tie_word_embeddings=False)
+
+
+def _qwen3(common, shape):
+    import transformers
+
+    # head_dim 32 != hidden / heads (16), as Qwen3-0.6B's 128 != 1024 / 16; biases on to load them too.
+    return transformers.Qwen3Config(**common, **shape, head_dim=32, attention_bias=True,
+                                    tie_word_embeddings=True, use_sliding_window=False)
+
+
+def _qwen3_moe(common, shape):
+    import transformers
+
+    # 16 experts, top-4, of a quarter of the dense width; layer 0 (mlp_only_layers) and the odd layers
+    # (decoder_sparse_step 2) dense, so a dense and a sparse layer follow each other.
+    layers = max(shape["num_hidden_layers"], 2)
+    return transformers.Qwen3MoeConfig(
+        **common, **{**shape, "num_hidden_layers": layers}, head_dim=32, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=shape["intermediate_size"] // 4, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[0], tie_word_embeddings=False, use_sliding_window=False)
 
 
 def _gemma(common, shape):
@@ -251,6 +290,8 @@ FAMILIES = {
     "qwen2": _qwen2,
     "mixtral": _mixtral,
     "gemma": _gemma,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
     "starcoder2": _starcoder2,
     "falcon": _falcon,
     "falcon7b": _falcon7b,
@@ -285,6 +326,8 @@ def save_tokenizer(out: str | Path, family: str = "llama", size: str = "tiny", s
         tok = train_tokenizer(vocab_size, seed, CHAT_TEMPLATES.get(family, CHAT_TEMPLATE))
     if family in IMAGE_FAMILIES:
         tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    if family in THINKING_FAMILIES and tokenizer_from is None:
+        tok.add_tokens(THINK_TOKENS)
     tok.save_pretrained(out)
     cfg = make_config(family, len(tok), size)
     cfg.save_pretrained(out)
