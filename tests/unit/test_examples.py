@@ -55,6 +55,9 @@ VALIDATED = {
     ("Starcoder", 1): {"BF16"},
     ("Gemma-7B", 1): {"BF16"},
     ("Llava-v1.6-Mistral-7B", 1): {"BF16", "FP8"},
+    # Newer than TGI-Gaudi's table, on the recipe of their size class.
+    ("Qwen3-8B", 1): {"BF16"},
+    ("Qwen3-30B-A3B", 1): {"BF16"},
 }
 
 
