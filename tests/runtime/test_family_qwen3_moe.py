@@ -83,3 +83,26 @@ def test_dense_and_sparse_layers_from_config():
     assert Qwen3MoeConfig.from_dict(base, "Qwen3MoeForCausalLM").sparse_layers == (True,) * 6
     with pytest.raises(ValueError, match="decoder_sparse_step 0"):
         Qwen3MoeConfig.from_dict({**base, "decoder_sparse_step": 0}, "Qwen3MoeForCausalLM")
+
+
+def test_hpu_graphs_run_habanas_moe_op_and_give_the_cpu_tokens(fake_hpu, model_dir):
+    """On Gaudi (the recording fake) every sparse layer goes through Habana's fused MoE op, whose shapes
+    depend only on the token count: serving replays the graphs warmup captured, and the tokens are the
+    CPU path's (each expert on its own tokens)."""
+    import torch
+
+    from gaudi_runtime.device.cpu import CpuBackend
+    from gaudi_runtime.device.hpu import HpuBackend
+    from gaudi_runtime.shard.runner import ModelRunner
+    from tests.runtime.test_hpu_paged_decode import config, generate
+
+    cfg = config(model_dir)
+    hpu = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
+    list(hpu.warmup())
+    warmed = len(fake_hpu["captures"])
+    fake_hpu["mixture_of_experts"].clear()
+    on_hpu = generate(hpu)
+    assert len(fake_hpu["captures"]) == warmed and hpu.unwarmed_shapes == 0  # serving compiled nothing
+    calls = fake_hpu["mixture_of_experts"]
+    assert calls and {c["experts"] for c in calls} == {(0, 15)}
+    assert generate(ModelRunner(cfg, str(model_dir), CpuBackend())) == on_hpu
