@@ -171,8 +171,8 @@ def _qwen3(common, shape):
 def _qwen3_moe(common, shape):
     import transformers
 
-    # 16 experts, top-4, of a quarter of the dense width; layer 0 (mlp_only_layers) and the odd layers
-    # (decoder_sparse_step 2) dense, so a dense and a sparse layer follow each other.
+    # 16 experts, top-4 (a decode batch of 4 rows routes 16 pairs), each a quarter of the dense width;
+    # layer 0 dense by mlp_only_layers, so a dense and a sparse layer follow each other.
     layers = max(shape["num_hidden_layers"], 2)
     return transformers.Qwen3MoeConfig(
         **common, **{**shape, "num_hidden_layers": layers}, head_dim=32, num_experts=16, num_experts_per_tok=4,
