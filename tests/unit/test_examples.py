@@ -58,6 +58,8 @@ VALIDATED = {
     # Families teams serve in 2026 that TGI-Gaudi's table predates (issue 44), on its 1-card recipe.
     ("Phi-4", 1): {"BF16"},
     ("Granite-3-8B", 1): {"BF16"},
+    ("Qwen3-8B", 1): {"BF16"},
+    ("Qwen3-30B-A3B", 1): {"BF16"},
 }
 
 

@@ -30,6 +30,8 @@ FAMILY_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 POSITIONS = 4096  # the tiny configs' max_position_embeddings
 WINDOW = 64

@@ -14,6 +14,7 @@ from gaudi_runtime.device.cpu_layer_ops import use_layer_ops
 from gaudi_runtime.device.cpu_lora import use_lora_kernel
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers.attention_backend import AttentionBackend
+from gaudi_runtime.layers.moe import grouped_experts, use_experts_kernel
 
 
 class CpuBackend(Backend):
@@ -45,3 +46,4 @@ class CpuBackend(Backend):
             use_layer_ops(model)
         if cfg is None or cfg.cpu_lora:
             use_lora_kernel(model)
+        use_experts_kernel(model, grouped_experts)  # eager: each expert runs on its own tokens only

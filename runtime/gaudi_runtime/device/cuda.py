@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from gaudi_runtime.device.base import Backend
+from gaudi_runtime.layers.moe import grouped_experts, use_experts_kernel
 
 
 class _CudaGraphs:
@@ -70,6 +71,10 @@ class CudaBackend(Backend):
             self._pool = torch.cuda.graph_pool_handle()
         runner = self._runners[name] = _CudaGraphs(fn, self._pool)
         return runner
+
+    def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
+        if not self.graphs_enabled:  # eager: the routing may be read on the host
+            use_experts_kernel(model, grouped_experts)
 
     def graph_stats(self) -> dict:
         return {n: {"graphs": len(r.graphs), "captures": r.captures, "replays": r.replays}

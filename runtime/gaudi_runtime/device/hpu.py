@@ -19,6 +19,7 @@ import torch
 from gaudi_runtime.device.base import Backend
 from gaudi_runtime.layers.attention_backend import AttentionBackend
 from gaudi_runtime.layers.flat_paged_attention import flat_paged_decode
+from gaudi_runtime.layers.moe import use_experts_kernel
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,20 @@ def block_softmax_adjustment():
         return None
 
 
+def mixture_of_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                       w2: torch.Tensor) -> torch.Tensor:
+    """``layers/moe.ExpertsKernel`` through Habana's fused MoE op (``torch.ops.hpu.mixture_of_experts``):
+    the experts' gated SiLU MLPs and the weighted sum in one op whose shapes depend only on the token
+    count, so an HPU graph captures it. Each expert's ``w13`` rows are gate then up, the op's w12 layout."""
+    import habana_frameworks.torch.core  # noqa: F401  (loading the bridge registers torch.ops.hpu)
+
+    num_experts = w13.shape[0]
+    return torch.ops.hpu.mixture_of_experts(
+        hidden_states=x, expert_routing_table=ids.to(torch.int64), router_weights=weights.to(x.dtype),
+        w12=list(w13.unbind(0)), w3=list(w2.unbind(0)), permuted_weights=True, activation="silu",
+        experts_min=0, experts_max=num_experts - 1)
+
+
 class HpuAttention(AttentionBackend):
     """Habana's FusedSDPA for prefill (`recompute`: FLASH_ATTENTION_RECOMPUTE, for the first token) and for
     the gathered decode; decode over the flat layout of the blocks in use (`flat_paged_decode`, with
@@ -164,6 +179,9 @@ class HpuBackend(Backend):
         if not use_flash:  # the math keeps the gathered decode: no flat layout
             return super().attention(use_flash, recompute, cpu_paged)
         return HpuAttention(recompute)
+
+    def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
+        use_experts_kernel(model, mixture_of_experts)
 
     def synchronize(self) -> None:
         import habana_frameworks.torch.hpu as hthpu

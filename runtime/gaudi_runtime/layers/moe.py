@@ -7,8 +7,8 @@ computes every token and one all-reduce per layer sums the partial outputs.
 Unlike expert parallelism, no token has to move between ranks and the load
 is even whatever the routing.
 
-Compute: shapes depend only on the number of tokens ``T`` (a warmed bucket),
-never on the routing, so HPU/CUDA graphs can capture the layer.
+Compute: by default shapes depend only on the number of tokens ``T`` (a warmed
+bucket), never on the routing, so HPU/CUDA graphs can capture the layer.
 
 * ``T * top_k < num_experts`` (small decode batches): the routed experts'
   weights are gathered per token and applied with batched matmuls; only the
@@ -17,17 +17,30 @@ never on the routing, so HPU/CUDA graphs can capture the layer.
   by the token's routing weight for it (zero when not routed). This reads each
   expert once and needs no host sync to find which tokens go where.
 
-Both add a token's experts to zero in ascending expert order, as
+Where nothing is captured as a graph (CPU, CUDA without graphs) the backend sets
+``grouped_experts`` as the layer's ``kernel``: one host sync finds which tokens
+each expert got, and each routed expert runs once on just those tokens, so the
+cost follows the routed (token, expert) pairs, not ``T * num_experts`` (Qwen3-MoE:
+8 of 128 experts per token). On Gaudi the backend sets Habana's fused MoE op
+(``device/hpu.py``), whose shapes depend only on ``T`` too.
+
+All add a token's experts to zero in ascending expert order, as
 ``transformers`` does, so fp32 results differ from it only by matmul rounding.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .linear import ReplicatedLinear, TPContext, divide, materialize
+
+# ``(x [T, H], weights [T, k] float32, ids [T, k], w13 [E, 2I, H], w2 [E, H, I]) -> [T, H]``: the experts'
+# weighted sum for each token (this rank's partial sum under tensor parallelism).
+ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,8 +123,43 @@ class ExpertWeights(nn.Module):
         dst.copy_(materialize(src))
 
 
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor) -> torch.Tensor:
+    """The experts' weighted sum with each routed expert applied once, to the tokens routed to it.
+
+    Reads the routing on the host (a sync), so its shapes depend on the routing: for eager devices only.
+    """
+    flat_ids = ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)  # pairs grouped by expert, ascending
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    tokens = order // ids.shape[1]
+    pair_weights = weights.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start:start + n]
+        gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, rows, (y * pair_weights[start:start + n, None]).to(x.dtype))
+        start += n
+    return out
+
+
+def use_experts_kernel(model: nn.Module, kernel: ExpertsKernel | None) -> int:
+    """Give every ``FusedMoE`` of ``model`` this experts kernel; the number of layers given it."""
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    for m in layers:
+        m.kernel = kernel
+    return len(layers)
+
+
 class FusedMoE(nn.Module):
     """Router (``gate``) + stacked experts (``w13``, ``w2``); SiLU-gated experts (``w2(silu(w1 x) * w3 x)``)."""
+
+    # Set by the device backend after loading (``Backend.prepare_model``); None: the static-shape torch paths.
+    kernel: ExpertsKernel | None = None
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  tp: TPContext = TPContext(), renormalize: bool = True):
@@ -131,7 +179,9 @@ class FusedMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
-        if x.shape[0] * self.top_k < self.num_experts:
+        if self.kernel is not None:
+            out = self.kernel(x, weights, ids, self.w13.weight, self.w2.weight)
+        elif x.shape[0] * self.top_k < self.num_experts:
             out = self._gathered(x, weights, ids)
         else:
             out = self._dense(x, weights, ids)
@@ -203,5 +253,5 @@ class GroupedFusedMoE(FusedMoE):
                              self.renormalize, self.scaling_factor)
 
 
-__all__ = ["ExpertWeights", "FusedMoE", "GroupedFusedMoE", "GroupedTopKGate", "expert_params_mapping",
-           "grouped_route", "route"]
+__all__ = ["ExpertWeights", "ExpertsKernel", "FusedMoE", "GroupedFusedMoE", "GroupedTopKGate",
+           "expert_params_mapping", "grouped_experts", "grouped_route", "route", "use_experts_kernel"]

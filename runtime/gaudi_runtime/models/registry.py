@@ -23,6 +23,8 @@ from .llama import LlamaForCausalLM
 from .llava_next import LlavaNextForConditionalGeneration
 from .mixtral import MixtralForCausalLM
 from .phi3 import Phi3ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM
 from .starcoder2 import Starcoder2ForCausalLM
 
 # config.json "architectures" entry -> model class (Mistral and Qwen2 are Llama config variations).
@@ -33,6 +35,8 @@ SUPPORTED_ARCHITECTURES: dict[str, type[CausalLMBase]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,

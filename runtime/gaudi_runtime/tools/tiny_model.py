@@ -61,7 +61,26 @@ QWEN25_TEMPLATE = """{%- if tools %}<|im_start|>system\n
 {%- endfor %}
 {%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"""
 
-CHAT_TEMPLATES = {"llama31": LLAMA31_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "qwen2": QWEN25_TEMPLATE}
+# Qwen3: Qwen2.5's hermes tools, plus thinking. The answer starts with a <think> section unless the request
+# says `enable_thinking: false` (then an empty one is written into the prompt); past assistant turns keep
+# only what follows their </think>.
+QWEN3_TEMPLATE = QWEN25_TEMPLATE.replace(
+    "{%- if message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content or '' }}",
+    "{%- if message.role == 'assistant' %}<|im_start|>assistant\n"
+    "{{ (message.content or '').split('</think>')[-1].lstrip('\\n') }}",
+).replace(
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}",
+)
+THINK_TOKENS = ["<think>", "</think>"]
+
+CHAT_TEMPLATES = {"llama31": LLAMA31_TEMPLATE, "mistral": MISTRAL_TEMPLATE, "qwen2": QWEN25_TEMPLATE,
+                  "qwen3": QWEN3_TEMPLATE, "qwen3_moe": QWEN3_TEMPLATE}
+# Families whose tokenizer has <think> and </think> as tokens of their own (not special: they stay in
+# the decoded text, where a reasoning parser finds them).
+THINKING_FAMILIES = {"qwen3", "qwen3_moe"}
 
 _WORDS = (
     "the a deep learning model is what how why when gaudi card shard router token batch cache "
@@ -156,6 +175,26 @@ def _deepseek_v3(common, shape):
         routed_scaling_factor=2.5, tie_word_embeddings=False,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 1.0})
+
+
+def _qwen3(common, shape):
+    import transformers
+
+    # head_dim 32 != hidden / heads (16), as Qwen3-0.6B's 128 != 1024 / 16; biases on to load them too.
+    return transformers.Qwen3Config(**common, **shape, head_dim=32, attention_bias=True,
+                                    tie_word_embeddings=True, use_sliding_window=False)
+
+
+def _qwen3_moe(common, shape):
+    import transformers
+
+    # 16 experts, top-4 (a decode batch of 4 rows routes 16 pairs), each a quarter of the dense width;
+    # layer 0 dense by mlp_only_layers, so a dense and a sparse layer follow each other.
+    layers = max(shape["num_hidden_layers"], 2)
+    return transformers.Qwen3MoeConfig(
+        **common, **{**shape, "num_hidden_layers": layers}, head_dim=32, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=shape["intermediate_size"] // 4, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[0], tie_word_embeddings=False, use_sliding_window=False)
 
 
 def _gemma(common, shape):
@@ -297,6 +336,8 @@ FAMILIES = {
     "gemma": _gemma,
     "phi3": _phi3,
     "granite": _granite,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
     "starcoder2": _starcoder2,
     "falcon": _falcon,
     "falcon7b": _falcon7b,
@@ -332,6 +373,8 @@ def save_tokenizer(out: str | Path, family: str = "llama", size: str = "tiny", s
         tok = train_tokenizer(vocab_size, seed, CHAT_TEMPLATES.get(family, CHAT_TEMPLATE))
     if family in IMAGE_FAMILIES:
         tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    if family in THINKING_FAMILIES and tokenizer_from is None:
+        tok.add_tokens(THINK_TOKENS)
     tok.save_pretrained(out)
     cfg = make_config(family, len(tok), size)
     cfg.save_pretrained(out)

@@ -1,0 +1,93 @@
+"""The operator's memory estimate (gaudi_operator.memory.model_memory) from config.json alone.
+
+* a mixture-of-experts model counts every expert's weights, not the few a token activates: the
+  estimate's parameters are the checkpoint's, tensor for tensor, for tiny Qwen3-MoE and Mixtral
+  models, and Qwen3-30B-A3B's config gives its 30.5B (not its 3.3B active);
+* per shard it is the parameters the runtime's rank holds once loaded;
+* the KV cache per token follows the KV heads each rank keeps, or for latent attention (DeepSeek-V3)
+  the latent every rank keeps whole.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from gaudi_operator.memory import model_memory
+from gaudi_runtime.tools.tiny_model import make_tiny_model
+
+# Qwen3-30B-A3B's config.json (the fields the estimate reads).
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "vocab_size": 151936,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen3", "deepseek_v3"])
+def model_dir(request, tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def checkpoint_parameters(model_dir) -> int:
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+
+
+def test_parameters_are_the_checkpoints_every_expert_included(model_dir):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    assert model_memory(cfg, dtype_bytes=4).parameters == checkpoint_parameters(model_dir)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_bytes_per_shard_are_what_a_loaded_rank_holds(model_dir, shards):
+    from gaudi_runtime.models import load_model
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    rank0 = load_model(str(model_dir), torch.float32, torch.device("cpu"), tp_rank=0, tp_size=shards)
+    held = sum(p.numel() * p.element_size() for p in rank0.parameters())  # tied ones once
+    assert model_memory(cfg, dtype_bytes=4, shards=shards).weight_bytes_per_shard == held
+
+
+def test_qwen3_30b_a3b_holds_all_its_experts():
+    one = model_memory(QWEN3_30B_A3B, dtype_bytes=2)
+    assert 30.3e9 < one.parameters < 30.7e9  # the model card's 30.5B, not the 3.3B active per token
+    eight = model_memory(QWEN3_30B_A3B, dtype_bytes=2, shards=8)
+    assert one.weight_bytes_per_shard / 8 < eight.weight_bytes_per_shard < one.weight_bytes_per_shard / 7
+    # 4 KV heads on 8 ranks: each rank keeps one whole head of 128 per layer, for k and v.
+    assert eight.kv_bytes_per_token_per_shard == 2 * 48 * 128 * 2
+    assert one.kv_bytes_per_token_per_shard == 2 * 48 * 4 * 128 * 2
+    assert model_memory(QWEN3_30B_A3B, 2, 8, kv_dtype_bytes=1).kv_bytes_per_token_per_shard == 2 * 48 * 128
+
+
+DEEPSEEK_V3 = dict(  # DeepSeek-V3 / R1's config.json, the fields the estimate reads
+    vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+    num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+    first_k_dense_replace=3, moe_layer_freq=1, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+    v_head_dim=128, qk_nope_head_dim=128, tie_word_embeddings=False)
+
+
+def test_memory_estimate_counts_every_expert_and_the_latent_kv_cache() -> None:
+    bf16 = model_memory(DEEPSEEK_V3, 2, shards=8)
+    # DeepSeek's published size: 671B parameters (without the multi-token-prediction layer), all experts.
+    assert abs(bf16.parameters - 671e9) < 0.5e9
+    # The cache holds the 512-wide latent and the 64-wide rope key per layer, whole on every card, not
+    # keys and values of 128 heads (which would be 2 * 61 * 16 * 192 * 2 bytes per card at 8 cards).
+    assert bf16.kv_bytes_per_token_per_shard == 61 * (512 + 64) * 2
+    fp8 = model_memory(DEEPSEEK_V3, 1, shards=8, kv_dtype_bytes=2)
+    assert fp8.weight_bytes_per_shard * 2 == bf16.weight_bytes_per_shard
+    assert fp8.total_per_shard(1000) == fp8.weight_bytes_per_shard + 1000 * 61 * 576 * 2
+    # One more dense layer instead of a mixture of 256 experts (and a shared one): 10.9B parameters fewer.
+    fewer = model_memory({**DEEPSEEK_V3, "first_k_dense_replace": 4}, 2, shards=8)
+    assert 10.8e9 < (bf16.parameters - fewer.parameters) < 11.0e9
+
+
+def test_memory_estimate_of_a_grouped_query_model_shards_its_kv_heads() -> None:
+    llama8b = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8)
+    one, eight = model_memory(llama8b, 2, 1), model_memory(llama8b, 2, 8)
+    assert abs(one.parameters - 8.03e9) < 0.05e9
+    assert one.kv_bytes_per_token_per_shard == 2 * 32 * 8 * 128 * 2 == 8 * eight.kv_bytes_per_token_per_shard
