@@ -129,8 +129,13 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding, tp: TPContext):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList([self.layer_class(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.build_layer(cfg, rotary, tp, i) for i in range(cfg.num_hidden_layers)])
         self.norm = self.layer_class.norm_class(cfg.hidden_size, cfg.norm_eps)
+
+    def build_layer(self, cfg: LlamaConfig, rotary: RotaryEmbedding, tp: TPContext, index: int) -> nn.Module:
+        """Decoder layer `index` (a family whose layers differ by index, as Gemma 2's local and global ones,
+        builds its own)."""
+        return self.layer_class(cfg, rotary, tp)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -15,6 +15,8 @@ from ..layers.linear import LazyWeight, TPContext
 from .base import CausalLMBase
 from .falcon import FalconForCausalLM
 from .gemma import GemmaForCausalLM
+from .gemma2 import Gemma2ForCausalLM
+from .gemma3 import Gemma3ForCausalLM
 from .gpt_bigcode import GPTBigCodeForCausalLM
 from .interface import CausalLM
 from .llama import LlamaForCausalLM
@@ -31,6 +33,8 @@ SUPPORTED_ARCHITECTURES: dict[str, type[CausalLMBase]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,

@@ -149,6 +149,29 @@ def _gemma(common, shape):
                                     tie_word_embeddings=True)
 
 
+def _gemma2(common, shape):
+    import transformers
+
+    # A window of 8 (local layer 0) and soft caps small enough to bend the tiny model's scores, so that
+    # prompts and outputs past the window and a missing cap both change the greedy tokens; a
+    # query_pre_attn_scalar other than head_dim.
+    return transformers.Gemma2Config(**common, **shape, head_dim=32, hidden_activation="gelu_pytorch_tanh",
+                                     sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+                                     query_pre_attn_scalar=24, tie_word_embeddings=True)
+
+
+def _gemma3(common, shape):
+    import transformers
+
+    # Two local layers (window 10) to one global, local RoPE base 10,000 against the global 1,000,000 with
+    # linear scaling, q/k norms, a final logit soft cap (an option Gemma 3 keeps).
+    return transformers.Gemma3TextConfig(
+        **common, **{**shape, "num_hidden_layers": 3}, head_dim=32, hidden_activation="gelu_pytorch_tanh",
+        sliding_window=10, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+        final_logit_softcapping=2.0, query_pre_attn_scalar=24, tie_word_embeddings=True)
+
+
 def _starcoder2(common, shape):
     import transformers
 
@@ -251,6 +274,8 @@ FAMILIES = {
     "qwen2": _qwen2,
     "mixtral": _mixtral,
     "gemma": _gemma,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
     "starcoder2": _starcoder2,
     "falcon": _falcon,
     "falcon7b": _falcon7b,
