@@ -27,6 +27,10 @@ batch's widest one; elsewhere the blocks are gathered through ``block_tables`` i
 copy with positions ``>= context_lens`` masked, and grouped-query attention
 folds the query heads of one KV group into the query-length axis for the backend's `decode`, so K/V are
 never repeated.
+
+A layer with a sliding window or an attention soft cap (Gemma 2/3's) honours them on every path above:
+masks of positions for the prefills, a first position per row and a cap for the C kernel, a window bias
+for the flat layout (``attention_window.py``); a layer without either runs those paths unchanged.
 """
 
 from __future__ import annotations
