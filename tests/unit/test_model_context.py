@@ -1,8 +1,9 @@
 """Every model family reports the context it can serve exactly, and the shard interface the runner drives.
 
-Windowed attention is not implemented, so a config.json that declares a sliding window shorter
-than its position table must cap the served context at the window: a longer sequence would
-otherwise attend further back than the model was trained to, silently. The router enforces the
+A family that runs without a window (its layers all share one: Mistral, Qwen2, Starcoder2, ...) must
+cap the served context at a sliding window shorter than its position table: a longer sequence would
+otherwise attend further back than the model was trained to, silently. The families whose local
+layers attend over their window (Gemma 2/3) serve the whole position table. The router enforces the
 cap from `max_position_embeddings`, so each family must report it. Built from the tiny test
 configs (no weights: the context and the interface come from the build alone).
 """
@@ -22,6 +23,8 @@ FAMILY_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "falcon": "FalconForCausalLM",
     "falcon7b": "FalconForCausalLM",
@@ -29,6 +32,7 @@ FAMILY_ARCHITECTURES = {
     "llava": "LlavaNextForConditionalGeneration",
 }
 POSITIONS = 4096  # the tiny configs' max_position_embeddings
+WINDOWED = {"gemma2", "gemma3"}  # local layers attend over the window: no cap
 WINDOW = 64
 
 
@@ -53,7 +57,16 @@ def test_every_supported_architecture_is_covered():
 @pytest.mark.parametrize("family", FAMILY_ARCHITECTURES)
 def test_a_sliding_window_caps_the_context(family):
     model = build(config(family, sliding_window=WINDOW, use_sliding_window=True))
-    assert model.max_position_embeddings == WINDOW
+    assert model.max_position_embeddings == (POSITIONS if family in WINDOWED else WINDOW)
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_windowed_families_attend_over_the_window_on_their_local_layers_only(family):
+    cfg = config(family, sliding_window=WINDOW)
+    model = build(cfg)
+    windows = [m.window for m in model.modules() if type(m).__name__ == "Attention"]
+    assert windows == [WINDOW if t == "sliding_attention" else None for t in cfg["layer_types"]]
+    assert WINDOW in windows and None in windows
 
 
 @pytest.mark.parametrize("family", FAMILY_ARCHITECTURES)
@@ -73,13 +86,14 @@ def test_qwen2_declares_a_window_it_uses_only_when_told():
 
 @pytest.mark.parametrize("family", FAMILY_ARCHITECTURES)
 def test_every_family_gives_the_runner_its_interface(family):
-    model = build(config(family))
+    cfg = config(family)
+    model = build(cfg)
     torch.manual_seed(0)
     for p in model.parameters():
         p.data.normal_(0, 0.1)
     assert isinstance(model, CausalLM)
     assert model.takes_images == isinstance(model, TakesImages) == (family == "llava")
-    assert model.num_layers == 2 and model.vocab_size == 128
+    assert model.num_layers == cfg.get("num_hidden_layers", 2) and model.vocab_size == 128
     assert model.dtype == torch.float32 and model.device == torch.device("cpu")
     assert model.num_heads % model.num_kv_heads == 0
     hidden = model(torch.tensor([[3, 4, 5]]), torch.arange(3)[None], None, _prefill_meta(3))

@@ -50,9 +50,7 @@ class Gemma2Config(GemmaConfig):
             SLIDING if (i + 1) % int(cfg.get("sliding_window_pattern", cls.LOCAL_EVERY)) else FULL for i in range(n)]
         if len(types) != n or set(types) - {SLIDING, FULL}:
             raise ValueError(f"config.json layer_types must be {n} entries of {SLIDING!r} or {FULL!r}, got {types}")
-        sliding = tuple(t == SLIDING for t in types)
-        if any(sliding) and not base.sliding_window:
-            raise ValueError("config.json has sliding_attention layers but no sliding_window")
+        sliding = tuple(t == SLIDING and bool(base.sliding_window) for t in types)  # no window: full attention
         return dataclasses.replace(
             base, query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
             attn_softcap=cfg.get("attn_logit_softcapping") or None,
