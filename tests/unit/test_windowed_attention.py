@@ -72,27 +72,44 @@ class Rows:
                          layer.window, layer.softcap, layer.scale)
 
 
+def hpu_backend():
+    """The attention the HPU backend chooses (FusedSDPA, flat decode), over the recording fake bridge."""
+    from gaudi_runtime.device.hpu import HpuBackend
+
+    return HpuBackend(torch_device=torch.device("cpu")).attention(True, False)
+
+
+def prefill_backend(name, request):
+    if name == "hpu":
+        request.getfixturevalue("fake_hpu")
+        return hpu_backend()
+    return CpuAttention() if name == "cpu" else None
+
+
 def make_layer(band, backend=None):
     window, softcap = band
     return Attention(HQ, HKV, D, scale=0.3, backend=backend, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("band", BANDS, ids=BAND_IDS)
-def test_prefill_sees_only_its_window(band):
-    rows, layer = Rows(LENGTHS), make_layer(band)
+@pytest.mark.parametrize("backend", ["sdpa", "hpu"])
+def test_prefill_sees_only_its_window(band, backend, request):
+    rows, layer = Rows(LENGTHS), make_layer(band, prefill_backend(backend, request))
     q, k, v, slots = rows.batch(range(len(LENGTHS)), [0] * len(LENGTHS), LENGTHS)
     out = layer(q, k, v, rows.cache, AttentionMetadata(is_prefill=True, slots=slots)).view(*q.shape)
     for r, n in enumerate(LENGTHS):
         torch.testing.assert_close(out[r, :n], rows.expected(r, list(range(n)), layer), atol=1e-5, rtol=1e-5)
+    if backend == "hpu" and layer.softcap is None:  # FusedSDPA under the window's mask, not its causal mode
+        assert [c["is_causal"] for c in request.getfixturevalue("fake_hpu")["fused_sdpa"]] == [False]
 
 
 @pytest.mark.parametrize("band", BANDS, ids=BAND_IDS)
-@pytest.mark.parametrize("backend", ["sdpa", "cpu"])
-def test_prefill_over_cached_blocks_sees_only_its_window(band, backend):
+@pytest.mark.parametrize("backend", ["sdpa", "cpu", "hpu"])
+def test_prefill_over_cached_blocks_sees_only_its_window(band, backend, request):
     """The first tokens of each row are cached (not a whole number of blocks: a chunk's end); the rest
     attend to them through the block table, then to each other."""
     rows = Rows(LENGTHS)
-    layer = make_layer(band, CpuAttention() if backend == "cpu" else None)
+    layer = make_layer(band, prefill_backend(backend, request))
     cached = [n // 2 for n in LENGTHS]
     q, k, v, slots = rows.batch(range(len(LENGTHS)), [0] * len(LENGTHS), cached)
     layer(q, k, v, rows.cache, AttentionMetadata(is_prefill=True, slots=slots))
@@ -148,9 +165,7 @@ def test_decode_sees_only_its_window(band, path):
 @pytest.mark.parametrize("band", BANDS, ids=BAND_IDS)
 def test_hpu_flat_decode_masks_what_is_out_of_the_window(fake_hpu, band):
     """Through the recording fake: Habana's fused rescale receives blocks wholly outside the window."""
-    from gaudi_runtime.device.hpu import HpuBackend
-
-    backend = HpuBackend(torch_device=torch.device("cpu")).attention(True, False)
+    backend = hpu_backend()
     rows = Rows(LENGTHS)
     check_decode(decode_step(rows, make_layer(band, backend), flat=True), rows, make_layer(band))
     assert len(fake_hpu["block_softmax_adjustment"]) == 1
