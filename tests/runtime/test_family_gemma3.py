@@ -41,6 +41,18 @@ def test_greedy_concurrent_requests_match_transformers(server):
     check_concurrent_requests(server)
 
 
+def test_an_image_text_checkpoint_serves_its_text_model(tmp_path_factory):
+    """A Gemma3ForConditionalGeneration checkpoint (the published 4B-27B layout: text_config,
+    language_model.* weights, a vision tower) on 2 shards answers as transformers' class on text prompts."""
+    path = make_tiny_model(tmp_path_factory.mktemp("gemma3-vlm"), "gemma3_vlm")
+    randomize_vectors(path)
+    srv = serve(path, tmp_path_factory.mktemp("gemma3-vlm-2"), 2)
+    try:
+        check_single_requests(srv, n_prompts=2)
+    finally:
+        srv.stop()
+
+
 def test_chunked_prefill_and_prefix_caching_match_transformers(model_dir, tmp_path):
     window = json.loads((model_dir / "config.json").read_text())["sliding_window"]
     check_chunked_and_cached(model_dir, tmp_path, window)

@@ -25,6 +25,7 @@ FAMILY_ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gemma3_vlm": "Gemma3ForConditionalGeneration",  # served as its text model
     "starcoder2": "Starcoder2ForCausalLM",
     "falcon": "FalconForCausalLM",
     "falcon7b": "FalconForCausalLM",
@@ -32,7 +33,7 @@ FAMILY_ARCHITECTURES = {
     "llava": "LlavaNextForConditionalGeneration",
 }
 POSITIONS = 4096  # the tiny configs' max_position_embeddings
-WINDOWED = {"gemma2", "gemma3"}  # local layers attend over the window: no cap
+WINDOWED = {"gemma2", "gemma3", "gemma3_vlm"}  # local layers attend over the window: no cap
 WINDOW = 64
 
 
@@ -40,7 +41,7 @@ def config(family: str, **text_overrides) -> dict:
     """config.json of the tiny model of `family`, with `text_overrides` in its language model's part."""
     cfg = make_config(family, vocab_size=128).to_dict()
     cfg["architectures"] = [FAMILY_ARCHITECTURES[family]]
-    (cfg["text_config"] if family == "llava" else cfg).update(text_overrides)
+    cfg.get("text_config", cfg).update(text_overrides)
     return cfg
 
 
@@ -65,7 +66,8 @@ def test_windowed_families_attend_over_the_window_on_their_local_layers_only(fam
     cfg = config(family, sliding_window=WINDOW)
     model = build(cfg)
     windows = [m.window for m in model.modules() if type(m).__name__ == "Attention"]
-    assert windows == [WINDOW if t == "sliding_attention" else None for t in cfg["layer_types"]]
+    types = cfg.get("text_config", cfg)["layer_types"]
+    assert windows == [WINDOW if t == "sliding_attention" else None for t in types]
     assert WINDOW in windows and None in windows
 
 
@@ -93,7 +95,7 @@ def test_every_family_gives_the_runner_its_interface(family):
         p.data.normal_(0, 0.1)
     assert isinstance(model, CausalLM)
     assert model.takes_images == isinstance(model, TakesImages) == (family == "llava")
-    assert model.num_layers == cfg.get("num_hidden_layers", 2) and model.vocab_size == 128
+    assert model.num_layers == cfg.get("text_config", cfg).get("num_hidden_layers", 2) and model.vocab_size == 128
     assert model.dtype == torch.float32 and model.device == torch.device("cpu")
     assert model.num_heads % model.num_kv_heads == 0
     hidden = model(torch.tensor([[3, 4, 5]]), torch.arange(3)[None], None, _prefill_meta(3))

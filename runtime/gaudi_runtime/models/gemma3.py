@@ -8,6 +8,11 @@
   larger models' linear factor 8);
 * no attention soft-capping: transformers' Gemma 3 ignores ``attn_logit_softcapping`` (the released
   configs leave it null), so it is ignored here too; the final logits are capped where the config says.
+
+``Gemma3ForConditionalGeneration`` checkpoints (the published 4B-27B models) are served as text models:
+their ``text_config`` (transformers' Gemma3TextConfig defaults for the fields it leaves out) and their
+``language_model`` weights; the SigLIP tower and projector are not loaded, and images are not taken. As
+transformers' class, it does not soft-cap the final logits.
 """
 
 from __future__ import annotations
@@ -61,3 +66,38 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         global_rotary, _ = super().rotaries(cfg)
         local = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)
         return global_rotary, super().rotaries(local)[0]
+
+
+# Gemma3TextConfig's defaults for the fields a published Gemma3ForConditionalGeneration text_config leaves out.
+TEXT_DEFAULTS = {"vocab_size": 262_208, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+                 "hidden_activation": "gelu_pytorch_tanh"}
+VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+TEXT_PARTS = (("language_model.model.", "model."), ("model.language_model.", "model."),
+              ("language_model.lm_head.", "lm_head."))
+
+
+@dataclass(kw_only=True)
+class Gemma3TextOfConditionalConfig(Gemma3Config):
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], architecture: str) -> Gemma3TextOfConditionalConfig:
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"config.json of {architecture} has no text_config")
+        text = {**TEXT_DEFAULTS, "tie_word_embeddings": cfg.get("tie_word_embeddings", True), **text}
+        # transformers' Gemma3ForConditionalGeneration caps no logits (the published configs set no cap).
+        return dataclasses.replace(super().from_dict(text, architecture), final_softcap=None)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of a Gemma 3 image-text checkpoint (see the module's docstring)."""
+
+    config_class = Gemma3TextOfConditionalConfig
+
+    def checkpoint_name(self, name: str) -> str:
+        for prefix, ours in TEXT_PARTS:
+            if name.startswith(prefix):
+                return ours + name[len(prefix):]
+        return name
+
+    def unused_weight(self, name: str) -> bool:
+        return name.startswith(VISION_PARTS) or super().unused_weight(name)

@@ -16,7 +16,7 @@ from .base import CausalLMBase
 from .falcon import FalconForCausalLM
 from .gemma import GemmaForCausalLM
 from .gemma2 import Gemma2ForCausalLM
-from .gemma3 import Gemma3ForCausalLM
+from .gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from .gpt_bigcode import GPTBigCodeForCausalLM
 from .interface import CausalLM
 from .llama import LlamaForCausalLM
@@ -35,6 +35,7 @@ SUPPORTED_ARCHITECTURES: dict[str, type[CausalLMBase]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # its text model only
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
