@@ -61,3 +61,14 @@ def test_final_logits_are_soft_capped():
     raw = hidden @ model.lm_head.weight.T
     torch.testing.assert_close(logits, torch.tanh(raw / 3.0) * 3.0, atol=1e-5, rtol=1e-5)
     assert raw.abs().max() > 3.0 and logits.abs().max() <= 3.0
+
+
+def test_rope_scaling_override_keeps_the_local_layers_base():
+    """--rope-scaling replaces the global layers' scaling; the local layers keep their own base."""
+    from gaudi_runtime.models.registry import override_rope
+
+    cfg = {**BASE, "num_hidden_layers": 2,
+           "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}}}
+    out = Gemma3Config.from_dict(override_rope(cfg, "linear", 4.0), "Gemma3ForCausalLM")
+    assert out.local_rope_theta == 500.0 and out.rope_theta == 1e6 and out.rope_scaling["factor"] == 4.0

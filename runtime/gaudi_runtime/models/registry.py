@@ -115,6 +115,9 @@ def override_rope(cfg: dict[str, Any], scaling: str, factor: float) -> dict[str,
 
     theta, _ = rope_params_from_config(cfg)
     out = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    if isinstance(local, dict) and "rope_theta" in local:  # Gemma 3's local layers keep their base
+        out.setdefault("rope_local_base_freq", local["rope_theta"])
     out["rope_theta"] = theta
     out["rope_scaling"] = {"rope_type": scaling, "factor": float(factor)}
     return out
