@@ -44,3 +44,8 @@ def test_greedy_concurrent_requests_match_transformers(server):
 def test_chunked_prefill_and_prefix_caching_match_transformers(model_dir, tmp_path):
     window = json.loads((model_dir / "config.json").read_text())["sliding_window"]
     check_chunked_and_cached(model_dir, tmp_path, window)
+
+
+def test_speculation_with_chunked_prefill_and_prefix_caching_matches_transformers(model_dir, tmp_path):
+    window = json.loads((model_dir / "config.json").read_text())["sliding_window"]
+    check_chunked_and_cached(model_dir, tmp_path, window, "--speculate", "3")

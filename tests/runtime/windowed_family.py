@@ -14,8 +14,9 @@ from tests.runtime.prefix_checks import SYSTEM, check_conversations, generate
 CHUNKS = ("--max-batch-prefill-tokens", "16")  # four blocks of 4: prompts of 17 tokens or more are chunked
 
 
-def check_chunked_and_cached(model_dir, tmp, window: int) -> None:
-    srv = serve_small(model_dir, tmp, *CHUNKS, "--prefix-caching", "true")
+def check_chunked_and_cached(model_dir, tmp, window: int, *args: str) -> None:
+    """`args`: more server flags (speculation: its verify passes attend over cached blocks too)."""
+    srv = serve_small(model_dir, tmp, *CHUNKS, "--prefix-caching", "true", *args)
     try:
         prompt = SYSTEM + " the gaudi card shard router token batch cache serve request stream answer"
 
