@@ -54,6 +54,9 @@ VALIDATED = {
     ("Starcoder2-15B", 1): {"BF16"},
     ("Starcoder", 1): {"BF16"},
     ("Gemma-7B", 1): {"BF16"},
+    # Beyond TGI-Gaudi's table: families teams serve in 2026 (issue 44).
+    ("Gemma2-9B", 1): {"BF16"},
+    ("Gemma3-1B", 1): {"BF16"},
     ("Llava-v1.6-Mistral-7B", 1): {"BF16", "FP8"},
     # Families teams serve in 2026 that TGI-Gaudi's table predates (issue 44), on its 1-card recipe.
     ("Phi-4", 1): {"BF16"},

@@ -1,8 +1,9 @@
 """Every model family reports the context it can serve exactly, and the shard interface the runner drives.
 
-Windowed attention is not implemented, so a config.json that declares a sliding window shorter
-than its position table must cap the served context at the window: a longer sequence would
-otherwise attend further back than the model was trained to, silently. The router enforces the
+A family that runs without a window (its layers all share one: Mistral, Qwen2, Starcoder2, ...) must
+cap the served context at a sliding window shorter than its position table: a longer sequence would
+otherwise attend further back than the model was trained to, silently. The families whose local
+layers attend over their window (Gemma 2/3) serve the whole position table. The router enforces the
 cap from `max_position_embeddings`, so each family must report it. Built from the tiny test
 configs (no weights: the context and the interface come from the build alone).
 """
@@ -22,6 +23,9 @@ FAMILY_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma3_vlm": "Gemma3ForConditionalGeneration",  # served as its text model
     "starcoder2": "Starcoder2ForCausalLM",
     "falcon": "FalconForCausalLM",
     "falcon7b": "FalconForCausalLM",
@@ -34,6 +38,7 @@ FAMILY_ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 POSITIONS = 4096  # the tiny configs' max_position_embeddings
+WINDOWED = {"gemma2", "gemma3", "gemma3_vlm"}  # local layers attend over the window: no cap
 WINDOW = 64
 
 
@@ -41,7 +46,7 @@ def config(family: str, **text_overrides) -> dict:
     """config.json of the tiny model of `family`, with `text_overrides` in its language model's part."""
     cfg = make_config(family, vocab_size=128).to_dict()
     cfg["architectures"] = [FAMILY_ARCHITECTURES[family]]
-    (cfg["text_config"] if family == "llava" else cfg).update(text_overrides)
+    cfg.get("text_config", cfg).update(text_overrides)
     return cfg
 
 
@@ -58,7 +63,17 @@ def test_every_supported_architecture_is_covered():
 @pytest.mark.parametrize("family", FAMILY_ARCHITECTURES)
 def test_a_sliding_window_caps_the_context(family):
     model = build(config(family, sliding_window=WINDOW, use_sliding_window=True))
-    assert model.max_position_embeddings == WINDOW
+    assert model.max_position_embeddings == (POSITIONS if family in WINDOWED else WINDOW)
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_windowed_families_attend_over_the_window_on_their_local_layers_only(family):
+    cfg = config(family, sliding_window=WINDOW)
+    model = build(cfg)
+    windows = [m.window for m in model.modules() if type(m).__name__ == "Attention"]
+    types = cfg.get("text_config", cfg)["layer_types"]
+    assert windows == [WINDOW if t == "sliding_attention" else None for t in types]
+    assert WINDOW in windows and None in windows
 
 
 @pytest.mark.parametrize("family", FAMILY_ARCHITECTURES)
@@ -85,7 +100,7 @@ def test_every_family_gives_the_runner_its_interface(family):
         p.data.normal_(0, 0.1)
     assert isinstance(model, CausalLM)
     assert model.takes_images == isinstance(model, TakesImages) == (family == "llava")
-    text = cfg["text_config"] if family == "llava" else cfg
+    text = cfg.get("text_config", cfg)
     layers = text.get("num_hidden_layers", text.get("n_layer"))
     assert model.num_layers == layers and model.vocab_size == 128
     assert model.dtype == torch.float32 and model.device == torch.device("cpu")

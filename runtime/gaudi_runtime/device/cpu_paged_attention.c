@@ -11,7 +11,9 @@
    Sequence b attends to its positions 0 .. context_lens[b] - 1; position j lives at
    cache[block_tables[b, j / block_size], j % block_size]. A row with context length 0 (a padded
    row) attends to its position 0 alone, so its output stays finite. head_size is a multiple of 16
-   and at most MAX_HEAD_SIZE.
+   and at most MAX_HEAD_SIZE. A sliding-window layer passes `starts` [batch] int64: row b then attends
+   to positions starts[b] .. context_lens[b] - 1 only (NULL: from 0). A soft-capped layer passes
+   softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
 
    Arithmetic is float32 (scores, softmax, the weighted sum of values). The work is split over
    sequences (a sequence's KV heads together, so that each cache line is fetched once), with OpenMP:
@@ -236,9 +238,9 @@ static void weigh_tile(const void *v, const float *probs, float *acc, int64_t ro
 typedef struct {
     void *out;
     const void *q, *k_cache, *v_cache;
-    const int64_t *block_tables, *context_lens;
+    const int64_t *block_tables, *context_lens, *starts;
     int64_t batch, num_kv_heads, group, head_size, block_size, max_blocks, num_blocks;
-    float scale;
+    float scale, softcap;
     int dtype;
 } Problem;
 
@@ -252,27 +254,40 @@ static Span span_at(const Problem *p, const int64_t *table, int64_t len, int64_t
     return s;
 }
 
-/* Scores (phase 0) or weighs values (phase 1) over every span of a sequence for its KV heads h0 .. h1 - 1,
-   positions outer and heads inner, so that the span's rows of all heads are read from memory once.
-   Query head r (counted from h0's first) has its query at qf + r * d, scores at scores + r * row_len,
-   accumulator at acc + r * d. */
-static void each_span(const Problem *p, const int64_t *table, int64_t len, int64_t h0, int64_t h1, int phase,
-                      const float *qf, float *scores, float *acc, int64_t row_len) {
+/* Scores (phase 0) or weighs values (phase 1) over every span of a sequence from position `start` for its
+   KV heads h0 .. h1 - 1, positions outer and heads inner, so that the span's rows of all heads are read
+   from memory once. Query head r (counted from h0's first) has its query at qf + r * d, scores at
+   scores + r * row_len (position start first), accumulator at acc + r * d. */
+static void each_span(const Problem *p, const int64_t *table, int64_t start, int64_t len, int64_t h0, int64_t h1,
+                      int phase, const float *qf, float *scores, float *acc, int64_t row_len) {
     const int64_t d = p->head_size, c = d / LANES, gt = tile_heads(p->group, c);
     const int bf16 = p->dtype == DTYPE_BFLOAT16;
     const void *cache = phase == 0 ? p->k_cache : p->v_cache;
-    Span s = span_at(p, table, len, 0);
-    for (int64_t first = 0; first < len; first += s.n) {
+    Span s = span_at(p, table, len, start);
+    for (int64_t first = start; first < len; first += s.n) {
         s = span_at(p, table, len, first);
         for (int64_t h = h0; h < h1; h++) {
             Span hs = s;
             hs.base += h * d;
             hs.ahead += hs.ahead < 0 ? 0 : h * d;
             for (int64_t r = (h - h0) * p->group; r < (h - h0 + 1) * p->group; r += gt) {
-                if (phase == 0) score_tile(cache, qf + r * d, scores + r * row_len + first, row_len, hs, c, gt, bf16);
-                else weigh_tile(cache, scores + r * row_len + first, acc + r * d, row_len, hs, c, gt, bf16);
+                float *at = scores + r * row_len + first - start;
+                if (phase == 0) score_tile(cache, qf + r * d, at, row_len, hs, c, gt, bf16);
+                else weigh_tile(cache, at, acc + r * d, row_len, hs, c, gt, bf16);
             }
         }
+    }
+}
+
+/* s[j] = cap * tanh(s[j] / cap) for the `padded` scores of a row; tanh from exp(-2|x|), no libm. */
+static void softcap_row(float *s, int64_t padded, float cap) {
+    f32xL x;
+    for (int64_t j = 0; j < padded; j += LANES) {
+        memcpy(&x, s + j, sizeof x);
+        const f32xL y = x * (1.0f / cap), a = select_lanes(y < 0.0f, -y, y);
+        const f32xL e = exp_nonpositive(a * -2.0f), t = (1.0f - e) / (1.0f + e);
+        x = select_lanes(y < 0.0f, -t, t) * cap;
+        memcpy(s + j, &x, sizeof x);
     }
 }
 
@@ -282,7 +297,9 @@ static int attend(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *wo
     const int64_t bs = p->block_size, d = p->head_size, c = d / LANES, rows = (h1 - h0) * p->group;
     const int64_t *table = p->block_tables + b * p->max_blocks;
     const int64_t len = p->context_lens[b] < 1 ? 1 : p->context_lens[b];  /* a padded row reads its position 0 */
-    const int64_t padded = (len + LANES - 1) / LANES * LANES;
+    int64_t start = p->starts == NULL ? 0 : p->starts[b];
+    start = start < 0 ? 0 : start > len - 1 ? len - 1 : start;
+    const int64_t n = len - start, padded = (n + LANES - 1) / LANES * LANES;
     const int bf16 = p->dtype == DTYPE_BFLOAT16;
     if (len > p->max_blocks * bs) return -1;
     for (int64_t k = 0; k < (len + bs - 1) / bs; k++)
@@ -295,14 +312,15 @@ static int attend(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *wo
         for (int64_t i = 0; i < c; i++) row[i] *= p->scale;
         memcpy(qf + r * d, row, sizeof row);
     }
-    each_span(p, table, len, h0, h1, 0, qf, scores, acc, row_len);
+    each_span(p, table, start, len, h0, h1, 0, qf, scores, acc, row_len);
     float sums[rows];
     for (int64_t r = 0; r < rows; r++) {
-        for (int64_t j = len; j < padded; j++) scores[r * row_len + j] = -1e30f;
+        if (p->softcap > 0.0f) softcap_row(scores + r * row_len, padded, p->softcap);
+        for (int64_t j = n; j < padded; j++) scores[r * row_len + j] = -1e30f;
         sums[r] = softmax_row(scores + r * row_len, padded);
     }
     memset(acc, 0, (size_t)(rows * d) * sizeof(float));
-    each_span(p, table, len, h0, h1, 1, qf, scores, acc, row_len);
+    each_span(p, table, start, len, h0, h1, 1, qf, scores, acc, row_len);
     for (int64_t r = 0; r < rows; r++) {
         memcpy(row, acc + r * d, sizeof row);
         store_row(p->out, q_off + r * d, c, bf16, row, 1.0f / sums[r]);
@@ -316,10 +334,11 @@ static int attend(const Problem *p, int64_t b, int64_t h0, int64_t h1, float *wo
 int paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
                            int64_t num_kv_heads, int64_t group, int64_t head_size, int64_t block_size,
-                           int64_t max_blocks, int64_t num_blocks, float scale, int dtype, int num_threads) {
+                           int64_t max_blocks, int64_t num_blocks, float scale, int dtype, int num_threads,
+                           const int64_t *starts, float softcap) {
     if (head_size % 16 || head_size > MAX_HEAD_SIZE) return -3;
-    Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, batch, num_kv_heads, group, head_size,
-                 block_size, max_blocks, num_blocks, scale, dtype};
+    Problem p = {out, q, k_cache, v_cache, block_tables, context_lens, starts, batch, num_kv_heads, group,
+                 head_size, block_size, max_blocks, num_blocks, scale, softcap, dtype};
     int64_t max_len = 1;
     for (int64_t b = 0; b < batch; b++) max_len = context_lens[b] > max_len ? context_lens[b] : max_len;
     if (max_len > max_blocks * block_size) max_len = max_blocks * block_size;

@@ -43,13 +43,16 @@ class PagedDecodeKernel:
         lib = ctypes.CDLL(str(path))  # CDLL, not PyDLL: the call runs without the GIL
         fn = lib.paged_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr, ctypes.c_float]
         fn.restype = ctypes.c_int
         self._fn = fn
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+                 context_lens: torch.Tensor, scale: float, starts: torch.Tensor | None = None,
+                 softcap: float | None = None) -> torch.Tensor | None:
         """q ``[B, 1, Hq, D]``, caches ``[num_blocks, block_size, Hkv, D]`` -> ``[B, Hq, D]`` in q's dtype;
+        `starts` ``[B]``: each row's first position (a sliding window; None: 0); `softcap`: scores capped
+        by ``softcap * tanh(score / softcap)`` (None: not);
         None when the tensors are not ones the kernel takes (another device or dtype, a strided cache, a
         head size that is not a multiple of HEAD_SIZE_MULTIPLE or exceeds MAX_HEAD_SIZE)."""
         dtype = k_cache.dtype
@@ -61,10 +64,12 @@ class PagedDecodeKernel:
         q = q.reshape(b, -1, d).contiguous()
         tables = block_tables.to(torch.int64).contiguous()
         lens = context_lens.to(torch.int64).contiguous()
+        first = None if starts is None else starts.to(torch.int64).contiguous()
         out = torch.empty_like(q)
         status = self._fn(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                           lens.data_ptr(), b, hkv, q.shape[1] // hkv, d, block_size, tables.shape[1], num_blocks,
-                          scale, DTYPES[dtype], torch.get_num_threads())
+                          scale, DTYPES[dtype], torch.get_num_threads(), None if first is None else first.data_ptr(),
+                          softcap or 0.0)
         if status == -2:
             raise MemoryError("paged decode attention: no memory for its scratch rows")
         if status == -3:

@@ -27,15 +27,20 @@ batch's widest one; elsewhere the blocks are gathered through ``block_tables`` i
 copy with positions ``>= context_lens`` masked, and grouped-query attention
 folds the query heads of one KV group into the query-length axis for the backend's `decode`, so K/V are
 never repeated.
+
+A layer with a sliding window or an attention soft cap (Gemma 2/3's) honours them on every path above:
+masks of positions for the prefills, a first position per row and a cap for the C kernel, a window bias
+for the flat layout (``attention_window.py``); a layer without either runs those paths unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from gaudi_runtime.layers import attention_window as aw
 from gaudi_runtime.layers.attention_backend import AttentionBackend
 
 FP8_KV_DTYPES = (torch.float8_e4m3fn,)  # --kv-cache-dtype fp8_e4m3fn
@@ -88,6 +93,14 @@ class AttentionMetadata:
     block_list: torch.LongTensor | None = None
     block_groups: torch.LongTensor | None = None
     block_bias: torch.Tensor | None = None
+    # A windowed layer's masks, starts and biases (`attention_window`), keyed by kind and window: built by
+    # the first layer with that window, reused by the others.
+    window_cache: dict = field(default_factory=dict)
+
+    def windowed(self, key: tuple, build):
+        if key not in self.window_cache:
+            self.window_cache[key] = build()
+        return self.window_cache[key]
 
 
 def fp8_round_trip(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -122,9 +135,11 @@ class Attention(nn.Module):
     cache_writer = None
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 backend: AttentionBackend | None = None):
+                 backend: AttentionBackend | None = None, window: int | None = None,
+                 softcap: float | None = None):
         """`backend`: the kernels this layer runs (`use_attention` sets the model's after loading); torch
-        SDPA until then."""
+        SDPA until then. `window`: attend to the current position and the ``window - 1`` before it only;
+        `softcap`: scores become ``softcap * tanh(score / softcap)`` (`attention_window`)."""
         super().__init__()
         self.backend = AttentionBackend() if backend is None else backend
         if num_heads % num_kv_heads != 0:
@@ -134,6 +149,9 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window = window
+        self.softcap = softcap
+        self.banded = window is not None or softcap is not None
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A fused projection ``[B, S, (Hq + 2 * Hkv) * D]`` (q, then k, then v) -> q ``[B, S, Hq, D]``,
@@ -154,7 +172,9 @@ class Attention(nn.Module):
             if kv_cache is not None and kv_cache[0].dtype in FP8_KV_DTYPES:
                 k = fp8_round_trip(k, kv_cache[0].dtype, self.k_scale)
                 v = fp8_round_trip(v, kv_cache[1].dtype, self.v_scale)
-            if meta.block_tables is not None:
+            if self.banded:
+                out = self._banded_prefill(q, k, v, kv_cache, meta)
+            elif meta.block_tables is not None:
                 out = self._prefill_with_context(q, k, v, kv_cache[0], kv_cache[1], meta)
             else:
                 out = self._prefill(q, k, v)
@@ -191,25 +211,55 @@ class Attention(nn.Module):
                            is_causal=attn_mask is None, scale=self.scale)
         return out.transpose(1, 2)  # [B, S, Hq, D]
 
-    def _prefill_with_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                              v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The new tokens attend to their rows' cached blocks, then causally to each other."""
-        b, s = q.shape[:2]
+    def _with_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, L + S, Hkv, D]`` of a prefill over cached blocks: each row's gathered blocks,
+        then its new tokens."""
+        b = q.shape[0]
         length = meta.block_tables.shape[1] * k_cache.shape[1]
         flat = meta.block_tables.reshape(-1)
         keys = k_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim)
         values = v_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim)
         if k_cache.dtype in FP8_KV_DTYPES:
             keys, values = keys.to(q.dtype) * self.k_scale, values.to(q.dtype) * self.v_scale
+        return torch.cat([keys.to(k.dtype), k], 1), torch.cat([values.to(v.dtype), v], 1)
+
+    def _prefill_with_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The new tokens attend to their rows' cached blocks, then causally to each other."""
+        s = q.shape[1]
+        keys, values = self._with_context(q, k, v, k_cache, v_cache, meta)
         if meta.context_mask is None:
-            meta.context_mask = context_prefill_mask(meta.context_lens, length, s, q.dtype)
-        keys, values = torch.cat([keys.to(k.dtype), k], 1), torch.cat([values.to(v.dtype), v], 1)
+            meta.context_mask = context_prefill_mask(meta.context_lens, keys.shape[1] - s, s, q.dtype)
         if self.backend.context_prefill is not None:
             out = self.backend.context_prefill(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                        meta.context_mask, self.scale)
             if out is not None:
                 return out.transpose(1, 2)
         return self._prefill(q, keys, values, meta.context_mask)
+
+    def _banded_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:
+        """A prefill of a windowed or soft-capped layer, with or without cached blocks: under the window's mask,
+        through the backend's masked prefill, or `explicit_attention` where scores are soft-capped."""
+        s = q.shape[1]
+        if meta.block_tables is not None:
+            k, v = self._with_context(q, k, v, kv_cache[0], kv_cache[1], meta)
+            mask = meta.windowed(("context", self.window), lambda: aw.context_window_mask(
+                meta.context_lens, k.shape[1] - s, s, self.window, q.dtype))
+        else:
+            mask = meta.windowed(("causal", s, self.window), lambda: aw.causal_window_mask(
+                s, self.window, q.dtype, q.device))
+        if self.softcap is None:
+            if meta.block_tables is not None and self.backend.context_prefill is not None:
+                out = self.backend.context_prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                                   self.scale)
+                if out is not None:
+                    return out.transpose(1, 2)
+            return self._prefill(q, k, v, mask)
+        out = aw.explicit_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale,
+                                    self.softcap)
+        return out.transpose(1, 2)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -218,7 +268,11 @@ class Attention(nn.Module):
             return self._flat_decode(q, k_cache, v_cache, meta)
         paged_decode = self.backend.paged_decode
         if paged_decode is not None and k_cache.dtype not in FP8_KV_DTYPES:
-            out = paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
+            band = {}
+            if self.banded:  # the C kernel's start per row and cap
+                band = {"softcap": self.softcap, "starts": None if self.window is None else meta.windowed(
+                    ("starts", self.window), lambda: aw.window_starts(meta.context_lens, self.window))}
+            out = paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale, **band)
             if out is not None:
                 return out.view(b, 1, self.num_heads, self.head_dim)
         return self._gathered_decode(q, k_cache, v_cache, meta)
@@ -233,8 +287,14 @@ class Attention(nn.Module):
         fp8 = k_cache.dtype in FP8_KV_DTYPES
         # A float8 cache holds k / k_scale and v / v_scale: k_scale scales the scores, v_scale the output.
         scale = self.scale * self.k_scale if fp8 else self.scale
+        bias, band = meta.block_bias, {}
+        if self.window is not None:
+            bias = meta.windowed(("flat", self.window), lambda: aw.flat_window_bias(
+                meta.block_groups, meta.block_bias, b, self.window))
+        if self.softcap is not None:
+            band = {"softcap": self.softcap}
         out = flat_decode(q.reshape(b, self.num_heads, self.head_dim), k_cache, v_cache, meta.block_list,
-                               meta.block_groups, meta.block_bias, scale)
+                          meta.block_groups, bias, scale, **band)
         if fp8:
             out = out * self.v_scale
         return out.view(b, 1, self.num_heads, self.head_dim)
@@ -253,12 +313,20 @@ class Attention(nn.Module):
         values = v_cache.index_select(0, flat).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if k_cache.dtype in FP8_KV_DTYPES:
             keys, values = keys.to(q.dtype) * self.k_scale, values.to(q.dtype) * self.v_scale
+        # q [B, 1, Hq, D] -> [B, Hkv, group, D]: the group's query heads act as the query axis.
+        qg = q.reshape(b, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
+        if self.banded:
+            mask = meta.windowed(("decode", self.window), lambda: aw.decode_window_mask(
+                context_lens, length, self.window))
+            if self.softcap is not None:
+                out = aw.explicit_attention(qg, keys, values, mask, self.scale, self.softcap)
+                return out.reshape(b, 1, self.num_heads, self.head_dim).to(q.dtype)
+            out = self.backend.decode(qg, keys, values, attn_mask=mask, scale=self.scale)
+            return out.reshape(b, 1, self.num_heads, self.head_dim).to(q.dtype)
         if meta.decode_mask is None:
             pos = torch.arange(length, device=q.device)
             # Position 0 is always allowed so a padded row with context_len 0 yields finite output, not NaN.
             mask = (pos.unsqueeze(0) < context_lens.unsqueeze(1)) | (pos.unsqueeze(0) == 0)  # [B, L]
             meta.decode_mask = mask[:, None, None, :]
-        # q [B, 1, Hq, D] -> [B, Hkv, group, D]: the group's query heads act as the query axis.
-        qg = q.reshape(b, self.num_kv_heads, self.group, self.head_dim).to(keys.dtype)
         out = self.backend.decode(qg, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
         return out.reshape(b, 1, self.num_heads, self.head_dim).to(q.dtype)

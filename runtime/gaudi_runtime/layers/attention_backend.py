@@ -23,7 +23,8 @@ class AttentionBackend:
     prefill_gqa = True
     # (q [B, 1, Hq, D], k_cache, v_cache, block_tables, context_lens, scale) -> [B, Hq, D] read from the paged
     # cache in place, or None for tensors it does not take (which then go through the gather and `decode`).
-    # The layer never hands it a float8 cache.
+    # The layer never hands it a float8 cache. A windowed or soft-capped layer also passes ``starts`` ([B], each
+    # row's first position, or None) and ``softcap`` (or None) by keyword.
     paged_decode: Callable[..., torch.Tensor | None] | None = None
     # (q [B, Hq, S, D], k/v [B, Hkv, L, D], additive mask, scale) -> [B, Hq, S, D] for a prefill over cached
     # blocks, or None for shapes it does not take (which then go through `prefill`).
@@ -33,7 +34,7 @@ class AttentionBackend:
     causal_prefill: Callable[..., torch.Tensor | None] | None = None
     # (q [B, Hq, D], k_cache, v_cache, block_list, block_groups, block_bias, scale) -> [B, Hq, D] over the
     # flat layout of `flat_paged_attention`: decode steps whose metadata carries it (the runner builds it
-    # where this is offered and the device backend asks for it).
+    # where this is offered and the device backend asks for it). A soft-capped layer passes ``softcap=``.
     flat_decode: Callable[..., torch.Tensor] | None = None
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,

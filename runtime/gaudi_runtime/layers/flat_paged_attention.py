@@ -71,18 +71,20 @@ def block_rescale(block_max: torch.Tensor, block_sums: torch.Tensor, block_group
 
 def flat_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_list: torch.Tensor,
                       block_groups: torch.Tensor, block_bias: torch.Tensor, scale: float,
-                      adjust=None) -> torch.Tensor:
+                      adjust=None, softcap: float | None = None) -> torch.Tensor:
     """q ``[B, Hq, D]`` over the caches ``[N, block_size, Hkv, D]`` through `flat_layout`'s arrays ->
     ``[B, Hq, D]`` in q's dtype. Each KV head's G = Hq / Hkv query heads share one score matmul, so K/V
     are never repeated; scores, softmax and the sum over blocks are float32. `adjust` is
     ``torch.ops.hpu.block_softmax_adjustment`` or None (then `block_rescale`). Blocks read from a cache of
-    another dtype (float8) are cast to q's; their scales are the caller's (fold them into `scale`)."""
+    another dtype (float8) are cast to q's; their scales are the caller's (fold them into `scale`).
+    `softcap`: scaled scores become ``softcap * tanh(score / softcap)`` before the bias (Gemma 2)."""
     keys, values = k_cache.index_select(0, block_list), v_cache.index_select(0, block_list)  # [T, bs, Hkv, D]
-    return flat_blocks_attention(q, keys, values, block_groups, block_bias, scale, adjust)
+    return flat_blocks_attention(q, keys, values, block_groups, block_bias, scale, adjust, softcap)
 
 
 def flat_blocks_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block_groups: torch.Tensor,
-                          block_bias: torch.Tensor, scale: float, adjust=None) -> torch.Tensor:
+                          block_bias: torch.Tensor, scale: float, adjust=None,
+                          softcap: float | None = None) -> torch.Tensor:
     """`flat_paged_decode` over blocks already gathered: keys ``[T, bs, Hkv, D]``, values ``[T, bs, Hkv, Dv]``
     (multi-head latent attention's keys are its latent and rope key, its values the latent alone) ->
     ``[B, Hq, Dv]``."""
@@ -93,7 +95,10 @@ def flat_blocks_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     # Each block's query is its row's; padding blocks (group B) meet a zero query.
     queries = torch.cat([q, q.new_zeros(1, hq, d)]).index_select(0, block_groups).view(t, hkv, hq // hkv, d)
     scores = torch.matmul(queries, keys.permute(0, 2, 3, 1)).float()  # [T, Hkv, G, bs]
-    scores = scores * scale + block_bias.view(t, 1, 1, -1)
+    scores = scores * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + block_bias.view(t, 1, 1, -1)
     block_max = scores.amax(-1, keepdim=True)  # [T, Hkv, G, 1]
     probs = (scores - block_max).exp()
     block_sums = probs.sum(-1, keepdim=True)

@@ -85,8 +85,9 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """The longest sequence served exactly. Windowed attention is not implemented, so a
-        sequence past the window is refused rather than attended in full."""
+        """The longest sequence served exactly. A family whose layers all share one window (Mistral,
+        Qwen2, Starcoder2) runs without one, so a sequence past the window is refused rather than
+        attended in full; Gemma 2/3 attend over their windows and serve their whole context."""
         if self.sliding_window:
             return min(self.max_position_embeddings, int(self.sliding_window))
         return self.max_position_embeddings

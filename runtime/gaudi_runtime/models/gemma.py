@@ -9,8 +9,8 @@
 * ``head_dim`` comes from the config (Gemma-7B: 16 heads of 256 with a hidden
   size of 3072); the LM head is tied to the embeddings unless the config says not.
 
-Gemma 2 is not served: logit soft-capping, alternating sliding-window layers
-and extra norms make it a different model, not a configuration of this one.
+Gemma 2 and 3 (``gemma2.py``, ``gemma3.py``) build on these numerics with
+local and global layers, soft-capping and extra norms.
 """
 
 from __future__ import annotations

@@ -139,7 +139,8 @@ class LlamaModel(nn.Module):
         self.norm = self.layer_class.norm_class(cfg.hidden_size, cfg.norm_eps)
 
     def build_layer(self, cfg: LlamaConfig, rotary: RotaryEmbedding, tp: TPContext, index: int) -> nn.Module:
-        """Decoder layer ``index`` (families whose layers differ by position choose here)."""
+        """Decoder layer `index` (a family whose layers differ by index, as Gemma 2's local and global ones,
+        builds its own)."""
         return self.layer_class(cfg, rotary, tp)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

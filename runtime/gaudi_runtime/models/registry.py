@@ -16,6 +16,8 @@ from .base import CausalLMBase
 from .deepseek_v3 import DeepseekV3ForCausalLM
 from .falcon import FalconForCausalLM
 from .gemma import GemmaForCausalLM
+from .gemma2 import Gemma2ForCausalLM
+from .gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from .gpt_bigcode import GPTBigCodeForCausalLM
 from .granite import GraniteForCausalLM
 from .interface import CausalLM
@@ -38,6 +40,9 @@ SUPPORTED_ARCHITECTURES: dict[str, type[CausalLMBase]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # its text model only
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
@@ -120,6 +125,9 @@ def override_rope(cfg: dict[str, Any], scaling: str, factor: float) -> dict[str,
 
     theta, _ = rope_params_from_config(cfg)
     out = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    if isinstance(local, dict) and "rope_theta" in local:  # Gemma 3's local layers keep their base
+        out.setdefault("rope_local_base_freq", local["rope_theta"])
     out["rope_theta"] = theta
     out["rope_scaling"] = {"rope_type": scaling, "factor": float(factor)}
     return out

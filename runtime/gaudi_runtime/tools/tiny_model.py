@@ -232,6 +232,42 @@ def _granite(common, shape):
                                       residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True)
 
 
+def _gemma2(common, shape):
+    import transformers
+
+    # A window of 8 (local layer 0) and soft caps small enough to bend the tiny model's scores, so that
+    # prompts and outputs past the window and a missing cap both change the greedy tokens; a
+    # query_pre_attn_scalar other than head_dim.
+    return transformers.Gemma2Config(**common, **shape, head_dim=32, hidden_activation="gelu_pytorch_tanh",
+                                     sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+                                     query_pre_attn_scalar=24, tie_word_embeddings=True)
+
+
+def _gemma3(common, shape):
+    import transformers
+
+    # Two local layers (window 10) to one global, local RoPE base 10,000 against the global 1,000,000 with
+    # linear scaling, q/k norms, a final logit soft cap (an option Gemma 3 keeps).
+    return transformers.Gemma3TextConfig(
+        **common, **{**shape, "num_hidden_layers": 3}, head_dim=32, hidden_activation="gelu_pytorch_tanh",
+        sliding_window=10, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+        final_logit_softcapping=2.0, query_pre_attn_scalar=24, tie_word_embeddings=True)
+
+
+def _gemma3_vlm(common, shape):
+    import transformers
+
+    # A Gemma3ForConditionalGeneration checkpoint (the published 4B-27B layout) around _gemma3's text model,
+    # with a tiny SigLIP tower the runtime ignores (text-only serving). Image tokens at the top of the vocab.
+    vocab = common["vocab_size"]
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=8)
+    return transformers.Gemma3Config(text_config=_gemma3(common, shape), vision_config=vision, mm_tokens_per_image=4,
+                                     boi_token_index=vocab - 3, eoi_token_index=vocab - 2, image_token_index=vocab - 1,
+                                     tie_word_embeddings=True)
+
+
 def _starcoder2(common, shape):
     import transformers
 
@@ -291,6 +327,8 @@ def _llava(common, shape):
 
 IMAGE_TOKEN = "<image>"
 IMAGE_FAMILIES = {"llava"}
+# Families whose checkpoint is transformers' image-text-to-text class (the runtime may serve only the text).
+CONDITIONAL_FAMILIES = IMAGE_FAMILIES | {"gemma3_vlm"}
 
 
 def save_image_processor(out: Path, cfg, tok) -> None:
@@ -338,6 +376,9 @@ FAMILIES = {
     "granite": _granite,
     "qwen3": _qwen3,
     "qwen3_moe": _qwen3_moe,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "gemma3_vlm": _gemma3_vlm,
     "starcoder2": _starcoder2,
     "falcon": _falcon,
     "falcon7b": _falcon7b,
@@ -397,7 +438,8 @@ def make_tiny_model(out: str | Path, family: str = "llama", size: str = "tiny", 
     out = Path(out)
     _, cfg = save_tokenizer(out, family, size, seed, vocab_size, tokenizer_from)
     torch.manual_seed(seed)
-    auto = transformers.AutoModelForImageTextToText if family in IMAGE_FAMILIES else transformers.AutoModelForCausalLM
+    conditional = family in CONDITIONAL_FAMILIES
+    auto = transformers.AutoModelForImageTextToText if conditional else transformers.AutoModelForCausalLM
     model = auto.from_config(cfg)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(out, safe_serialization=True)
