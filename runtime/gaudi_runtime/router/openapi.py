@@ -5,9 +5,10 @@
 Each route says what it takes (its request models) and what it answers (response models, events,
 or another media type); the errors follow from what the route does: a body can be refused (422,
 413), a generation can fail or be refused (424, 429), and every route that is not open needs the
-API key (401) and a server that is ready (503). Nothing here is written by hand per route, so the
-document cannot drift from the table. OpenAPI 3.1, whose schemas are JSON Schema as pydantic writes
-it. A streaming answer is `text/event-stream`, each event's `data` being the JSON of its models.
+API key (401) and a server that is ready (503). The /v1 routes answer OpenAI's error body with
+OpenAI's statuses instead (400 for 422, 500 for 424 and for a failure of the server's own).
+Nothing here is written by hand per route, so the document cannot drift from the table. OpenAPI
+3.1, whose schemas are JSON Schema as pydantic writes it. A streaming answer is `text/event-stream`, each event's `data` being the JSON of its models.
 Pure: no I/O.
 """
 
@@ -30,6 +31,12 @@ ERRORS = {
     429: "Too many requests in flight (`--max-concurrent-requests`)",
     503: "The server is not ready (loading, warming up with its progress, or failed)",
 }
+# The /v1 routes' errors: OpenAI's body (router/openai_errors.py), with OpenAI's statuses where TGI's differ.
+OPENAI_ERRORS = {
+    400: "The body is invalid or over a limit (a prompt too long: code `context_length_exceeded`)",
+    500: "The generation failed, or the server did",
+}
+OPENAI_STATUS = {422: 400, 424: 500}
 
 
 def _models(routes) -> list[tuple[type[BaseModel], str]]:
@@ -46,10 +53,19 @@ def _one_of(refs: list[dict]) -> dict:
     return refs[0] if len(refs) == 1 else {"oneOf": refs}
 
 
-def _event_schema(refs: list[dict], done_marker: bool) -> dict:
+def _openai(route) -> bool:
+    return route.path.startswith("/v1/")
+
+
+def _error_ref(route) -> dict:
+    return {"$ref": REF.format(model="OpenAIError" if _openai(route) else "ErrorResponse")}
+
+
+def _event_schema(route, refs: list[dict]) -> dict:
     """One server-sent event: its `data` is JSON of one of `refs` (or of an error ending the stream)."""
+    done_marker = route.done_marker
     json_data = {"type": "string", "contentMediaType": "application/json",
-                 "contentSchema": _one_of([*refs, {"$ref": REF.format(model="ErrorResponse")}])}
+                 "contentSchema": _one_of([*refs, _error_ref(route)])}
     data = {"anyOf": [json_data, {"const": "[DONE]"}]} if done_marker else json_data
     return {"type": "object", "properties": {"data": data}, "required": ["data"]}
 
@@ -59,15 +75,15 @@ def _ok(route, refs: dict) -> dict:
     if route.replies:
         content["application/json"] = {"schema": _one_of([refs[m] for m in route.replies])}
     if route.events:
-        content["text/event-stream"] = {"schema": _event_schema([refs[m] for m in route.events], route.done_marker)}
+        content["text/event-stream"] = {"schema": _event_schema(route, [refs[m] for m in route.events])}
     if route.media:
         content[route.media] = {"schema": {"type": "string"}}
     return {"description": "OK", "content": content} if content else {"description": "OK"}
 
 
-def _error(status: int, schema: dict | None = None) -> dict:
-    schema = schema or {"$ref": REF.format(model="ErrorResponse")}
-    return {"description": ERRORS[status], "content": {"application/json": {"schema": schema}}}
+def _error(status: int, schema: dict) -> dict:
+    description = OPENAI_ERRORS.get(status) or ERRORS[status]
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
 def _responses(route, refs: dict) -> dict:
@@ -75,8 +91,10 @@ def _responses(route, refs: dict) -> dict:
     codes = [413, 422] if route.bodies else []
     codes += [424, 429] if route.generates else []
     codes += [] if route.open else [401, 503]
+    if _openai(route):
+        codes = list({OPENAI_STATUS.get(c, c) for c in codes} | {500})
     for code in sorted(codes):
-        out[str(code)] = _error(code)
+        out[str(code)] = _error(code, _error_ref(route))
     if route.unready is not None:
         out["503"] = _error(503, refs[route.unready])
     if route.selects_model:
