@@ -47,6 +47,8 @@ def response(status: int, message: str, *, param: str | None = None, code: str |
 
 
 def status_of(exc: BaseException) -> int:
+    if isinstance(exc, OpenAIRequestError):
+        return exc.status
     if isinstance(exc, ModelNotFoundError):
         return 404
     if isinstance(exc, ValidationError):
@@ -61,6 +63,8 @@ def status_of(exc: BaseException) -> int:
 def exception_body(exc: BaseException) -> dict:
     """The envelope of a request's error (also the event that ends a stream which failed part-way)."""
     status = status_of(exc)
+    if isinstance(exc, OpenAIRequestError):
+        return body(status, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, ContextLengthError):
         return body(status, exc.openai_message, code="context_length_exceeded")
     if isinstance(exc, ModelNotFoundError):
@@ -92,3 +96,12 @@ def json_error_for(path: str, status: int, message: str, kind: str) -> web.Respo
     if applies(path):
         return response(status, message, code="invalid_api_key" if kind == "authentication" else None)
     return json_error(status, message, kind)
+
+
+class OpenAIRequestError(ValidationError):
+    """A /v1 request refused with its own status, `param` and OpenAI `code` (e.g. the 404 of a stored
+    response that is not there); counted as a validation error."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code

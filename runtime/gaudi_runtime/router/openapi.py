@@ -14,6 +14,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel
@@ -24,7 +25,8 @@ from gaudi_runtime.router.response_models import ErrorResponse, OpenAIError
 REF = "#/components/schemas/{model}"
 ERRORS = {
     401: "The API key is missing or wrong (`--api-key`)",
-    404: "`model` names neither the served model nor one of its LoRA adapters (OpenAI's error body)",
+    404: "`model` names neither the served model nor one of its LoRA adapters, or the stored response asked "
+         "for is not there (OpenAI's error body)",
     413: "The body is larger than `--max-request-bytes`",
     422: "The body is invalid or over a limit; the message names the field",
     424: "The generation failed",
@@ -97,7 +99,7 @@ def _responses(route, refs: dict) -> dict:
         out[str(code)] = _error(code, _error_ref(route))
     if route.unready is not None:
         out["503"] = _error(503, refs[route.unready])
-    if route.selects_model:
+    if route.selects_model or route.finds:
         out["404"] = _error(404, refs[OpenAIError])
     return out
 
@@ -108,12 +110,16 @@ def _operation(route, refs: dict) -> dict:
     if route.bodies:
         op["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": _one_of([refs[m] for m in route.bodies])}}}
+    params = re.findall(r"{(\w+)}", route.path)
+    if params:
+        op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+                            for p in params]
     op["security"] = [] if route.open else [{"bearer": []}, {}]
     return op
 
 
 def _operation_id(route) -> str:
-    name = route.path.strip("/").replace("/", "_").replace(".", "_") or "compat_generate"
+    name = re.sub(r"[{}]", "", route.path.strip("/")).replace("/", "_").replace(".", "_") or "compat_generate"
     return f"{route.method.lower()}_{name}"
 
 
