@@ -66,7 +66,9 @@ def exception_body(exc: BaseException) -> dict:
     if isinstance(exc, OpenAIRequestError):
         return body(status, str(exc), param=exc.param, code=exc.code)
     if isinstance(exc, ContextLengthError):
-        return body(status, exc.openai_message, code="context_length_exceeded")
+        # The `openai` client (3.x) puts only the message in the exception's text, where LangChain looks
+        # for the code: the message ends with it.
+        return body(status, f"{exc.openai_message} (context_length_exceeded)", code="context_length_exceeded")
     if isinstance(exc, ModelNotFoundError):
         return body(status, str(exc), param="model", code="model_not_found")
     message = str(exc) or type(exc).__name__
