@@ -175,3 +175,13 @@ def test_a_reasoning_text_becomes_a_reasoning_item_first():
                      "response.completed"]
     assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
     assert final["output"][0]["content"][0]["text"] == "2+2 is 4"
+
+
+def test_huggingface_hub_chat_client_shows_openais_error_message(server):
+    """huggingface_hub reads `error` as text: OpenAI's envelope still puts the message in its exception."""
+    from huggingface_hub import InferenceClient
+    from huggingface_hub.errors import HfHubHTTPError
+
+    hf = InferenceClient(base_url=server.url, timeout=60)
+    with pytest.raises(HfHubHTTPError, match="maximum context length is 1024 tokens"):
+        hf.chat_completion([{"role": "user", "content": "word " * 3000}], max_tokens=2)
