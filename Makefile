@@ -16,11 +16,13 @@ $(BIN)/gaudi-serve: pyproject.toml
 
 venv: $(BIN)/gaudi-serve
 
-# Serve a tiny random-weight Llama generated on the spot, on CPU.
+# Serve a tiny random-weight Llama generated on the spot, on CPU. The limits leave room for a tool
+# call (the tool prompt alone is about 300 tokens of this tokenizer) and a short conversation.
 serve: venv
 	test -f $(MODEL)/config.json || $(BIN)/gaudi-serve tiny-model $(MODEL) --family llama
 	$(BIN)/gaudi-serve launch --model-id $(MODEL) --hostname 127.0.0.1 --port $(PORT) \
-	  --dtype float32 --max-input-tokens 256 --max-total-tokens 512 --max-batch-size 16
+	  --dtype float32 --max-input-tokens 3072 --max-total-tokens 4096 --max-batch-prefill-tokens 4096 \
+	  --max-batch-size 16
 
 test: venv
 	$(BIN)/ruff check runtime operator tests

@@ -12,6 +12,7 @@ Pure (no I/O): the tests fetch the document and the answers.
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 
@@ -22,9 +23,20 @@ class Contract:
     def __init__(self, document: dict):
         self.document = document
 
+    def template(self, path: str) -> str:
+        """The documented path `path` is an instance of (`/v1/responses/{response_id}` for
+        `/v1/responses/resp_1`), or `path` itself."""
+        paths = self.document["paths"]
+        if path in paths:
+            return path
+        for documented in paths:
+            if re.fullmatch(re.sub(r"\\{\w+\\}", "[^/]+", re.escape(documented)), path):
+                return documented
+        return path
+
     def schema(self, method: str, path: str, status: int, media: str) -> dict:
         """The documented schema of the answer (a KeyError names what the document lacks)."""
-        responses = self.document["paths"][path][method.lower()]["responses"]
+        responses = self.document["paths"][self.template(path)][method.lower()]["responses"]
         if str(status) not in responses:
             raise KeyError(f"{method} {path} does not document status {status} (only {', '.join(responses)})")
         content = responses[str(status)].get("content", {})

@@ -165,8 +165,9 @@ def test_openai_errors(oai):
     import openai
 
     model = oai.models.list().data[0].id
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as e:
         oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                     max_tokens=10**6)
-    with pytest.raises(openai.UnprocessableEntityError):
+    assert e.value.code == "context_length_exceeded" and e.value.type == "BadRequestError"
+    with pytest.raises(openai.BadRequestError, match="client batch size"):
         oai.completions.create(model=model, prompt=[PROMPT] * 100, max_tokens=2)

@@ -2,7 +2,8 @@
 
 schemathesis generates bodies for every documented route from /api-doc/openapi.json, valid ones and
 ones that break the schema, and checks each answer: no 500, the status, media type and body
-documented for it (streams event by event: each event's `data` against the events' models), no
+documented for it (streams event by event: each event's `data` against the events' models; every
+/v1 error also against OpenAI's own error schema), no
 request left hanging (each has a timeout). Besides the generated bodies, each route gets the bodies
 of EXPLICIT every run: the answers random bodies rarely reach (several choices, log-probabilities,
 best_of, streams with their usage chunk), checked the same way. Afterwards the server still serves
@@ -18,6 +19,7 @@ import os
 import time
 import urllib.request
 
+import jsonschema
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, example, given, settings
@@ -57,7 +59,15 @@ EXPLICIT = {  # path -> bodies sent every run besides the generated ones
     "/v1/completions": [COMPLETION, {**COMPLETION, **USAGE}, {"prompt": "hello", "best_of": 2, "max_tokens": 4}],
     "/v1/chat/completions": [CHAT, {**CHAT, **USAGE}],
     "/invocations": [{**CHAT, **USAGE}, {**COMPLETION, **USAGE}, {**TGI_STREAM, "stream": True}],
+    "/v1/responses": [{"input": "hello world", "max_output_tokens": 6},
+                      {"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+                       "instructions": "be brief", "max_output_tokens": 6, "stream": True}],
 }
+# OpenAI's own schema of an error body (its API's `ErrorResponse`): every /v1 error must follow it.
+OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +111,8 @@ def test_every_documented_route_answers_within_its_contract(api_schema, method, 
         key = (f"{method} {path}", response.status_code, response.headers.get("content-type", [""])[0].split(";")[0])
         RUN["by_status"][key] = RUN["by_status"].get(key, 0) + 1
         case.validate_response(response, checks=CHECKS)
+        if path.startswith("/v1/") and response.status_code >= 400:
+            jsonschema.validate(response.json(), OPENAI_ERROR)
 
     if mode == GenerationMode.POSITIVE:
         for body in EXPLICIT.get(path, ()):

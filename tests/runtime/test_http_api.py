@@ -60,12 +60,31 @@ async def stream(url: str, path: str, body: dict, headers: dict | None = None) -
     return status, [p if p == "[DONE]" else json.loads(p) for p in payloads], h
 
 
+OPENAI_STATUS = {422: 400, 424: 500}  # TGI's status -> OpenAI's, for the same error on a /v1 route
+OPENAI_TYPE = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "BadRequestError",
+               429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
 def assert_error(status, body, want_status, want_type, message: str | None = None):
+    """TGI's error (`want_status`, `want_type`); or, where the answer is OpenAI's envelope (the /v1
+    routes), the same error in OpenAI's shape with OpenAI's status."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        assert_openai_error(status, body, OPENAI_STATUS.get(want_status, want_status), message)
+        return
     assert status == want_status, body
     assert isinstance(body, dict) and set(body) == {"error", "error_type"}, body
     assert body["error_type"] == want_type
     if message is not None:
         assert message in body["error"], body
+
+
+def assert_openai_error(status, body, want_status, message: str | None = None):
+    assert status == want_status, body
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["type"] == OPENAI_TYPE[want_status], body
+    if message is not None:
+        assert message in body["error"]["message"], body
 
 
 # --- /generate ---------------------------------------------------------------------------
@@ -348,6 +367,9 @@ async def test_until_ready_every_route_but_the_open_ones_answers_503_with_the_wa
             assert status == (503 if path == "/health" else 200), (path, status, body)
             continue
         assert status == 503, (path, status, body)
+        if path.startswith("/v1/"):  # OpenAI's envelope, which has no room for the progress
+            assert_openai_error(status, body, 503, "the server cannot serve requests yet (warming_up)")
+            continue
         assert body == {"error": "the server cannot serve requests yet (warming_up)", "error_type": "unhealthy",
                         "warmup": {"done": 3, "total": 10, "phase": "prefill"}}, (path, body)
     assert seen["/health"][1] == {"status": "warming_up", "warmup": {"done": 3, "total": 10, "phase": "prefill"}}
@@ -497,7 +519,7 @@ async def test_completions_ignore_eos_generates_to_max_tokens(fake_server):
     _, b, _ = await call(fake_server.url, "/v1/completions", {**body, "ignore_eos": True})
     assert b["choices"][0]["finish_reason"] == "length" and b["usage"]["completion_tokens"] == 6
     status, b, _ = await call(fake_server.url, "/v1/completions", {**body, "ignore_eos": "yes"})
-    assert status == 422 and "ignore_eos" in b["error"]
+    assert_error(status, b, 422, "validation", "ignore_eos")
 
 
 async def test_completions_prompt_list(fake_server):

@@ -156,7 +156,7 @@ def test_unknown_adapters_are_refused_and_the_server_goes_on(server):
 
     tgi, oai, models, info, after = asyncio.run(run())
     assert tgi[0] == 422 and tgi[1]["error_type"] == "validation" and "nope" in tgi[1]["error"]
-    assert oai == (404, {"error": {"message": "The model `nope` does not exist.", "type": "invalid_request_error",
+    assert oai == (404, {"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError",
                                    "param": "model", "code": "model_not_found"}})
     cards = {m["id"]: m for m in models["data"]}
     assert cards["base"]["parent"] is None and cards["base"]["root"] == str(server.model_dir)

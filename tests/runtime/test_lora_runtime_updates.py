@@ -159,11 +159,11 @@ def test_an_unloaded_adapter_is_gone_for_new_requests(server, made):
 
     (unloaded, v1, tgi, again), models = asyncio.run(run())
     assert unloaded == (200, "Success: LoRA adapter 'code' removed successfully.")
-    assert v1 == (404, {"error": {"message": "The model `code` does not exist.", "type": "invalid_request_error",
+    assert v1 == (404, {"error": {"message": "The model `code` does not exist.", "type": "NotFoundError",
                                   "param": "model", "code": "model_not_found"}})
     assert tgi[0] == 422 and "not a served adapter" in tgi[1]["error"]
     assert again == (404, {"error": {"message": "The lora adapter 'code' cannot be found.", "type": "NotFoundError",
-                                     "param": None, "code": 404}})
+                                     "param": None, "code": None}})
     assert "code" not in {m["id"] for m in models}
     _, info = get_json(server.url + "/info")
     assert "code" not in info["lora_adapters"] and info["runtime_lora_updating"] is True
@@ -229,7 +229,7 @@ def test_a_changed_adapter_reloaded_under_its_name_gives_the_new_tokens_with_the
     assert first == [old, old]
     assert refused[0] == 400 and refused[1]["error"] == {
         "message": "The lora adapter 'v' has already been loaded. If you want to load the adapter in place, "
-                   "set 'load_inplace' to True.", "type": "InvalidUserInput", "param": None, "code": 400}
+                   "set 'load_inplace' to True.", "type": "InvalidUserInput", "param": None, "code": None}
     assert reloaded == (200, "Success: LoRA adapter 'v' added successfully.")
     assert second == [new, new]
     assert hits_after > hits  # the repeat hit the new adapter's blocks (not the old one's: its tokens differ)
@@ -269,7 +269,7 @@ def test_bad_input_is_refused_clearly_and_the_loaded_adapters_keep_serving(serve
     answers, sql, models = asyncio.run(run())
     for (body, status, message), (got_status, got) in zip(cases, answers):
         assert got_status == status and message in got["error"]["message"], (body, got)
-        assert got["error"]["code"] == status and got["error"]["type"] in (
+        assert got["error"]["code"] is None and got["error"]["type"] in (
             "InvalidUserInput", "BadRequestError", "NotFoundError")
     assert sql == peft_greedy(model_dir, adapters["sql"], PROMPT, 12)
     assert "x" not in {m["id"] for m in models}

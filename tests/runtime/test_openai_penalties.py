@@ -74,9 +74,9 @@ async def test_frequency_penalty_counts_generated_tokens_as_openai_defines_it(se
     assert got == penalised_greedy(model_dir, PROMPT, MAX_TOKENS, presence=-0.5, frequency=1.5)
 
 
-async def test_penalty_out_of_range_is_a_422_naming_it(server):
+async def test_penalty_out_of_range_is_a_400_naming_it(server):
     body = {"prompt": PROMPT, "max_tokens": 2, "presence_penalty": 2.5}
     async with aiohttp.ClientSession() as s, s.post(server.url + "/v1/completions", json=body) as r:
-        assert r.status == 422
-        assert (await r.json()) == {"error": "`presence_penalty` must be >= -2.0 and <= 2.0. Given: 2.5",
-                                    "error_type": "validation"}
+        assert r.status == 400
+        assert (await r.json()) == {"error": {"message": "`presence_penalty` must be >= -2.0 and <= 2.0. Given: 2.5",
+                                              "type": "BadRequestError", "param": None, "code": None}}

@@ -43,7 +43,11 @@ async def test_the_document_describes_every_route_of_the_table(fake_server):
         codes = set(op["responses"])
         assert "200" in codes
         assert ({"401", "503"} <= codes) != r.open, r.path
-        assert ({"413", "422"} <= codes) == bool(r.bodies), r.path
+        refused = {"413", "400"} if r.path.startswith("/v1/") else {"413", "422"}
+        assert (refused <= codes) == bool(r.bodies), r.path
+        if r.path.startswith("/v1/"):  # OpenAI's error body on every /v1 error
+            assert {json.dumps(e["content"]["application/json"]["schema"]) for c, e in op["responses"].items()
+                    if c != "200"} == {'{"$ref": "#/components/schemas/OpenAIError"}'}, r.path
     generate = schemas["GenerateParameters"]["properties"]
     assert generate["stop"]["anyOf"][0] == {"anyOf": [{"type": "string"}, {"items": {"type": "string"},
                                                                              "type": "array"}]}
@@ -210,28 +214,38 @@ async def test_every_other_route_follows_the_document(server_url):
 
 
 async def test_errors_follow_the_document(make_server):
-    """Each error status with TGI's body, and the error event that ends each kind of stream."""
+    """Each error status with TGI's body on TGI's routes and OpenAI's on /v1, and the error event
+    that ends each kind of stream."""
     s = make_server(MAX_REQUEST_BYTES="4096")
     api = await CheckedClient.of(s.url)
     await api("/generate", {"inputs": ""}, status=422)
-    await api("/v1/chat/completions", {"messages": []}, status=422)
-    await api("/v1/completions", {"prompt": "x", "n": 99}, status=422)
-    await api("/generate", data=b'{"inputs": "' + b"x" * 5000 + b'"}', status=413,
-              headers={"Content-Type": "application/json"})
+    assert (await api("/v1/chat/completions", {"messages": []}, status=400))["error"]["type"] == "BadRequestError"
+    await api("/v1/completions", {"prompt": "x", "n": 99}, status=400)
+    too_long = (await api("/v1/completions", {"prompt": "x", "max_tokens": 10**6}, status=400))["error"]
+    assert too_long["code"] == "context_length_exceeded" and "maximum context length" in too_long["message"]
+    huge = b'{"inputs": "' + b"x" * 5000 + b'"}'
+    await api("/generate", data=huge, status=413, headers={"Content-Type": "application/json"})
+    await api("/v1/completions", data=huge, status=413, headers={"Content-Type": "application/json"})
     await api("/generate", {"inputs": "FAIL:generation"}, status=424)
+    await api("/v1/completions", {"prompt": "FAIL:generation"}, status=500)
     await api("/generate_stream", {"inputs": "FAIL:overloaded"}, status=429)
-    for path, body in (("/generate_stream", {"inputs": "FAIL:after=2 hello world"}),
-                       ("/v1/completions", {"prompt": "FAIL:after=2 hello world", "stream": True}),
+    assert (await api("/v1/completions", {"prompt": "FAIL:overloaded", "stream": True}, status=429))["error"][
+        "type"] == "RateLimitError"
+    events = await api("/generate_stream", {"inputs": "FAIL:after=2 hello world"})
+    assert events[-1]["error_type"] == "generation", events
+    for path, body in (("/v1/completions", {"prompt": "FAIL:after=2 hello world", "stream": True}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "FAIL:after=2 hello"}],
                                                  "stream": True})):
         events = await api(path, body)
-        assert events[-1]["error_type"] == "generation", events
+        assert events[-1]["error"]["type"] == "InternalServerError", events
     s.engine.healthy = False
     s.engine.health_body = {"status": "warming_up", "warmup": {"done": 1, "total": 3, "phase": "prefill"}}
     assert (await api("/generate", {"inputs": "hello"}, status=503))["warmup"]["total"] == 3
+    assert (await api("/v1/completions", {"prompt": "hello"}, status=503))["error"]["type"] == \
+        "ServiceUnavailableError"
     assert (await api("/health", method="GET", status=503))["status"] == "warming_up"
     locked = await CheckedClient.of(make_server(API_KEY="k").url)
-    await locked("/v1/models", method="GET", status=401)
+    assert (await locked("/v1/models", method="GET", status=401))["error"]["code"] == "invalid_api_key"
     await locked("/v1/models", method="GET", headers={"Authorization": "Bearer k"})
 
 

@@ -128,7 +128,7 @@ def test_thinking_switched_off_is_all_answer(qwen3):
 def test_chat_template_kwargs_cannot_set_the_renderers_own_options(qwen3):
     r = httpx.post(qwen3.url + "/v1/chat/completions", timeout=60, json={
         "messages": ask("x"), "chat_template_kwargs": {"tokenize": True}})
-    assert r.status_code == 422 and "chat_template_kwargs" in r.text
+    assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"]
 
 
 class Weather(BaseModel):
@@ -205,3 +205,19 @@ def test_deepseek_grammar_waits_for_the_prompts_open_thinking(deepseek):
     grammar = deepseek.engine.started[-1].grammar
     assert grammar.kind == "structural_tag" and "<｜tool▁calls▁begin｜>" in grammar.value
     assert grammar.thinking[2] is True  # the prompt opened it: no `<think>` comes first
+
+
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(qwen3):
+    """`/v1/responses` on a reasoning model: a reasoning item, then the answer's message, whole and
+    streamed (what the Agents SDK and `client.responses.create` read)."""
+    out = client(qwen3).responses.create(model="m", input=f"REPLY<<{THOUGHT}>>END", max_output_tokens=200)
+    kinds = [item.type for item in out.output]
+    assert kinds == ["reasoning", "message"], kinds
+    assert "Paris is sunny" in out.output[0].content[0].text
+    assert out.output_text == "It is sunny in Paris."
+    events = list(client(qwen3).responses.create(model="m", input=f"REPLY<<{THOUGHT}>>END",
+                                                 max_output_tokens=200, stream=True))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert "Paris is sunny" in thought and answer == "It is sunny in Paris."
+    assert events[-1].type == "response.completed"

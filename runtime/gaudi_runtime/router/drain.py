@@ -2,8 +2,8 @@
 
 On SIGTERM (a pod deletion: scale-down, rollout, node drain) `shut_down` puts
 the app in draining mode: every new request but those of the open routes
-(/ping, /metrics, the API documents) answers 503 in TGI's error shape
-(`error_type` `unhealthy`), /health answers 503 so that the Service drops the
+(/ping, /metrics, the API documents) answers 503 in its route's error shape
+(TGI's `unhealthy`, OpenAI's on /v1), /health answers 503 so that the Service drops the
 pod, and the requests already admitted run to their end.
 When the grace period (--shutdown-grace-seconds) ends first, the engine ends
 the requests left with an error, so a stream never stops without a final
@@ -18,7 +18,7 @@ import logging
 
 from aiohttp import web
 
-from gaudi_runtime.router.errors import json_error
+from gaudi_runtime.router.openai_errors import json_error_for
 from gaudi_runtime.router.routes import open_route
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class Drain:
                                          status=503)
             return await handler(request)
         if self.draining:
-            return json_error(503, SHUTTING_DOWN, "unhealthy")
+            return json_error_for(request.path, 503, SHUTTING_DOWN, "unhealthy")
         self.in_flight += 1
         self.idle.clear()
         try:

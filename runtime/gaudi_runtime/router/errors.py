@@ -1,4 +1,5 @@
-"""HTTP errors in TGI's shape: `{"error": message, "error_type": kind}`.
+"""HTTP errors in TGI's shape: `{"error": message, "error_type": kind}` (the /v1 routes answer
+OpenAI's instead: `openai_errors`).
 
 422 validation, 424 generation, 429 overloaded, 503 unhealthy, 401 authentication.
 """
@@ -18,11 +19,20 @@ class ValidationError(ValueError):
 
 class ModelNotFoundError(ValidationError):
     """A /v1 request's `model` is neither the base model nor a served adapter: HTTP 404 in OpenAI's
-    shape (`openai_not_found`), counted as a validation error."""
+    shape (`openai_errors`) on every route, counted as a validation error."""
 
     def __init__(self, model: str):
         super().__init__(f"The model `{model}` does not exist.")
         self.model = model
+
+
+class ContextLengthError(ValidationError):
+    """The prompt, or the prompt with the tokens asked for, does not fit the model's limits: TGI's
+    message on TGI's routes, `openai_message` (worded as vLLM words it) on /v1."""
+
+    def __init__(self, message: str, openai_message: str):
+        super().__init__(message)
+        self.openai_message = openai_message
 
 
 class UnhealthyError(Exception):
@@ -53,12 +63,6 @@ def error_type(exc: BaseException) -> str:
 
 def error_body(exc: BaseException) -> dict:
     return {"error": str(exc) or type(exc).__name__, "error_type": error_type(exc)}
-
-
-def openai_not_found(exc: ModelNotFoundError) -> web.Response:
-    body = {"error": {"message": str(exc), "type": "invalid_request_error", "param": "model",
-                      "code": "model_not_found"}}
-    return web.json_response(body, status=404)
 
 
 def error_response(exc: BaseException) -> web.Response:

@@ -1,12 +1,14 @@
 """vLLM's `POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (router/adapter_updates.py
 does the work), in vLLM's shapes: bodies `{"lora_name", "lora_path", "load_inplace"}` and
 `{"lora_name"}`; a success is 200 with a line of text, a refusal vLLM's error object
-`{"error": {"message", "type", "param", "code"}}` (400 bad input, 404 an adapter not found)."""
+`{"error": {"message", "type", "param", "code"}}` (400 bad input, 404 an adapter not found), as
+every /v1 route sends it (`openai_errors`: `code` is OpenAI's string or null, not vLLM's number)."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
+from gaudi_runtime.router import openai_errors
 from gaudi_runtime.router.adapter_updates import UpdateError
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.state import get_state
@@ -14,8 +16,10 @@ from gaudi_runtime.router.validation import parse_json_body
 
 
 def vllm_error(status: int, kind: str, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                             status=status)
+    """OpenAI's envelope as every /v1 route sends it (`openai_errors`), with vLLM's error kind as its type."""
+    answer = openai_errors.body(status, message)
+    answer["error"]["type"] = kind
+    return web.json_response(answer, status=status)
 
 
 async def _body(request: web.Request, fields: dict[str, type]) -> dict:

@@ -279,7 +279,19 @@ def _tool_chunks(i: int, ev: StreamEvent, stream, unsent: list[dict], lp: dict |
     return out
 
 
-async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> web.StreamResponse:
+@dataclass
+class ChatJob:
+    """A chat request parsed, validated and admitted: what generating and answering it needs (also
+    the Responses API's, which runs on this path: `responses_api`)."""
+
+    req: ChatCompletionRequest
+    reqs: list[ValidRequest]
+    fmt: str | None  # the tool-call format its output is parsed in, when it has tools
+    slot: int  # its adapter's slot (0: the base model)
+    thinking: str | None = None  # where its output starts (reasoning.start_state), with a reasoning parser
+
+
+async def prepare_chat(request: web.Request, body: dict, rec: RequestRecorder) -> ChatJob:
     state = get_state(request)
     limits, structured = state.config.limits, state.config.structured_output
     with recorded(rec):
@@ -294,13 +306,20 @@ async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> we
         reqs = [replace(r, adapter=slot, adapter_load=load)
                 for r in chat_requests(prompt, images, params, req, limits, structured, state.tokenizer, tools)]
         await admit(state, rec, reqs)
-    envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", served_name(state, slot))
+    return ChatJob(req, reqs, tools.fmt, slot, thinking)
+
+
+async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> web.StreamResponse:
+    state = get_state(request)
+    job = await prepare_chat(request, body, rec)
+    req, reqs = job.req, job.reqs
+    envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", served_name(state, job.slot))
     if req.stream:
         return await _stream(request, reqs, req, rec, envelope, "chat.completion.chunk",
-                             _chat_chunk_choice(req, tools.fmt, thinking))
+                             _chat_chunk_choice(req, job.fmt, job.thinking))
     gens = await generate_all(state, reqs, rec)
     rec.success_pending()
-    choices = [_chat_choice(i, g, req, tools.fmt, thinking) for i, g in enumerate(gens)]
+    choices = [_chat_choice(i, g, req, job.fmt, job.thinking) for i, g in enumerate(gens)]
     return json_response(envelope.wrap("chat.completion", choices, _generated(gens)))
 
 

@@ -359,13 +359,18 @@ class ModelCard(Closed):
 
 class OpenAIErrorDetail(Closed):
     message: str
-    type: str
-    param: str | None
-    code: str | None
+    type: str = Field(description="vLLM's kind of error: BadRequestError (400), AuthenticationError (401), "
+                                  "NotFoundError (404), RateLimitError (429), ServiceUnavailableError (503), "
+                                  "InternalServerError (500)")
+    param: str | None = Field(description="The field at fault, when one is")
+    code: str | None = Field(description="OpenAI's code, when one applies: context_length_exceeded, "
+                                         "model_not_found, invalid_api_key")
 
 
 class OpenAIError(Closed):
-    """OpenAI's error body: what /v1 answers when `model` names no served model or adapter (404)."""
+    """OpenAI's error body, as vLLM sends it: every error of a /v1 route (and the event that ends a
+    /v1 stream which failed part-way), and the 404 of a `model` that names no served model or
+    adapter on any route."""
 
     error: OpenAIErrorDetail
 

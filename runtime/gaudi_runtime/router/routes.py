@@ -13,8 +13,9 @@ from aiohttp import web
 from pydantic import BaseModel
 
 import gaudi_runtime
-from gaudi_runtime.router import docs_ui, lora_api, openai_api, tgi_api
+from gaudi_runtime.router import docs_ui, lora_api, openai_api, responses_api, tgi_api
 from gaudi_runtime.router import response_models as rm
+from gaudi_runtime.router import responses_models as rsp
 from gaudi_runtime.router.http_common import read_body, recorder
 from gaudi_runtime.router.openapi import openapi_document
 from gaudi_runtime.router.request_models import (
@@ -23,6 +24,7 @@ from gaudi_runtime.router.request_models import (
     GenerateRequest,
     TokenizeRequest,
 )
+from gaudi_runtime.router.responses_store import RESPONSES, ResponseStore
 
 
 async def handle_invocations(request: web.Request) -> web.StreamResponse:
@@ -56,6 +58,7 @@ class Route:
     unready: type[BaseModel] | None = None  # an open route's own 503 body
     documented: bool = True  # described by the OpenAPI document
     selects_model: bool = False  # its body's `model` may name no served model: OpenAI's 404
+    finds: bool = False  # its path names something that may not be there (a stored response): 404
 
 
 async def handle_openapi(request: web.Request) -> web.Response:
@@ -88,6 +91,13 @@ ROUTES = (
     Route("POST", "/v1/chat/completions", openai_api.handle_chat, (ChatCompletionRequest,),
           replies=(rm.ChatCompletion,), events=(rm.ChatCompletionChunk,), generates=True, done_marker=True,
           summary="OpenAI chat completions", tag=OPENAI, selects_model=True),
+    Route("POST", "/v1/responses", responses_api.handle_create, (rsp.ResponsesRequest,), replies=(rsp.Response,),
+          events=rsp.STREAM_EVENTS, generates=True, summary="OpenAI responses (on the chat path)", tag=OPENAI,
+          selects_model=True, finds=True),
+    Route("GET", "/v1/responses/{response_id}", responses_api.handle_get, replies=(rsp.Response,),
+          summary="A stored response", tag=OPENAI, finds=True),
+    Route("DELETE", "/v1/responses/{response_id}", responses_api.handle_delete, replies=(rsp.ResponseDeleted,),
+          summary="Delete a stored response", tag=OPENAI, finds=True),
     Route("GET", "/info", tgi_api.handle_info, replies=(rm.Info,), summary="The model and the server's limits",
           tag=TGI),
     Route("GET", "/v1/models", openai_api.handle_models, replies=(rm.ModelList,),
@@ -115,6 +125,7 @@ LORA_ROUTES = (
 
 
 def add_routes(app: web.Application, runtime_lora_updating: bool = False) -> None:
+    app[RESPONSES] = ResponseStore()
     for route in ROUTES + (LORA_ROUTES if runtime_lora_updating else ()):
         app.router.add_route(route.method, route.path, route.handler)
 

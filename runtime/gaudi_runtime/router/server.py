@@ -23,11 +23,10 @@ from gaudi_runtime.router.errors import (
     ModelNotFoundError,
     UnhealthyError,
     ValidationError,
-    error_response,
-    json_error,
-    openai_not_found,
 )
 from gaudi_runtime.router.metrics import Metrics
+from gaudi_runtime.router.openai_errors import applies as openai_route
+from gaudi_runtime.router.openai_errors import error_response_for, exception_response, json_error_for
 from gaudi_runtime.router.reasoning import thinking_tokens
 from gaudi_runtime.router.routes import add_routes, open_route
 from gaudi_runtime.router.state import STATE, AppState
@@ -61,9 +60,9 @@ def _cors_headers(server: ServerConfig, request: web.Request) -> dict[str, str]:
     return h
 
 
-def too_large(server: ServerConfig, size: int | None = None) -> web.Response:
+def too_large(server: ServerConfig, size: int | None = None, path: str = "") -> web.Response:
     given = f"{size} bytes, " if size is not None else ""
-    return json_error(413, f"Request body too large: {given}more than --max-request-bytes "
+    return json_error_for(path, 413, f"Request body too large: {given}more than --max-request-bytes "
                            f"({server.max_request_bytes})", "validation")
 
 
@@ -75,11 +74,14 @@ def authorized(server: ServerConfig, request: web.Request) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), server.api_key.encode())
 
 
-def not_ready(health: dict) -> web.Response:
+def not_ready(health: dict, path: str = "") -> web.Response:
     """The one answer of every route but the open ones until the server can serve: TGI's error
-    body, with the warmup's progress while it warms up."""
+    body, with the warmup's progress while it warms up (OpenAI's on /v1)."""
     status = health.get("status", "unhealthy") if isinstance(health, dict) else "unhealthy"
-    body = {"error": f"the server cannot serve requests yet ({status})", "error_type": "unhealthy"}
+    message = f"the server cannot serve requests yet ({status})"
+    if openai_route(path):
+        return json_error_for(path, 503, message, "unhealthy")
+    body = {"error": message, "error_type": "unhealthy"}
     if isinstance(health, dict) and health.get("warmup") is not None:
         body["warmup"] = health["warmup"]
     return web.json_response(body, status=503)
@@ -96,14 +98,14 @@ def _middlewares(server: ServerConfig, engine: Engine) -> list:
     async def gate(request: web.Request, handler):
         """Body size first (before anything reads it), then the API key, then readiness."""
         if request.content_length is not None and request.content_length > server.max_request_bytes:
-            return too_large(server, request.content_length)
+            return too_large(server, request.content_length, request.path)
         if open_route(request):
             return await handler(request)
         if not authorized(server, request):
-            return json_error(401, "Unauthorized: a valid `Authorization: Bearer <api key>` header is required",
-                              "authentication")
+            return json_error_for(request.path, 401, "Unauthorized: a valid `Authorization: Bearer <api key>` "
+                                                     "header is required", "authentication")
         ready, health = engine.health()
-        return await handler(request) if ready else not_ready(health)
+        return await handler(request) if ready else not_ready(health, request.path)
 
     return [cors, gate, _errors(server)]
 
@@ -114,16 +116,18 @@ def _errors(server: ServerConfig):
         try:
             return await handler(request)
         except ModelNotFoundError as e:
-            return openai_not_found(e)
+            return exception_response(e)  # OpenAI's 404, /invocations included
         except (ValidationError, OverloadedError, GenerationError, UnhealthyError) as e:
-            return error_response(e)
+            return error_response_for(request.path, e)
         except web.HTTPRequestEntityTooLarge:
-            return too_large(server)
-        except web.HTTPException:
+            return too_large(server, path=request.path)
+        except web.HTTPException as e:
+            if e.status >= 400 and openai_route(request.path):  # an unknown /v1 path or method
+                return json_error_for(request.path, e.status, e.reason, "validation")
             raise
         except Exception as e:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return json_error(500, f"internal error: {type(e).__name__}: {e}", "internal")
+            return json_error_for(request.path, 500, f"internal error: {type(e).__name__}: {e}", "internal")
 
     return errors
 

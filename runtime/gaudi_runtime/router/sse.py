@@ -64,12 +64,12 @@ async def drive(request: web.Request, items, rec, render, finish=None,
     `render(item)` gives the payloads for one item (the events ready together: one write);
     `finish()` those sent after the last (e.g. usage and "[DONE]"). The first item is awaited before the response
     starts, so an engine that refuses the request (overloaded, failed) still gets its
-    own status code. A failure after that becomes an `{"error", "error_type"}` event.
+    own status code. A failure after that becomes an error event in the route's shape (`openai_errors`).
     `rec` is the RequestRecorder: told of success, failure or a client gone.
     """
     from contextlib import aclosing
 
-    from gaudi_runtime.router.errors import error_body, error_response
+    from gaudi_runtime.router.openai_errors import error_body_for, error_response_for
 
     async with aclosing(items):
         try:
@@ -78,7 +78,7 @@ async def drive(request: web.Request, items, rec, render, finish=None,
             first = None
         except Exception as e:
             rec.failure(e)
-            return error_response(e)
+            return error_response_for(request.path, e)
         except BaseException:
             rec.cancelled()
             raise
@@ -96,7 +96,7 @@ async def drive(request: web.Request, items, rec, render, finish=None,
         except Exception as e:
             rec.failure(e)
             try:
-                await send(resp, error_body(e))
+                await send(resp, error_body_for(request.path, e))
             except ClientGone:
                 return resp
         except BaseException:

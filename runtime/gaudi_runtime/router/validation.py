@@ -17,7 +17,7 @@ from typing import Protocol
 
 from gaudi_runtime.config import LimitsConfig, StructuredOutputConfig
 from gaudi_runtime.params import SamplingParameters, samples
-from gaudi_runtime.router.errors import ValidationError
+from gaudi_runtime.router.errors import ContextLengthError, ValidationError
 from gaudi_runtime.router.request_models import (
     MAX_SEED,
     MAX_U32,
@@ -221,14 +221,19 @@ def fit_input(input_ids: list[int], truncate: int | None, max_new_tokens: int | 
         input_ids = input_ids[-truncate:]
     input_length = len(input_ids)
     if input_length > limits.max_input_tokens:
-        raise ValidationError(
-            f"`inputs` must have less than {limits.max_input_tokens} tokens. Given: {input_length}")
+        raise ContextLengthError(
+            f"`inputs` must have less than {limits.max_input_tokens} tokens. Given: {input_length}",
+            f"This model's maximum context length is {limits.max_input_tokens} tokens. However, your request "
+            f"has {input_length} input tokens. Please reduce the length of the input messages.")
     if max_new_tokens is None:
         max_new_tokens = limits.max_total_tokens - input_length
     if input_length + max_new_tokens > limits.max_total_tokens:
-        raise ValidationError(
+        raise ContextLengthError(
             f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
-            f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`")
+            f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`",
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_new_tokens}. This model's maximum "
+            f"context length is {limits.max_total_tokens} tokens and your request has {input_length} input "
+            f"tokens ({max_new_tokens} > {limits.max_total_tokens} - {input_length}).")
     return input_ids, max_new_tokens
 
 
