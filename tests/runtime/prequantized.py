@@ -103,3 +103,81 @@ def reference_model(model_dir: Path):
     if cfg["quantization_config"]["quant_method"] == "compressed-tensors":
         kwargs["quantization_config"] = transformers.CompressedTensorsConfig(run_compressed=False)
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+
+
+# -- GPTQ (AutoGPTQ / GPTQModel `gptq` format) ---------------------------------------------------------
+
+
+def gptq_quantize(w: torch.Tensor, bits: int, group: int, desc_act: bool, sym: bool, seed: int = 0) -> dict:
+    """A GPTQ layer's tensors for weight `w` ``[out, in]``: round-to-nearest per group (what GPTQ stores;
+    its error correction only changes which integers are stored). With `desc_act` the input rows are
+    grouped in a random order, as act-order leaves them."""
+    out, cols = w.shape
+    group = cols if group == -1 else group
+    maxq = (1 << bits) - 1
+    order = torch.randperm(cols, generator=torch.Generator().manual_seed(seed)) if desc_act else torch.arange(cols)
+    g_idx = torch.empty(cols, dtype=torch.int32)
+    g_idx[order] = (torch.arange(cols) // group).to(torch.int32)
+    groups = cols // group
+    wt = w.float().t()  # [in, out]
+    scales, zeros = torch.empty(groups, out), torch.empty(groups, out, dtype=torch.int32)
+    for g in range(groups):
+        rows = wt[g_idx == g]
+        if sym:
+            scales[g] = (rows.abs().amax(0) * 2 / maxq).clamp(min=1e-8)
+            zeros[g] = (maxq + 1) // 2
+        else:
+            lo, hi = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
+            scales[g] = ((hi - lo) / maxq).clamp(min=1e-8)
+            zeros[g] = torch.round(-lo / scales[g]).to(torch.int32)
+    scales = scales.half()
+    q = torch.clamp(torch.round(wt / scales[g_idx].float()) + zeros[g_idx], 0, maxq).to(torch.int32)
+    return {"qweight": pack_rows(q, bits), "qzeros": pack_rows((zeros - 1).t(), bits).t().contiguous(),
+            "scales": scales, "g_idx": g_idx}
+
+
+def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[n, m]`` small ints -> int32 ``[n * bits / 32, m]``: 32 / bits consecutive rows per word, lowest first."""
+    per = 32 // bits
+    v = values.to(torch.int64).reshape(-1, per, values.shape[1])
+    word = torch.zeros(v.shape[0], v.shape[2], dtype=torch.int64)
+    for k in range(per):
+        word |= (v[:, k] & ((1 << bits) - 1)) << (bits * k)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)  # the same 32 bits, as int32
+
+
+def gptq_reference_weight(t: dict, bits: int) -> torch.Tensor:
+    """The dense ``[out, in]`` weight, from the format's documentation (AutoGPTQ's QuantLinear): an input
+    row i is bits ``bits*(i % p)`` of ``qweight[i // p]``; zero j of a group is bits ``bits*(j % p)`` of
+    ``qzeros[g, j // p]``, plus one; ``w = scale * (q - zero)``."""
+    qweight, qzeros, scales, g_idx = t["qweight"].long() & 0xFFFFFFFF, t["qzeros"].long() & 0xFFFFFFFF, \
+        t["scales"].float(), t["g_idx"].long()
+    per, mask = 32 // bits, (1 << bits) - 1
+    cols, out = qweight.shape[0] * per, qweight.shape[1]
+    i = torch.arange(cols)
+    q = (qweight[i // per] >> (bits * (i % per))[:, None]) & mask  # [in, out]
+    j = torch.arange(out)
+    z = ((qzeros[:, j // per] >> (bits * (j % per))[None, :]) & mask) + 1  # [groups, out]
+    return (scales[g_idx] * (q - z[g_idx]).float()).t()
+
+
+def write_gptq(model_dir: Path, reference_dir: Path, bits: int = 4, group: int = 16, desc_act: bool = False,
+               sym: bool = True) -> Path:
+    """Rewrite a tiny model as a GPTQ checkpoint, and write `reference_dir`: the same model with the weights
+    `gptq_reference_weight` gives, dense (for transformers to run as the reference)."""
+    import shutil
+
+    shutil.copytree(model_dir, reference_dir)
+    dense = load_file(reference_dir / "model.safetensors")
+    seeds = iter(range(10_000))
+
+    def quantize(module: str, w: torch.Tensor) -> dict:
+        t = gptq_quantize(w, bits, group, desc_act, sym, seed=next(seeds))
+        dense[f"{module}.weight"] = gptq_reference_weight(t, bits).to(w.dtype).contiguous()
+        return t
+
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym,
+              "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
+    _rewrite(model_dir, quantize, config)
+    save_file(dense, reference_dir / "model.safetensors", metadata={"format": "pt"})
+    return model_dir

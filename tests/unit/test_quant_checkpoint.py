@@ -19,6 +19,7 @@ CT = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore
                                     "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
                                                           "symmetric": True, "dynamic": True}}}}
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": False}
+AWQ = {"quant_method": "awq", "bits": 4, "version": "gemm", "group_size": 128, "zero_point": True}
 
 
 def with_group(**changes) -> dict:
@@ -65,7 +66,8 @@ def test_unread_formats_and_options_are_one_line_errors(qc, field):
     ("gptq", None, "--quantize gptq: the checkpoint has no quantization_config"),
     ("awq", GPTQ, "--quantize awq does not match the checkpoint (quantization_config.quant_method 'gptq')"),
     ("gptq", CT, "--quantize gptq does not match the checkpoint"),
-    (None, GPTQ, "config.json quantization_config.quant_method 'gptq': gptq int4 (group 128, desc_act, asymmetric) checkpoints are recognised but not served"),
+    (None, AWQ, "config.json quantization_config.quant_method 'awq': awq int4 (group 128, asymmetric) checkpoints "
+                "are recognised but not served"),
 ])
 def test_flag_against_the_checkpoint(tmp_path, flag, qc, problem):
     cfg = {} if qc is None else {"quantization_config": qc}
@@ -124,3 +126,37 @@ def test_lora_over_a_quantized_checkpoint_is_refused(ct_model):
     cfg = resolve(None, {"MODEL_ID": str(ct_model), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     with pytest.raises(ConfigError, match=r"^--lora-adapters: LoRA over a quantized base model \(compressed-tensors"):
         check_quantized(cfg, str(ct_model))
+
+
+def test_gptq_packing_matches_hand_packed_words():
+    """The format's documented packing, on words written by hand: input rows 0..7 of a 4-bit column are
+    the nibbles of 0x87654321 lowest first; 8-bit: bytes of 0x04030201; a symmetric 4-bit zero is stored
+    as 7 (0x77777777) and means 8."""
+    import torch
+
+    from gaudi_runtime.quant.gptq import unpack
+    from tests.runtime.prequantized import gptq_reference_weight, pack_rows
+
+    word = torch.tensor([[0x87654321 - 2**32]], dtype=torch.int32)
+    assert unpack(word, 4).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert unpack(torch.tensor([0x04030201], dtype=torch.int32), 8).tolist() == [1, 2, 3, 4]
+    assert pack_rows(torch.arange(1, 9).reshape(8, 1), 4).tolist() == [[0x87654321 - 2**32]]
+    t = {"qweight": word.reshape(1, 1), "qzeros": torch.tensor([[0x77777777]], dtype=torch.int32),
+         "scales": torch.tensor([[0.5]], dtype=torch.float16), "g_idx": torch.zeros(8, dtype=torch.int32)}
+    assert gptq_reference_weight(t, 4).tolist() == [[0.5 * (v - 8) for v in range(1, 9)]]
+
+
+def test_missing_gptq_tensor_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = make_tiny_model(tmp_path / "m", "llama")
+    from tests.runtime.prequantized import write_gptq
+
+    write_gptq(model_dir, tmp_path / "dense")
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.scales"]
+    save_file(tensors, model_dir / "model.safetensors")
+    from gaudi_runtime.models.registry import read_config, safetensors_files
+
+    with pytest.raises(ConfigError, match=r"^checkpoint tensor model.layers.0.self_attn.k_proj.scales is missing"):
+        check_checkpoint(model_dir, read_config(model_dir), safetensors_files(model_dir), "gptq", None)

@@ -119,6 +119,7 @@ def prepare_quantized(model: CausalLMBase, cfg: dict[str, Any], files: list[Path
     """Ready the layers of a pre-quantized checkpoint (config.json's quantization_config) for its tensors;
     returns how it is stored (for /info), None when it is not quantized."""
     from ..quant.checkpoint import SERVED, checkpoint_quant
+    from ..quant.gptq import prepare_gptq
     from ..quant.prequantized import prepare_fp8_checkpoint
 
     found = checkpoint_quant(cfg)
@@ -126,7 +127,10 @@ def prepare_quantized(model: CausalLMBase, cfg: dict[str, Any], files: list[Path
         return None
     if found.method not in SERVED:
         raise ValueError(f"{found.describe()} checkpoints are recognised but not served yet")
-    prepare_fp8_checkpoint(model, found, files)
+    if found.method == "gptq":
+        prepare_gptq(model, found)
+    else:
+        prepare_fp8_checkpoint(model, found, files)
     return found.describe()
 
 

@@ -25,7 +25,8 @@ from gaudi_runtime.config import ConfigError
 # Which --quantize names a checkpoint's format answers to.
 FLAG_MATCHES = {"compressed-tensors": ("compressed-tensors", "fp8"), "fp8": ("fp8",), "gptq": ("gptq",),
                 "awq": ("awq",)}
-SERVED = ("compressed-tensors", "fp8")
+SERVED = ("compressed-tensors", "fp8", "gptq")
+GPTQ_TENSORS = ("qzeros", "scales", "g_idx")
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 
 
@@ -222,10 +223,24 @@ def check_checkpoint(model_dir: str | Path, cfg: dict[str, Any], files: list[Pat
     """Everything a start checks about a (possibly) quantized checkpoint, reading only headers."""
     found = checkpoint_quant(cfg)
     check_against_flag(found, quantize, quant_config)
-    if found is not None and found.weights == "fp8":
-        tensors: dict[str, dict] = {}
-        for f in files:
-            tensors.update(read_header(f))
-        if not quantized_modules(tensors, found):
-            raise ConfigError(f"{model_dir}: config.json says {found.describe()} but no weight is float8")
+    if found is None or found.method not in SERVED:
+        return found
+    tensors: dict[str, dict] = {}
+    for f in files:
+        tensors.update(read_header(f))
+    if found.weights == "fp8" and not quantized_modules(tensors, found):
+        raise ConfigError(f"{model_dir}: config.json says {found.describe()} but no weight is float8")
+    if found.method == "gptq":
+        check_gptq_tensors(model_dir, tensors)
     return found
+
+
+def check_gptq_tensors(model_dir, tensors: dict[str, dict]) -> None:
+    """Every packed GPTQ weight comes with its zeros, scales and g_idx."""
+    modules = [n[: -len(".qweight")] for n in tensors if n.endswith(".qweight")]
+    if not modules:
+        raise ConfigError(f"{model_dir}: config.json says GPTQ but no tensor is a qweight")
+    for module in modules:
+        for part in GPTQ_TENSORS:
+            if f"{module}.{part}" not in tensors:
+                raise ConfigError(f"checkpoint tensor {module}.{part} is missing (GPTQ layer {module})")

@@ -1,0 +1,177 @@
+"""GPTQ checkpoints (4 and 8 bit; any group size, -1 included; desc_act; symmetric or not), weights kept packed.
+
+On disk (AutoGPTQ's `gptq` format): ``qweight`` int32 ``[in / p, out]`` with p = 32 / bits values of
+consecutive input rows per word, lowest bits first; ``qzeros`` int32 ``[groups, out / p]`` packed along
+the output, each stored one below the zero it means; ``scales`` ``[groups, out]``; ``g_idx`` int32
+``[in]``, each input row's group. ``w[o, i] = scales[g_idx[i], o] * (q[i, o] - zero[g_idx[i], o])``.
+
+Held per rank: ``qweight`` transposed to ``[out, in / p]`` (still packed: the layer's own loader slices
+it like a weight, rows for column-parallel layers, packed columns for row-parallel ones), zeros unpacked
+to int16 and scales as ``[out, groups]`` (small), and one ``g_idx`` row per fused projection (q, k, v
+or gate, up each carry their own order under desc_act). A row-parallel layer keeps every group's
+scales and zeros and slices only ``g_idx``: with desc_act a rank's input rows belong to any group.
+
+The product dequantizes this one layer's weight to the activation dtype and multiplies, unless the
+device gave the layer a kernel for these rows (CPU: ``device/cpu_gptq.py`` reads only the packed words).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gaudi_runtime.config import ConfigError
+from gaudi_runtime.layers.linear import (
+    LazyWeight,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from gaudi_runtime.quant.checkpoint import CheckpointQuant
+
+log = logging.getLogger(__name__)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 ``[..., n]`` -> ``[..., n * 32 / bits]`` values, lowest bits first (uint8)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8).flatten(-2)
+
+
+def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
+               segments: list[tuple[int, int]], bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[out, in]`` weight of packed ``[out, in / p]`` values, ``[out, groups]`` zeros and scales, and
+    each output segment's ``g_idx`` row."""
+    q = unpack(qweight, bits)
+    w = torch.empty(q.shape, dtype=dtype, device=q.device)
+    for seg, (start, size) in enumerate(segments):
+        g = g_idx[seg].long()
+        rows = slice(start, start + size)
+        z, s = zeros[rows][:, g], scales[rows][:, g]
+        w[rows] = ((q[rows].float() - z.float()) * s.float()).to(dtype)
+    return w
+
+
+class _Transposed:
+    """A checkpoint tensor ``[a, b]`` seen as ``[b, a]`` (indexable by a tuple of two slices)."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def __getitem__(self, index):
+        return self.source[(index[1], index[0])].t().contiguous()
+
+
+class GptqMixin:
+    qweight: nn.Parameter
+    bits: int
+    segments: list[tuple[int, int]]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.kernel is not None:  # the device's packed product (CPU: device/cpu_gptq.py), None: not these rows
+            y = self.kernel(x, bias)
+            if y is not None:
+                return y
+        w = dequantize(self.qweight, self.qzeros, self.scales, self.g_idx, self.segments, self.bits, x.dtype)
+        return F.linear(x, w, bias)
+
+    def extra_repr(self) -> str:
+        return f"gptq int{self.bits} packed {tuple(self.qweight.shape)}, scales {tuple(self.scales.shape)}"
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Gptq{cls.__name__}", (GptqMixin, cls), {"__module__": __name__})
+    return _CLASSES[cls]
+
+
+def _segments(m: LinearBase) -> tuple[list[tuple[int, int]], list]:
+    """This rank's output rows per fused projection, and the projections' shard ids in that order."""
+    if isinstance(m, QKVParallelLinear) and not hasattr(m, "total_rows"):
+        return [(0, m.q_size), (m.q_size, m.kv_size), (m.q_size + m.kv_size, m.kv_size)], ["q", "k", "v"]
+    if isinstance(m, MergedColumnParallelLinear):
+        sizes = [s // m.tp.size for s in m.output_sizes]
+        return [(sum(sizes[:i]), n) for i, n in enumerate(sizes)], list(range(len(sizes)))
+    return [(0, m.weight.shape[0])], [None]
+
+
+def _materialize(loaded) -> torch.Tensor:
+    return loaded.load() if isinstance(loaded, LazyWeight) else loaded
+
+
+def _group_loader(m: LinearBase, bits: int, packed: bool):
+    """Zeros (`packed`: stored one below, packed along the output) or scales, ``[groups, out]`` on disk,
+    into ``[out, groups]``: sliced by output like a weight; a row-parallel or replicated layer takes all."""
+    def load(param: nn.Parameter, loaded, *shard) -> None:
+        t = _materialize(loaded)
+        # Stored one below; a zero of 0 wraps to the largest value and reads back as 2^bits, as AutoGPTQ reads it.
+        t = unpack(t, bits).to(torch.int16) + 1 if packed else t
+        t = t.t().contiguous()
+        if isinstance(m, (RowParallelLinear, ReplicatedLinear)):
+            if t.shape != param.shape:
+                raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(t.shape)}")
+            param.data.copy_(t)
+        else:
+            m.weight_loader(param, t, *shard)
+    return load
+
+
+def _g_idx_loader(m: LinearBase, shard_ids: list):
+    def load(param: nn.Parameter, loaded, *shard) -> None:
+        t = _materialize(loaded)
+        if isinstance(m, RowParallelLinear):
+            n = param.shape[1]
+            t = t[m.tp.rank * n:(m.tp.rank + 1) * n]
+        param.data[shard_ids.index(shard[0] if shard else None)] = t.to(param.dtype)
+    return load
+
+
+def _param(shape, dtype, device, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
+    p.weight_loader = loader
+    return p
+
+
+def to_gptq(name: str, m: LinearBase, found: CheckpointQuant, in_total: int) -> None:
+    """Replace `m`'s weight by GPTQ's packed parameters (in place), ready for the checkpoint."""
+    bits = int(found.weights.removeprefix("int"))
+    pack = 32 // bits
+    out, cols = m.weight.shape
+    group = in_total if found.group_size == -1 else found.group_size
+    if cols % pack or in_total % group:
+        raise ConfigError(f"layer {name}: {cols} input columns per rank do not fit {bits}-bit packing and "
+                          f"groups of {group}")
+    groups = in_total // group
+    segments, shard_ids = _segments(m)
+    device = m.weight.device
+    loader = m.weight_loader
+    del m.weight
+    m.__class__ = _class(type(m))
+    m.bits, m.segments = bits, segments
+
+    def load_qweight(param, loaded, *shard):
+        source = loaded._source if isinstance(loaded, LazyWeight) else loaded  # a whole checkpoint tensor
+        loader(param, LazyWeight(_Transposed(source), tuple(reversed(loaded.shape))), *shard)
+
+    m.qweight = _param((out, cols // pack), torch.int32, device, load_qweight)
+    m.qzeros = _param((out, groups), torch.int16, device, _group_loader(m, bits, True))
+    m.scales = _param((out, groups), torch.float32, device, _group_loader(m, bits, False))
+    m.g_idx = _param((len(segments), cols), torch.int32, device, _g_idx_loader(m, shard_ids))
+
+
+def prepare_gptq(model: nn.Module, found: CheckpointQuant) -> int:
+    """Every linear layer but the LM head holds GPTQ's packed weights (as AutoGPTQ / GPTQModel write them)."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LinearBase)]
+    for name, m in layers:
+        in_total = m.weight.shape[1] * (m.tp.size if isinstance(m, RowParallelLinear) else 1)
+        to_gptq(name, m, found, in_total)
+    log.info("%d linear layers hold GPTQ %s weights packed (%s)", len(layers), found.weights, found.describe())
+    return len(layers)
