@@ -118,6 +118,7 @@ def override_rope(cfg: dict[str, Any], scaling: str, factor: float) -> dict[str,
 def prepare_quantized(model: CausalLMBase, cfg: dict[str, Any], files: list[Path]) -> str | None:
     """Ready the layers of a pre-quantized checkpoint (config.json's quantization_config) for its tensors;
     returns how it is stored (for /info), None when it is not quantized."""
+    from ..config import ConfigError
     from ..quant.checkpoint import SERVED, checkpoint_quant
     from ..quant.gptq import prepare_gptq
     from ..quant.prequantized import prepare_fp8_checkpoint
@@ -126,7 +127,7 @@ def prepare_quantized(model: CausalLMBase, cfg: dict[str, Any], files: list[Path
     if found is None:
         return None
     if found.method not in SERVED:
-        raise ValueError(f"{found.describe()} checkpoints are recognised but not served yet")
+        raise ConfigError(f"{found.describe()} checkpoints are recognised but not served yet")
     if found.method == "gptq":
         prepare_gptq(model, found)
     else:
