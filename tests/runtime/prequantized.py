@@ -132,8 +132,8 @@ def gptq_quantize(w: torch.Tensor, bits: int, group: int, desc_act: bool, sym: b
             zeros[g] = torch.round(-lo / scales[g]).to(torch.int32)
     scales = scales.half()
     q = torch.clamp(torch.round(wt / scales[g_idx].float()) + zeros[g_idx], 0, maxq).to(torch.int32)
-    return {"qweight": pack_rows(q, bits), "qzeros": pack_rows((zeros - 1).t(), bits).t().contiguous(),
-            "scales": scales, "g_idx": g_idx}
+    return {"q": q, "zeros": zeros, "qweight": pack_rows(q, bits),
+            "qzeros": pack_rows((zeros - 1).t(), bits).t().contiguous(), "scales": scales, "g_idx": g_idx}
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -174,10 +174,60 @@ def write_gptq(model_dir: Path, reference_dir: Path, bits: int = 4, group: int =
     def quantize(module: str, w: torch.Tensor) -> dict:
         t = gptq_quantize(w, bits, group, desc_act, sym, seed=next(seeds))
         dense[f"{module}.weight"] = gptq_reference_weight(t, bits).to(w.dtype).contiguous()
-        return t
+        return {k: t[k] for k in ("qweight", "qzeros", "scales", "g_idx")}
 
     config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym,
               "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
+    _rewrite(model_dir, quantize, config)
+    save_file(dense, reference_dir / "model.safetensors", metadata={"format": "pt"})
+    return model_dir
+
+
+# -- AWQ (AutoAWQ's GEMM format) -------------------------------------------------------------------------
+
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's pack: nibble i of a word holds output column ORDER[i]
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """``[n, out]`` 4-bit values -> int32 ``[n, out / 8]`` as AutoAWQ's WQLinear_GEMM packs them."""
+    v = values.to(torch.int64).reshape(values.shape[0], -1, 8)
+    word = torch.zeros(v.shape[:2], dtype=torch.int64)
+    for i, col in enumerate(AWQ_PACK_ORDER):
+        word |= (v[:, :, col] & 0xF) << (4 * i)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def awq_reference_weight(t: dict, group: int) -> torch.Tensor:
+    """The dense ``[out, in]`` weight, from AutoAWQ's documentation of its GEMM layout: output column
+    ``8c + ORDER[i]`` is nibble i of word c (of ``qweight[in]`` and ``qzeros[group]``); ``w = (q - z) * s``
+    with input row i in group ``i // group``."""
+    def unpack_cols(packed: torch.Tensor) -> torch.Tensor:
+        words = packed.long() & 0xFFFFFFFF
+        out = torch.empty(words.shape[0], words.shape[1] * 8, dtype=torch.long)
+        for i, col in enumerate(AWQ_PACK_ORDER):
+            out[:, col::8] = (words >> (4 * i)) & 0xF
+        return out
+
+    q, z = unpack_cols(t["qweight"]), unpack_cols(t["qzeros"])  # [in, out], [groups, out]
+    g = torch.arange(q.shape[0]) // group
+    return ((q - z[g]).float() * t["scales"].float()[g]).t()
+
+
+def write_awq(model_dir: Path, reference_dir: Path, group: int = 16) -> Path:
+    """Rewrite a tiny model as an AutoAWQ GEMM checkpoint (4 bit, zero points), and `reference_dir` with the
+    dense weights `awq_reference_weight` gives."""
+    import shutil
+
+    shutil.copytree(model_dir, reference_dir)
+    dense = load_file(reference_dir / "model.safetensors")
+
+    def quantize(module: str, w: torch.Tensor) -> dict:
+        t = gptq_quantize(w, 4, group, desc_act=False, sym=False)
+        found = {"qweight": pack_awq(t["q"]), "qzeros": pack_awq(t["zeros"]), "scales": t["scales"]}
+        dense[f"{module}.weight"] = awq_reference_weight(found, w.shape[1] if group == -1 else group).to(w.dtype).contiguous()
+        return found
+
+    config = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True}
     _rewrite(model_dir, quantize, config)
     save_file(dense, reference_dir / "model.safetensors", metadata={"format": "pt"})
     return model_dir

@@ -46,6 +46,7 @@ def test_formats_are_described():
     ({"quant_method": "bitnet"}, "quant_method: 'bitnet' is not a format gaudi-serve reads"),
     ({**GPTQ, "bits": 3}, "bits: 3-bit GPTQ"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version: 'gemv'"),
+    ({**AWQ, "zero_point": False}, "zero_point: AWQ without zero points"),
     ({**CT, "format": "pack-quantized"}, "format: 'pack-quantized'"),
     ({**CT, "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
     (with_group(weights={"num_bits": 4, "type": "int", "strategy": "group"}), "group_0.weights: 4-bit int"),
@@ -66,8 +67,7 @@ def test_unread_formats_and_options_are_one_line_errors(qc, field):
     ("gptq", None, "--quantize gptq: the checkpoint has no quantization_config"),
     ("awq", GPTQ, "--quantize awq does not match the checkpoint (quantization_config.quant_method 'gptq')"),
     ("gptq", CT, "--quantize gptq does not match the checkpoint"),
-    (None, AWQ, "config.json quantization_config.quant_method 'awq': awq int4 (group 128, asymmetric) checkpoints "
-                "are recognised but not served"),
+    ("gptq", AWQ, "--quantize gptq does not match the checkpoint (quantization_config.quant_method 'awq')"),
 ])
 def test_flag_against_the_checkpoint(tmp_path, flag, qc, problem):
     cfg = {} if qc is None else {"quantization_config": qc}
@@ -144,6 +144,22 @@ def test_gptq_packing_matches_hand_packed_words():
     t = {"qweight": word.reshape(1, 1), "qzeros": torch.tensor([[0x77777777]], dtype=torch.int32),
          "scales": torch.tensor([[0.5]], dtype=torch.float16), "g_idx": torch.zeros(8, dtype=torch.int32)}
     assert gptq_reference_weight(t, 4).tolist() == [[0.5 * (v - 8) for v in range(1, 9)]]
+
+
+def test_awq_packing_matches_a_hand_packed_word():
+    """AutoAWQ packs output columns 0, 2, 4, 6, 1, 3, 5, 7 into nibbles 0..7: the word 0x87654321 (nibble i
+    = i + 1) holds columns 0..7 = 1, 5, 2, 6, 3, 7, 4, 8."""
+    import torch
+
+    from gaudi_runtime.quant.gptq import pack, unpack_awq
+    from tests.runtime.prequantized import awq_reference_weight, pack_awq
+
+    word = torch.tensor([[0x87654321 - 2**32]], dtype=torch.int32)
+    assert unpack_awq(word).tolist() == [[1, 5, 2, 6, 3, 7, 4, 8]]
+    assert pack_awq(torch.tensor([[1, 5, 2, 6, 3, 7, 4, 8]])).tolist() == word.tolist()
+    assert pack(torch.arange(1, 9).reshape(1, 8), 4).tolist() == word.tolist()
+    t = {"qweight": word, "qzeros": pack_awq(torch.full((1, 8), 2)), "scales": torch.ones(1, 8, dtype=torch.float16)}
+    assert awq_reference_weight(t, 1).flatten().tolist() == [-1.0, 3.0, 0.0, 4.0, 1.0, 5.0, 2.0, 6.0]
 
 
 def test_missing_gptq_tensor_is_named(tmp_path):

@@ -118,17 +118,14 @@ def override_rope(cfg: dict[str, Any], scaling: str, factor: float) -> dict[str,
 def prepare_quantized(model: CausalLMBase, cfg: dict[str, Any], files: list[Path]) -> str | None:
     """Ready the layers of a pre-quantized checkpoint (config.json's quantization_config) for its tensors;
     returns how it is stored (for /info), None when it is not quantized."""
-    from ..config import ConfigError
-    from ..quant.checkpoint import SERVED, checkpoint_quant
+    from ..quant.checkpoint import checkpoint_quant
     from ..quant.gptq import prepare_gptq
     from ..quant.prequantized import prepare_fp8_checkpoint
 
     found = checkpoint_quant(cfg)
     if found is None:
         return None
-    if found.method not in SERVED:
-        raise ConfigError(f"{found.describe()} checkpoints are recognised but not served yet")
-    if found.method == "gptq":
+    if found.method in ("gptq", "awq"):
         prepare_gptq(model, found)
     else:
         prepare_fp8_checkpoint(model, found, files)

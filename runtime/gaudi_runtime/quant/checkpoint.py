@@ -6,7 +6,7 @@ Torch-free, so the launcher checks a model before it spawns anything. What is re
   per-tensor, per-channel or block scales; activations dynamic per token / per tensor or static per tensor);
 - `quant_method: "fp8"` (transformers' FineGrainedFP8, as DeepSeek publishes): E4M3 weights with
   `weight_scale_inv` per `weight_block_size` block;
-- `quant_method: "gptq"` / `"awq"`: recognised and described, refused until served (`SERVED`).
+- `quant_method: "gptq"` (4 or 8 bit) / `"awq"` (4-bit GEMM): packed integer weights (`quant/gptq.py`).
 
 Anything else (another method, bit width, strategy or option) is a `ConfigError` naming the field.
 """
@@ -25,8 +25,7 @@ from gaudi_runtime.config import ConfigError
 # Which --quantize names a checkpoint's format answers to.
 FLAG_MATCHES = {"compressed-tensors": ("compressed-tensors", "fp8"), "fp8": ("fp8",), "gptq": ("gptq",),
                 "awq": ("awq",)}
-SERVED = ("compressed-tensors", "fp8", "gptq")
-GPTQ_TENSORS = ("qzeros", "scales", "g_idx")
+PACKED_TENSORS = {"gptq": ("qzeros", "scales", "g_idx"), "awq": ("qzeros", "scales")}
 SCALE_NAMES = ("weight_scale", "weight_scale_inv")
 
 
@@ -163,7 +162,11 @@ def _awq(qc: dict[str, Any]) -> CheckpointQuant:
     if version != "gemm":
         raise _err("version", f"{version!r} is not read (gemm)")
     group = qc.get("group_size", qc.get("q_group_size", 128))
-    return CheckpointQuant("awq", "int4", "group", group_size=group, sym=not qc.get("zero_point", True))
+    if not isinstance(group, int) or (group < 1 and group != -1):
+        raise _err("group_size", f"{group!r} (a positive number of columns, or -1)")
+    if not qc.get("zero_point", True):
+        raise _err("zero_point", "AWQ without zero points is not read")
+    return CheckpointQuant("awq", "int4", "group", group_size=group, sym=False)
 
 
 def checkpoint_quant(cfg: dict[str, Any]) -> CheckpointQuant | None:
@@ -189,9 +192,6 @@ def check_against_flag(found: CheckpointQuant | None, quantize: str | None, quan
     if quantize is not None and quantize not in FLAG_MATCHES[found.method]:
         raise ConfigError(f"--quantize {quantize} does not match the checkpoint (quantization_config.quant_method "
                           f"{found.method!r}); pass --quantize {found.method} or leave it unset")
-    if found.method not in SERVED:
-        raise ConfigError(f"config.json quantization_config.quant_method {found.method!r}: {found.describe()} "
-                          "checkpoints are recognised but not served yet")
 
 
 def read_header(path: Path) -> dict[str, dict]:
@@ -223,24 +223,24 @@ def check_checkpoint(model_dir: str | Path, cfg: dict[str, Any], files: list[Pat
     """Everything a start checks about a (possibly) quantized checkpoint, reading only headers."""
     found = checkpoint_quant(cfg)
     check_against_flag(found, quantize, quant_config)
-    if found is None or found.method not in SERVED:
+    if found is None:
         return found
     tensors: dict[str, dict] = {}
     for f in files:
         tensors.update(read_header(f))
     if found.weights == "fp8" and not quantized_modules(tensors, found):
         raise ConfigError(f"{model_dir}: config.json says {found.describe()} but no weight is float8")
-    if found.method == "gptq":
-        check_gptq_tensors(model_dir, tensors)
+    if found.method in PACKED_TENSORS:
+        check_packed_tensors(model_dir, tensors, found.method)
     return found
 
 
-def check_gptq_tensors(model_dir, tensors: dict[str, dict]) -> None:
-    """Every packed GPTQ weight comes with its zeros, scales and g_idx."""
+def check_packed_tensors(model_dir, tensors: dict[str, dict], method: str) -> None:
+    """Every packed GPTQ / AWQ weight comes with its zeros, scales (and GPTQ's g_idx)."""
     modules = [n[: -len(".qweight")] for n in tensors if n.endswith(".qweight")]
     if not modules:
-        raise ConfigError(f"{model_dir}: config.json says GPTQ but no tensor is a qweight")
+        raise ConfigError(f"{model_dir}: config.json says {method} but no tensor is a qweight")
     for module in modules:
-        for part in GPTQ_TENSORS:
+        for part in PACKED_TENSORS[method]:
             if f"{module}.{part}" not in tensors:
-                raise ConfigError(f"checkpoint tensor {module}.{part} is missing (GPTQ layer {module})")
+                raise ConfigError(f"checkpoint tensor {module}.{part} is missing ({method} layer {module})")

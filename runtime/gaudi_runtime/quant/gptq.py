@@ -107,14 +107,18 @@ def _materialize(loaded) -> torch.Tensor:
     return loaded.load() if isinstance(loaded, LazyWeight) else loaded
 
 
-def _group_loader(m: LinearBase, bits: int, packed: bool):
-    """Zeros (`packed`: stored one below, packed along the output) or scales, ``[groups, out]`` on disk,
-    into ``[out, groups]``: sliced by output like a weight; a row-parallel or replicated layer takes all."""
+def gptq_zeros(bits: int):
+    """GPTQ's zeros: packed along the output, stored one below (a zero of 0 wraps to the largest value and
+    reads back as 2^bits, as AutoGPTQ reads it)."""
+    return lambda t: unpack(t, bits).to(torch.int16) + 1
+
+
+def _group_loader(m: LinearBase, convert=None):
+    """Zeros or scales, ``[groups, out]`` on disk once `convert`ed, into ``[out, groups]``: sliced by output
+    like a weight; a row-parallel or replicated layer takes all."""
     def load(param: nn.Parameter, loaded, *shard) -> None:
         t = _materialize(loaded)
-        # Stored one below; a zero of 0 wraps to the largest value and reads back as 2^bits, as AutoGPTQ reads it.
-        t = unpack(t, bits).to(torch.int16) + 1 if packed else t
-        t = t.t().contiguous()
+        t = (t if convert is None else convert(t)).t().contiguous()
         if isinstance(m, (RowParallelLinear, ReplicatedLinear)):
             if t.shape != param.shape:
                 raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(t.shape)}")
@@ -162,16 +166,54 @@ def to_gptq(name: str, m: LinearBase, found: CheckpointQuant, in_total: int) -> 
         loader(param, LazyWeight(_Transposed(source), tuple(reversed(loaded.shape))), *shard)
 
     m.qweight = _param((out, cols // pack), torch.int32, device, load_qweight)
-    m.qzeros = _param((out, groups), torch.int16, device, _group_loader(m, bits, True))
-    m.scales = _param((out, groups), torch.float32, device, _group_loader(m, bits, False))
+    m.qzeros = _param((out, groups), torch.int16, device, _group_loader(m, gptq_zeros(bits)))
+    m.scales = _param((out, groups), torch.float32, device, _group_loader(m))
     m.g_idx = _param((len(segments), cols), torch.int32, device, _g_idx_loader(m, shard_ids))
 
 
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., n]`` small ints -> int32 ``[..., n * bits / 32]``, consecutive values lowest bits first."""
+    per = 32 // bits
+    v = values.to(torch.int64).reshape(*values.shape[:-1], -1, per) & ((1 << bits) - 1)
+    word = (v << (bits * torch.arange(per))).sum(-1)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+# AutoAWQ's GEMM layout packs 8 output columns per word in this order: nibble i holds column AWQ_ORDER[i].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ's int32 ``[n, out / 8]`` -> 4-bit values ``[n, out]`` (uint8) in output order."""
+    nibbles = unpack(packed, 4).view(packed.shape[0], -1, 8)
+    values = torch.empty_like(nibbles)
+    values[:, :, list(AWQ_ORDER)] = nibbles
+    return values.view(packed.shape[0], -1)
+
+
+def to_awq(name: str, m: LinearBase, found: CheckpointQuant, in_total: int) -> None:
+    """AWQ (4-bit GEMM: ``qweight`` ``[in, out / 8]`` and ``qzeros`` packed along the output in AWQ_ORDER,
+    zeros as they are, groups of consecutive input rows): held as GPTQ's layout, repacked at load."""
+    to_gptq(name, m, found, in_total)
+
+    def load_qweight(param, loaded, *shard):
+        m.weight_loader(param, pack(unpack_awq(_materialize(loaded)).t(), 4), *shard)
+
+    m.qweight.weight_loader = load_qweight
+    m.qzeros.weight_loader = _group_loader(m, lambda t: unpack_awq(t).to(torch.int16))
+    group = in_total if found.group_size == -1 else found.group_size
+    first = m.tp.rank * m.g_idx.shape[1] if isinstance(m, RowParallelLinear) else 0
+    g_idx = ((first + torch.arange(m.g_idx.shape[1])) // group).to(torch.int32).expand_as(m.g_idx).contiguous()
+    del m.g_idx  # AWQ stores no g_idx: a buffer, not a weight the checkpoint must hold
+    m.register_buffer("g_idx", g_idx.to(m.qweight.device))
+
+
 def prepare_gptq(model: nn.Module, found: CheckpointQuant) -> int:
-    """Every linear layer but the LM head holds GPTQ's packed weights (as AutoGPTQ / GPTQModel write them)."""
+    """Every linear layer but the LM head holds GPTQ's (or AWQ's) packed weights, as their libraries write them."""
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LinearBase)]
+    convert = to_awq if found.method == "awq" else to_gptq
     for name, m in layers:
         in_total = m.weight.shape[1] * (m.tp.size if isinstance(m, RowParallelLinear) else 1)
-        to_gptq(name, m, found, in_total)
-    log.info("%d linear layers hold GPTQ %s weights packed (%s)", len(layers), found.weights, found.describe())
+        convert(name, m, found, in_total)
+    log.info("%d linear layers hold %s weights packed (%s)", len(layers), found.weights, found.describe())
     return len(layers)

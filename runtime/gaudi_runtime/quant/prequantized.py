@@ -227,7 +227,7 @@ def _hpu_kernel(m: nn.Module, in_scale: torch.Tensor | None, fmax: float, x: tor
 
 def how_served(described: str, device: str) -> str:
     """/info's and the log's account of a checkpoint: its format (`described`), and how this device runs it."""
-    if described.startswith("gptq"):
+    if described.startswith(("gptq", "awq")):
         return f"{described}; weights kept packed, dequantized per layer, activations in the model dtype"
     if device == "hpu":
         return f"{described}; Gaudi FP8 matmuls"
