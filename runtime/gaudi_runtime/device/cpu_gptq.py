@@ -2,8 +2,9 @@
 
 The layer (``quant/gptq.py``) holds its weight packed; without this kernel each product unpacks and
 dequantizes the whole layer first. The kernel reads only the packed words, applying each group's scale
-and zero once per group, for up to ``MAX_ROWS`` rows (decode); more rows, or a layer whose ``g_idx``
-goes back (desc_act: groups are not runs of columns), keep the layer's own path. Compiled at first use
+and zero once per group, for up to ``MAX_ROWS`` rows (decode); more rows keep the layer's own path. A
+desc_act layer's packed columns are sorted by group once (``quant.packing.sort_groups``), and each product
+takes the input columns in that order. Compiled at first use
 like ``cpu_gemv.c`` (``cpu_kernels``); no compiler: one warning, and the layer's own path everywhere.
 """
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from gaudi_runtime.device import cpu_kernels
+from gaudi_runtime.quant.packing import sort_groups
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,9 @@ def _product(k: GptqKernel, layer: nn.Module, plans: list, x: torch.Tensor, bias
         return None  # the layer's own path: dequantize once, one matrix product
     x2 = x.reshape(rows, x.shape[-1]).float().contiguous()
     y = torch.empty(rows, layer.qweight.shape[0], dtype=torch.float32)
-    for (start, size), plan in zip(layer.segments, plans):
-        k.segment(y, x2, layer, start, size, plan)
+    perms = layer.perms or [None] * len(plans)
+    for (start, size), plan, perm in zip(layer.segments, plans, perms):
+        k.segment(y, x2 if perm is None else x2[:, perm].contiguous(), layer, start, size, plan)
     y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1])
     return y if bias is None else y + bias
 
@@ -77,6 +80,8 @@ def use_gptq_kernel(model: nn.Module) -> int:
         return 0
     used = 0
     for m in layers:
+        if m.qweight.device.type == "cpu":
+            sort_groups(m)
         plans = [runs(m.g_idx[i]) for i in range(len(m.segments))]
         if all(p is not None for p in plans) and m.qweight.device.type == "cpu":
             m.kernel = functools.partial(_product, k, m, plans)

@@ -33,27 +33,27 @@ from gaudi_runtime.layers.linear import (
     RowParallelLinear,
 )
 from gaudi_runtime.quant.checkpoint import CheckpointQuant
+from gaudi_runtime.quant.packing import pack, unpack
 
 log = logging.getLogger(__name__)
 
 
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 ``[..., n]`` -> ``[..., n * 32 / bits]`` values, lowest bits first (uint8)."""
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.uint8).flatten(-2)
-
-
 def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor,
-               segments: list[tuple[int, int]], bits: int, dtype: torch.dtype) -> torch.Tensor:
+               segments: list[tuple[int, int]], bits: int, dtype: torch.dtype, perms: list | None = None) -> torch.Tensor:
     """The ``[out, in]`` weight of packed ``[out, in / p]`` values, ``[out, groups]`` zeros and scales, and
-    each output segment's ``g_idx`` row."""
+    each output segment's ``g_idx`` row; a segment whose columns were sorted by group (``perms``, see
+    ``quant.packing.sort_groups``) is put back in the input's order."""
     q = unpack(qweight, bits)
     w = torch.empty(q.shape, dtype=dtype, device=q.device)
     for seg, (start, size) in enumerate(segments):
         g = g_idx[seg].long()
         rows = slice(start, start + size)
         z, s = zeros[rows][:, g], scales[rows][:, g]
-        w[rows] = ((q[rows].float() - z.float()) * s.float()).to(dtype)
+        values = ((q[rows].float() - z.float()) * s.float()).to(dtype)
+        if perms is not None and perms[seg] is not None:
+            w[rows][:, perms[seg]] = values  # stored column k is input column perm[k]
+        else:
+            w[rows] = values
     return w
 
 
@@ -71,13 +71,15 @@ class GptqMixin:
     qweight: nn.Parameter
     bits: int
     segments: list[tuple[int, int]]
+    perms: list | None = None  # per segment: the input column of each stored column (``quant.packing.sort_groups``)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel is not None:  # the device's packed product (CPU: device/cpu_gptq.py), None: not these rows
             y = self.kernel(x, bias)
             if y is not None:
                 return y
-        w = dequantize(self.qweight, self.qzeros, self.scales, self.g_idx, self.segments, self.bits, x.dtype)
+        w = dequantize(self.qweight, self.qzeros, self.scales, self.g_idx, self.segments, self.bits, x.dtype,
+                       self.perms)
         return F.linear(x, w, bias)
 
     def extra_repr(self) -> str:
@@ -169,14 +171,6 @@ def to_gptq(name: str, m: LinearBase, found: CheckpointQuant, in_total: int) -> 
     m.qzeros = _param((out, groups), torch.int16, device, _group_loader(m, gptq_zeros(bits)))
     m.scales = _param((out, groups), torch.float32, device, _group_loader(m))
     m.g_idx = _param((len(segments), cols), torch.int32, device, _g_idx_loader(m, shard_ids))
-
-
-def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[..., n]`` small ints -> int32 ``[..., n * bits / 32]``, consecutive values lowest bits first."""
-    per = 32 // bits
-    v = values.to(torch.int64).reshape(*values.shape[:-1], -1, per) & ((1 << bits) - 1)
-    word = (v << (bits * torch.arange(per))).sum(-1)
-    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 
 
 # AutoAWQ's GEMM layout packs 8 output columns per word in this order: nibble i holds column AWQ_ORDER[i].
