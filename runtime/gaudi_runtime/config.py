@@ -115,7 +115,9 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--block-size", None, int, None, "KV-cache block size in tokens (default: 128 on HPU, 16 elsewhere)."),
     ("--memory-fraction", "MEMORY_FRACTION", float, 0.9, "Share of free device memory the KV cache may take."),
     ("--model-name", None, str, None, "Name served at /v1/models (default: the model id)."),
-    ("--quantize", None, str, None, "fp8: float8 weights (Intel Neural Compressor on Gaudi, native elsewhere)."),
+    ("--quantize", None, str, None, "fp8: float8 weights (Intel Neural Compressor on Gaudi, native elsewhere), "
+     "or the format of a pre-quantized checkpoint (TGI's names: fp8, compressed-tensors, gptq, awq), which "
+     "config.json's quantization_config also tells when this is unset."),
     ("--kv-cache-dtype", None, str, None, "fp8_e4m3fn: float8 KV cache with per-tensor scales (default: --dtype)."),
     ("--rope-scaling", None, str, None, "Override the model's RoPE scaling: linear or dynamic (factor from --rope-factor)."),
     ("--rope-factor", None, float, None, "RoPE scaling factor (default 1.0 with --rope-scaling; alone it implies linear)."),
@@ -667,8 +669,8 @@ def _derive_adapters(v: dict[str, object]) -> None:
         raise ConfigError("--max-lora-rank must be positive")
     _derive_adapter_slots(v, len(adapters))
     if (adapters or v["allow_runtime_lora_updating"]) and v["quantize"]:
-        raise ConfigError("--quantize fp8 cannot be combined with LoRA adapters yet (the adapters' matmuls "
-                          "run in --dtype beside float8 layers that are not built)")
+        raise ConfigError(f"--quantize {v['quantize']} cannot be combined with LoRA adapters yet (the adapters' "
+                          "matmuls run in --dtype beside quantized layers that are not built)")
 
 
 # Free adapter slots at start when adapters may be loaded while serving and --max-cpu-loras is not given.
@@ -692,11 +694,21 @@ def _derive_adapter_slots(v: dict[str, object], given: int) -> None:
         v["max_loras"] = slots  # every adapter loaded may run in one batch
 
 
+# --quantize values, as TGI names them (fp8 also means "quantize at load" on a checkpoint that is not quantized),
+# and TGI's names gaudi-serve does not serve (refused with that reason rather than as unknown).
+QUANTIZE_NAMES = ("fp8", "compressed-tensors", "gptq", "awq")
+UNSERVED_NAMES = ("bitsandbytes", "bitsandbytes-nf4", "bitsandbytes-fp4", "eetq", "exl2", "marlin")
+
+
 def _derive_quantization(v: dict[str, object]) -> None:
     """--quantize, --kv-cache-dtype and QUANT_CONFIG (whose file `launch` checks before starting anything:
     `gaudi_runtime.quant.config.check_quant_config`; it may live only where the server runs)."""
-    if v["quantize"] is not None and v["quantize"] != "fp8":
-        raise ConfigError(f"--quantize {v['quantize']!r}: only fp8 is supported")
+    if v["quantize"] in UNSERVED_NAMES:
+        raise ConfigError(f"--quantize {v['quantize']}: not served by gaudi-serve (choose {', '.join(QUANTIZE_NAMES)})")
+    if v["quantize"] is not None and v["quantize"] not in QUANTIZE_NAMES:
+        raise ConfigError(f"--quantize {v['quantize']!r}: choose one of {', '.join(QUANTIZE_NAMES)}")
+    if v["quant_config"] and v["quantize"] not in (None, "fp8"):
+        raise ConfigError(f"QUANT_CONFIG calibrates FP8; it cannot be combined with --quantize {v['quantize']}")
     if v["kv_cache_dtype"] not in (None, "auto", "fp8_e4m3fn"):
         raise ConfigError(f"--kv-cache-dtype {v['kv_cache_dtype']!r}: choose fp8_e4m3fn (or leave it unset)")
     if v["kv_cache_dtype"] == "auto":

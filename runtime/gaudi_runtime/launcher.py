@@ -190,6 +190,22 @@ def write_termination_message(path: str, message: str) -> None:
         log.warning("could not write the termination message to %s: %s", path, e)
 
 
+def check_quantized(cfg: Config, model_dir: str) -> None:
+    """A pre-quantized checkpoint against --quantize / QUANT_CONFIG / LoRA (ConfigError before any shard starts)."""
+    from gaudi_runtime.models.registry import safetensors_files
+    from gaudi_runtime.quant.checkpoint import check_checkpoint
+
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    m = cfg.model
+    found = check_checkpoint(model_dir, model_config, safetensors_files(model_dir), m.quantize, m.quant_config)
+    if found is None:
+        return
+    if cfg.adapters.lora_adapters or cfg.adapters.allow_runtime_lora_updating:
+        raise ConfigError(f"--lora-adapters: LoRA over a quantized base model ({found.describe()}) is not served "
+                          "(the adapters' products are not built beside quantized layers)")
+    log.info("checkpoint quantization: %s", found.describe())
+
+
 def check_model(model_dir: str) -> None:
     """Fail before spawning anything if the model cannot be served."""
     from gaudi_runtime.models import SUPPORTED_ARCHITECTURES
@@ -405,6 +421,7 @@ def _launch(cfg: Config, progress_dir: str) -> int:
     check_image_budget(cfg.limits, json.loads((Path(model_dir) / "config.json").read_text()))
     check_adapters(cfg, model_dir)
     check_reasoning(cfg, model_dir)
+    check_quantized(cfg, model_dir)
     log.info("effective configuration: %s", cfg.to_log_json())  # every flag and env setting, secrets masked
     log.info("launching %d shard(s) and the router for %s", cfg.device.num_shard, model_dir)
     procs = spawn(cfg, model_dir, download_seconds, progress_dir, listen_fd=early.hand_over())

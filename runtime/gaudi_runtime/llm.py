@@ -150,6 +150,7 @@ class LLM:
             self.model_dir = launcher.resolve_model_dir(cfg)
             launcher.check_model(self.model_dir)
             check_quant_config(cfg)
+            launcher.check_quantized(cfg, self.model_dir)
             # Spawned from this thread: a shard dies with the thread that started it (PR_SET_PDEATHSIG).
             self._procs = launcher.spawn_shards(cfg, self.model_dir)
             self._loop = asyncio.new_event_loop()

@@ -99,7 +99,8 @@ def test_measure_config_is_refused_for_serving(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    ({"QUANTIZE": "gptq"}, "--quantize 'gptq': only fp8"),
+    ({"QUANTIZE": "bitsandbytes"}, "--quantize bitsandbytes: not served"),
+    ({"QUANTIZE": "int3"}, "--quantize 'int3': choose one of fp8, compressed-tensors, gptq, awq"),
     ({"KV_CACHE_DTYPE": "fp8_e5m2"}, "--kv-cache-dtype 'fp8_e5m2'"),
 ])
 def test_unsupported_quantize_flags_are_named(tmp_path, flags, message):

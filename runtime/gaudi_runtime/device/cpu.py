@@ -10,6 +10,7 @@ from gaudi_runtime.device import cpu_paged_attention
 from gaudi_runtime.device.base import Backend
 from gaudi_runtime.device.cpu_attention import CpuAttention
 from gaudi_runtime.device.cpu_gemm import native_bf16, prepack_linears
+from gaudi_runtime.device.cpu_gptq import use_gptq_kernel
 from gaudi_runtime.device.cpu_layer_ops import use_layer_ops
 from gaudi_runtime.device.cpu_lora import use_lora_kernel
 from gaudi_runtime.device.host_allocator import tune_host_allocator
@@ -42,6 +43,7 @@ class CpuBackend(Backend):
 
     def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
         prepack_linears(model, few_rows=cfg is None or cfg.cpu_gemv)
+        use_gptq_kernel(model)
         if cfg is None or cfg.cpu_layer_ops:
             use_layer_ops(model)
         if cfg is None or cfg.cpu_lora:

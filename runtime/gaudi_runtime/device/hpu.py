@@ -217,3 +217,27 @@ class HpuBackend(Backend):
 
         # HPU graphs are cached per input shape inside the wrapper: warmup captures each bucket once.
         return hthpu.wrap_in_hpu_graph(_Step(fn, name), disable_tensor_cache=True)
+
+
+# E4M3 as Gaudi 2 computes it: largest finite value 240 (IEEE-like), where Gaudi 3 and the OCP format
+# torch.float8_e4m3fn stores reach 448.
+GAUDI2_FP8_MAX = 240.0
+
+
+def fp8_max() -> float:
+    """The largest E4M3 value this card's FP8 matmuls take: weights and inputs are scaled into it."""
+    return GAUDI2_FP8_MAX if (device_type() or "").upper().startswith("GAUDI2") else 448.0
+
+
+def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor | None,
+               bias: torch.Tensor | None, fmax: float) -> torch.Tensor:
+    """``x @ (qweight * weight_scale[:, None]).T + bias`` on Gaudi's FP8 matmul (`fp8_gemm_v2`): the input is
+    cast to float8 with its static `input_scale`, else with this call's max-abs / `fmax` (dynamic per tensor)."""
+    import habana_frameworks.torch.core  # noqa: F401  (loading the bridge registers torch.ops.hpu)
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if input_scale is None:
+        input_scale = (x2.abs().amax().float() / fmax).clamp(min=1e-12).reshape(1)
+    xq = torch.ops.hpu.cast_to_fp8_v2(x2, 1.0 / input_scale, False, False, torch.float8_e4m3fn)[0]
+    y = torch.ops.hpu.fp8_gemm_v2(xq, False, qweight, True, None, x.dtype, input_scale, weight_scale, bias, False)
+    return y.reshape(*x.shape[:-1], qweight.shape[0])

@@ -133,6 +133,23 @@ def override_rope(cfg: dict[str, Any], scaling: str, factor: float) -> dict[str,
     return out
 
 
+def prepare_quantized(model: CausalLMBase, cfg: dict[str, Any], files: list[Path]) -> str | None:
+    """Ready the layers of a pre-quantized checkpoint (config.json's quantization_config) for its tensors;
+    returns how it is stored (for /info), None when it is not quantized."""
+    from ..quant.checkpoint import checkpoint_quant
+    from ..quant.gptq import prepare_gptq
+    from ..quant.prequantized import prepare_fp8_checkpoint
+
+    found = checkpoint_quant(cfg)
+    if found is None:
+        return None
+    if found.method in ("gptq", "awq"):
+        prepare_gptq(model, found)
+    else:
+        prepare_fp8_checkpoint(model, found, files)
+    return found.describe()
+
+
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp_rank: int = 0, tp_size: int = 1,
                process_group=None, rope: tuple[str, float] | None = None) -> CausalLM:
     """Build the model for ``model_dir`` and load this rank's weight shard from its safetensors files.
@@ -147,8 +164,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp_rank
     cfg.eos_token_ids = eos_token_ids(model_dir, cfg_dict)
     tp = TPContext(rank=tp_rank, size=tp_size, group=process_group)
     model = model_cls(cfg, tp, dtype, torch.device(device))
+    files = safetensors_files(model_dir)
+    model.quantization = prepare_quantized(model, cfg_dict, files)  # a pre-quantized checkpoint's layers
     with torch.no_grad():
-        model.load_weights(iter_safetensors(safetensors_files(model_dir)))
+        model.load_weights(iter_safetensors(files))
     model.eval()
     model.requires_grad_(False)
     return model

@@ -30,7 +30,14 @@ def quantize_loaded(model: nn.Module, cfg: Config, device: str, dtype: torch.dty
                     world_size: int = 1) -> nn.Module:
     """Apply --quantize / QUANT_CONFIG / --kv-cache-dtype to a freshly loaded model; return the model to serve."""
     stats = None
-    if cfg.model.quantize == "fp8":
+    if getattr(model, "quantization", None):  # a pre-quantized checkpoint: loaded as it is stored
+        from gaudi_runtime.quant.prequantized import how_served, use_hpu_fp8
+
+        if device == "hpu":
+            use_hpu_fp8(model)
+        model.quantization = how_served(model.quantization, device)
+        log.info("rank %d: checkpoint loaded as stored: %s", rank, model.quantization)
+    elif cfg.model.quantize == "fp8":
         qc = quant_config(cfg)
         if device == "hpu":
             from gaudi_runtime.quant import inc

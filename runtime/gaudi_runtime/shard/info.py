@@ -34,7 +34,7 @@ def info_response(runner: ModelRunner, world_size: int) -> pb.InfoResponse:
         num_blocks=runner.num_blocks - 1,  # block 0 is the padding block
         vocab_size=m.vocab_size, eos_token_ids=m.eos_token_ids,
         max_position_embeddings=m.max_position_embeddings, world_size=world_size,
-        architecture=type(m).__name__, quantization=cfg.model.quantize or "",
+        architecture=type(m).__name__, quantization=getattr(m, "quantization", None) or cfg.model.quantize or "",
         kv_cache_dtype=cfg.model.kv_cache_dtype or cfg.model.dtype, prefix_caching=cfg.scheduling.prefix_caching,
         attention=runner.attention_name,
         recipe_cache=None if cache is None else pb.RecipeCacheInfo(dir=str(cache.directory), key=cache.key,

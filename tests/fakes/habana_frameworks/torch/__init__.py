@@ -18,7 +18,8 @@ RECORD = {"mark_step": 0, "captures": [], "replays": [], "wrapped": 0, "synchron
 
 def reset() -> None:
     RECORD.update(mark_step=0, captures=[], replays=[], wrapped=0, synchronize=0, recipe_compiles=0, recipe_hits=0,
-                  events=[], block_softmax_adjustment=[], mixture_of_experts=[])
+                  events=[], block_softmax_adjustment=[], mixture_of_experts=[],
+                  fp8_gemm_v2=[])
 
 
 def block_softmax_adjustment(block_max: torch.Tensor, block_sums: torch.Tensor, block_groups: torch.Tensor,
@@ -71,3 +72,44 @@ if not hasattr(torch.ops.hpu, "block_softmax_adjustment"):
     torch.library.define("hpu::block_softmax_adjustment",
                          "(Tensor block_max, Tensor block_sums, Tensor block_groups, int batch_size) -> Tensor")
     torch.library.impl("hpu::block_softmax_adjustment", "CPU", block_softmax_adjustment)
+if not hasattr(torch.ops.hpu, "fp8_gemm_v2"):  # Habana's FP8 cast and matmul, on CPU
+    torch.library.define("hpu::cast_to_fp8_v2", "(Tensor x, Tensor? scale, bool stochastic, bool is_amax, "
+                         "ScalarType dtype) -> (Tensor, Tensor)")
+    torch.library.impl("hpu::cast_to_fp8_v2", "CPU", lambda *a: cast_to_fp8_v2(*a))
+    torch.library.define("hpu::fp8_gemm_v2", "(Tensor a, bool trans_a, Tensor b, bool trans_b, Tensor? d, "
+                         "ScalarType out_dtype, Tensor? a_scale_inv, Tensor? b_scale_inv, Tensor? bias, "
+                         "bool accumulate) -> Tensor")
+    torch.library.impl("hpu::fp8_gemm_v2", "CPU", lambda *a: fp8_gemm_v2(*a))
+
+
+def cast_to_fp8_v2(x: torch.Tensor, scale: torch.Tensor | None = None, stochastic: bool = False,
+                   is_amax: bool = False, dtype: torch.dtype = torch.float8_e4m3fn):
+    """``x * scale`` cast to float8, saturating as the card does; (the float8 tensor, amax)."""
+    scaled = x.float() * (1.0 if scale is None else scale.float())
+    fake = sys.modules.get("habana_frameworks.torch")
+    limit = fake.FP8_LIMIT if fake is not None else 448.0
+    return scaled.clamp(-limit, limit).to(dtype), scaled.abs().amax()
+
+
+def fp8_gemm_v2(a, trans_a, b, trans_b, d, out_dtype, a_scale_inv=None, b_scale_inv=None, bias=None,
+                accumulate=False):
+    """``(a * a_scale_inv) @ (b * b_scale_inv)`` (transposed as asked), in `out_dtype`; records the call.
+    Like Gaudi 2, refuses a float8 operand beyond the card's range (FP8_LIMIT)."""
+    fake = sys.modules.get("habana_frameworks.torch")
+    limit = fake.FP8_LIMIT if fake is not None else 448.0
+    for name, t in (("a", a), ("b", b)):
+        if t.float().abs().max() > limit:
+            raise RuntimeError(f"fp8_gemm_v2: operand {name} exceeds this card's E4M3 range {limit}")
+    if fake is not None:
+        fake.RECORD["fp8_gemm_v2"].append({"a": tuple(a.shape), "b": tuple(b.shape), "trans_b": trans_b,
+                                           "b_scale": tuple(b_scale_inv.shape), "out_dtype": out_dtype})
+    af = a.float() * a_scale_inv.float()
+    bf = b.float() * (b_scale_inv.float().reshape(-1, 1) if b_scale_inv.numel() > 1 else b_scale_inv.float())
+    y = (af.t() if trans_a else af) @ (bf.t() if trans_b else bf)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+FP8_LIMIT = 448.0  # the card's E4M3 range: tests set 240 to stand for Gaudi 2
+RECORD["fp8_gemm_v2"] = []
