@@ -24,7 +24,7 @@ from ..layers.mla import MLAShape, MLAttention
 from ..layers.moe import GroupedFusedMoE, expert_params_mapping
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, yarn_softmax_scale
-from .llama import LlamaConfig, LlamaForCausalLM, LlamaMLP
+from .llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 
 @dataclass(kw_only=True)
@@ -94,15 +94,9 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, x, residual, positions, kv_cache, meta):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    # Llama's pre-norm block over these modules (the residual added inside the next norm).
+    feed_forward = LlamaDecoderLayer.feed_forward
+    forward = LlamaDecoderLayer.forward
 
 
 class DeepseekV3Model(nn.Module):
