@@ -58,12 +58,17 @@ async def generate_ids(session, url: str, prompt: str, max_new_tokens: int) -> l
         return [t["id"] for t in (await r.json())["details"]["tokens"]]
 
 
-def check_single_requests(srv: Launched, n_prompts: int = 3, max_new_tokens: int = 24) -> None:
+def served_ids(srv: Launched, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """The server's greedy tokens for each prompt, asked one after the other."""
     async def run():
         async with aiohttp.ClientSession() as s:
-            return [await generate_ids(s, srv.url, p, max_new_tokens) for p in PROMPTS[:n_prompts]]
+            return [await generate_ids(s, srv.url, p, max_new_tokens) for p in prompts]
 
-    for prompt, got in zip(PROMPTS, asyncio.run(run())):
+    return asyncio.run(run())
+
+
+def check_single_requests(srv: Launched, n_prompts: int = 3, max_new_tokens: int = 24) -> None:
+    for prompt, got in zip(PROMPTS, served_ids(srv, PROMPTS[:n_prompts], max_new_tokens)):
         assert got == greedy_reference(srv.model_dir, prompt, max_new_tokens), prompt
 
 

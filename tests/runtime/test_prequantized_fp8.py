@@ -7,18 +7,16 @@ Llama and a tiny Gemma (another model class), with 1 and 2 shards; /info says wh
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
 
-import aiohttp
 import pytest
 import torch
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.family_parity import PROMPTS, generate_ids, serve
+from tests.runtime.family_parity import PROMPTS, serve, served_ids
 from tests.runtime.launched import free_port, get_json
 from tests.runtime.prequantized import reference_model, write_block_fp8, write_compressed_tensors_fp8
 
@@ -59,11 +57,7 @@ def test_served_greedy_tokens_match_transformers(family, fmt, shards, tmp_path):
     (tmp_path / "run").mkdir()
     srv = serve(model_dir, tmp_path / "run", shards)
     try:
-        async def run():
-            async with aiohttp.ClientSession() as s:
-                return [await generate_ids(s, srv.url, p, NEW_TOKENS) for p in prompts]
-
-        got = asyncio.run(run())
+        got = served_ids(srv, prompts, NEW_TOKENS)
         code, info = get_json(srv.url + "/info")
     finally:
         srv.stop()

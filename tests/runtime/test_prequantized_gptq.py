@@ -10,14 +10,11 @@ tiny Llama and a tiny Gemma, GPTQ 4 and 8 bit with and without desc_act, symmetr
 
 from __future__ import annotations
 
-import asyncio
-
-import aiohttp
 import pytest
 import torch
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.family_parity import PROMPTS, generate_ids, serve
+from tests.runtime.family_parity import PROMPTS, serve, served_ids
 from tests.runtime.launched import get_json
 from tests.runtime.prequantized import write_awq, write_gptq
 
@@ -57,11 +54,7 @@ def test_served_greedy_tokens_match_the_reference(family, bits, group, desc_act,
     (tmp_path / "run").mkdir()
     srv = serve(model_dir, tmp_path / "run", shards)
     try:
-        async def run():
-            async with aiohttp.ClientSession() as s:
-                return [await generate_ids(s, srv.url, p, NEW_TOKENS) for p in prompts]
-
-        got = asyncio.run(run())
+        got = served_ids(srv, prompts, NEW_TOKENS)
         code, info = get_json(srv.url + "/info")
     finally:
         srv.stop()
