@@ -25,6 +25,7 @@ import aiohttp
 import pytest
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
+from tests.runtime.conformance import Contract
 from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, get_json, launch
 from tests.runtime.lora_adapters import make_adapter, peft_greedy
 
@@ -264,11 +265,15 @@ def test_bad_input_is_refused_clearly_and_the_loaded_adapters_keep_serving(serve
     async def run():
         async with aiohttp.ClientSession() as s:
             answers = [await post(s, server.url + "/v1/load_lora_adapter", body) for body, _, _ in cases]
-            return answers, await generate_ids(s, server, "sql"), await get_models(s, server)
+            async with s.get(server.url + "/api-doc/openapi.json") as r:
+                document = await r.json()
+            return answers, await generate_ids(s, server, "sql"), await get_models(s, server), document
 
-    answers, sql, models = asyncio.run(run())
+    answers, sql, models, document = asyncio.run(run())
+    contract = Contract(document)  # each refusal as the OpenAPI document describes the route's answers
     for (body, status, message), (got_status, got) in zip(cases, answers):
         assert got_status == status and message in got["error"]["message"], (body, got)
+        contract.check("POST", "/v1/load_lora_adapter", got_status, "application/json", got)
         assert got["error"]["code"] is None and got["error"]["type"] in (
             "InvalidUserInput", "BadRequestError", "NotFoundError")
     assert sql == peft_greedy(model_dir, adapters["sql"], PROMPT, 12)

@@ -11,6 +11,11 @@ from aiohttp import web
 from gaudi_runtime.router import openai_errors
 from gaudi_runtime.router.adapter_updates import UpdateError
 from gaudi_runtime.router.errors import ValidationError
+from gaudi_runtime.router.request_models import (
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    parse_request,
+)
 from gaudi_runtime.router.state import get_state
 from gaudi_runtime.router.validation import parse_json_body
 
@@ -22,16 +27,12 @@ def vllm_error(status: int, kind: str, message: str) -> web.Response:
     return web.json_response(answer, status=status)
 
 
-async def _body(request: web.Request, fields: dict[str, type]) -> dict:
-    """The body's fields, each of its type (absent: None); UpdateError (400) otherwise."""
+def _body(raw: bytes, model):
+    """The body as `model`; UpdateError (400) naming the field otherwise."""
     try:
-        body = parse_json_body(await request.read())
+        return parse_request(model, parse_json_body(raw))
     except ValidationError as e:
         raise UpdateError(400, "BadRequestError", str(e)) from None
-    for name, typ in fields.items():
-        if body.get(name) is not None and not isinstance(body[name], typ):
-            raise UpdateError(400, "BadRequestError", f"'{name}' must be a {typ.__name__}")
-    return body
 
 
 async def _answer(request: web.Request, run) -> web.Response:
@@ -46,16 +47,15 @@ async def _answer(request: web.Request, run) -> web.Response:
 
 async def handle_load(request: web.Request) -> web.Response:
     async def run(updates):
-        body = await _body(request, {"lora_name": str, "lora_path": str, "load_inplace": bool})
-        return await updates.load(body.get("lora_name") or "", body.get("lora_path") or "",
-                                  bool(body.get("load_inplace")))
+        body = _body(await request.read(), LoadLoraAdapterRequest)
+        return await updates.load(body.lora_name or "", body.lora_path or "", body.load_inplace)
 
     return await _answer(request, run)
 
 
 async def handle_unload(request: web.Request) -> web.Response:
     async def run(updates):
-        body = await _body(request, {"lora_name": str})
-        return await updates.unload(body.get("lora_name") or "")
+        body = _body(await request.read(), UnloadLoraAdapterRequest)
+        return await updates.unload(body.lora_name or "")
 
     return await _answer(request, run)

@@ -173,6 +173,21 @@ class TokenizeRequest(RequestBody):
 
 # --- OpenAI ----------------------------------------------------------------------------------------
 
+class LoadLoraAdapterRequest(RequestBody):
+    """The body of vLLM's /v1/load_lora_adapter (served with --allow-runtime-lora-updating). Both names
+    are required; a body without one gets vLLM's own message for it, from the updater."""
+
+    lora_name: Str | None = Field(None, description="The name requests will select the adapter by (`model`)")
+    lora_path: Str | None = Field(None, description="A directory the server can read, or a hub id")
+    load_inplace: Bool = Field(False, description="Replace the weights of an adapter of that name already loaded")
+
+
+class UnloadLoraAdapterRequest(RequestBody):
+    """The body of vLLM's /v1/unload_lora_adapter (served with --allow-runtime-lora-updating)."""
+
+    lora_name: Str | None = Field(None, description="The adapter to unload")
+
+
 class StreamOptions(RequestBody):
     include_usage: Bool = False
 

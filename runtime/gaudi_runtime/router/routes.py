@@ -22,7 +22,9 @@ from gaudi_runtime.router.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from gaudi_runtime.router.responses_store import RESPONSES, ResponseStore
 
@@ -67,7 +69,7 @@ async def handle_openapi(request: web.Request) -> web.Response:
 
 @functools.cache
 def openapi_json() -> dict:
-    return openapi_document(ROUTES, gaudi_runtime.__version__)
+    return openapi_document(DOCUMENTED, gaudi_runtime.__version__)
 
 
 TGI, OPENAI, OPS = "Text Generation Inference", "OpenAI", "Operations"
@@ -117,11 +119,15 @@ ROUTES = (
 
 
 # vLLM's runtime LoRA updating: served only with --allow-runtime-lora-updating (404 otherwise, as in vLLM);
-# answers in vLLM's shapes (text on success, its error object), so left out of the OpenAPI document.
+# answers in vLLM's shapes: a line of text on success, OpenAI's error body otherwise.
 LORA_ROUTES = (
-    Route("POST", "/v1/load_lora_adapter", lora_api.handle_load, tag=OPENAI, documented=False),
-    Route("POST", "/v1/unload_lora_adapter", lora_api.handle_unload, tag=OPENAI, documented=False),
+    Route("POST", "/v1/load_lora_adapter", lora_api.handle_load, (LoadLoraAdapterRequest,), media="text/plain",
+          summary="Load a LoRA adapter while serving (--allow-runtime-lora-updating)", tag=OPENAI, finds=True),
+    Route("POST", "/v1/unload_lora_adapter", lora_api.handle_unload, (UnloadLoraAdapterRequest,),
+          media="text/plain", summary="Unload a LoRA adapter (--allow-runtime-lora-updating)", tag=OPENAI,
+          finds=True),
 )
+DOCUMENTED = tuple(r for r in ROUTES + LORA_ROUTES if r.documented)
 
 
 def add_routes(app: web.Application, runtime_lora_updating: bool = False) -> None:
