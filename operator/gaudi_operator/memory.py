@@ -5,7 +5,8 @@ bytes a token costs it. A mixture-of-experts model holds every expert on every s
 intermediate dimension is split), so all experts count, not only the few a token activates
 (Qwen3-30B-A3B: 30.5B parameters in memory, 3.3B active; DeepSeek-V3: 671B). Multi-head latent
 attention (DeepSeek-V2/V3, a config with ``kv_lora_rank``) caches the compressed latent and the rope
-key instead of keys and values, whole on every shard.
+key instead of keys and values, whole on every shard. A pre-quantized checkpoint (GPTQ, AWQ, FP8) keeps
+its linear weights packed, and they count as such.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MemoryEstimate", "model_memory"]
+__all__ = ["MemoryEstimate", "linear_bytes_per_weight", "model_memory"]
 
 
 @dataclass(frozen=True)
@@ -47,29 +48,32 @@ def _experts(cfg: dict[str, Any]) -> int:
     return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
 
 
-def _mlp(cfg: dict[str, Any], sparse: bool, shards: int) -> int:
+def _mlp(cfg: dict[str, Any], sparse: bool, shards: int) -> tuple[int, int]:
+    """(linear weight elements, other elements: routers) of one feed-forward layer on one shard."""
     hidden = int(cfg["hidden_size"])
     if not sparse:
-        return 3 * hidden * (int(cfg["intermediate_size"]) // shards)
+        return 3 * hidden * (int(cfg["intermediate_size"]) // shards), 0
     experts = _experts(cfg)
     inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
     router = experts * hidden + (experts if cfg.get("n_routed_experts") else 0)  # DeepSeek's correction bias
     shared = int(cfg.get("n_shared_experts") or 0) * inter
-    return experts * 3 * hidden * (inter // shards) + router + 3 * hidden * (shared // shards)
+    return experts * 3 * hidden * (inter // shards) + 3 * hidden * (shared // shards), router
 
 
-def _latent_attention(cfg: dict[str, Any], shards: int) -> tuple[int, int]:
-    """(weight elements, cached values per token) of one MLA layer: heads split, the latent replicated."""
+def _latent_attention(cfg: dict[str, Any], shards: int) -> tuple[int, int, int]:
+    """(linear elements, other elements, cached values per token) of one MLA layer: heads split, the
+    latent replicated."""
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]) // shards
     nope, rope, v = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"]), int(cfg["v_head_dim"])
-    rank, q_rank = int(cfg["kv_lora_rank"]), cfg.get("q_lora_rank")
-    q = heads * (nope + rope) * (int(q_rank) if q_rank else hidden) + (int(q_rank) * (hidden + 1) if q_rank else 0)
-    kv = (rank + rope) * hidden + rank + heads * (nope + v) * rank
-    return q + kv + hidden * heads * v, rank + rope
+    rank, q_rank = int(cfg["kv_lora_rank"]), int(cfg.get("q_lora_rank") or 0)
+    q = heads * (nope + rope) * (q_rank or hidden) + q_rank * hidden
+    kv = (rank + rope) * hidden + heads * (nope + v) * rank
+    return q + kv + hidden * heads * v, q_rank + rank, rank + rope  # other: the two latents' norms
 
 
-def _attention(cfg: dict[str, Any], shards: int) -> tuple[int, int]:
-    """(weight elements, cached values per token) of one attention layer on one shard."""
+def _attention(cfg: dict[str, Any], shards: int) -> tuple[int, int, int]:
+    """(linear elements, other elements: biases and norms, cached values per token) of one attention
+    layer on one shard."""
     if cfg.get("kv_lora_rank"):
         return _latent_attention(cfg, shards)
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
@@ -79,25 +83,48 @@ def _attention(cfg: dict[str, Any], shards: int) -> tuple[int, int]:
     bias = bool(cfg.get("attention_bias", False))
     qkv_bias, o_bias = bias or model_type == "qwen2", bias and model_type != "qwen2"
     q_local = heads // shards
-    weights = (2 * q_local + 2 * kv_local) * head_dim * hidden
-    weights += ((q_local + 2 * kv_local) * head_dim if qkv_bias else 0) + (hidden if o_bias else 0)
-    weights += 2 * head_dim if model_type.startswith("qwen3") else 0  # q/k norms
-    return weights, 2 * kv_local * head_dim
+    other = ((q_local + 2 * kv_local) * head_dim if qkv_bias else 0) + (hidden if o_bias else 0)
+    other += 2 * head_dim if model_type.startswith("qwen3") else 0  # q/k norms
+    return (2 * q_local + 2 * kv_local) * head_dim * hidden, other, 2 * kv_local * head_dim
 
 
-def _elements_per_shard(cfg: dict[str, Any], shards: int) -> tuple[int, int]:
-    """(weight elements one of `shards` tensor-parallel ranks holds, KV values per token it caches)."""
+def _elements_per_shard(cfg: dict[str, Any], shards: int) -> tuple[int, int, int]:
+    """(linear weight elements, other weight elements, KV values per token) one of `shards`
+    tensor-parallel ranks holds."""
     hidden, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
-    attention, kv_width = _attention(cfg, shards)
-    total = _ceil_div(vocab, shards) * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2) + hidden
-    total += sum(attention + 2 * hidden + _mlp(cfg, sparse, shards) for sparse in sparse_layers(cfg))
-    return total, kv_width * int(cfg["num_hidden_layers"])
+    attention, attention_other, kv_width = _attention(cfg, shards)
+    linear = 0
+    other = _ceil_div(vocab, shards) * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2) + hidden
+    for sparse in sparse_layers(cfg):
+        mlp, router = _mlp(cfg, sparse, shards)
+        linear += attention + mlp
+        other += attention_other + 2 * hidden + router
+    return linear, other, kv_width * int(cfg["num_hidden_layers"])
+
+
+def linear_bytes_per_weight(cfg: dict[str, Any], dtype_bytes: int) -> float:
+    """What one weight of a linear layer costs in memory: the model dtype, or a pre-quantized checkpoint's
+    packed bits with their group scales and zero points (GPTQ, AWQ), or one byte (FP8), as the runtime
+    keeps them (packed, not dequantized). Embeddings, the LM head and norms stay in the model dtype."""
+    qc = cfg.get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method in ("gptq", "awq"):
+        bits = int(qc.get("bits") or qc.get("w_bit") or 4)
+        group = int(qc.get("group_size") or qc.get("q_group_size") or -1)
+        per_group = (2 + bits / 8) / group if group > 0 else 0.0  # a float16 scale and a packed zero per group
+        return bits / 8 + per_group
+    if method in ("fp8", "compressed-tensors"):
+        return 1.0
+    return float(dtype_bytes)
 
 
 def model_memory(cfg: dict[str, Any], dtype_bytes: int = 2, shards: int = 1,
                  kv_dtype_bytes: int | None = None) -> MemoryEstimate:
     """Weights and KV bytes per token of a decoder (Llama, Mistral, Qwen2/3, Mixtral, Qwen3-MoE,
-    DeepSeek-V3) from its config.json, per tensor-parallel shard. Norms and routers are replicated."""
-    per_shard, kv_values = _elements_per_shard(cfg, shards)
-    return MemoryEstimate(parameters=_elements_per_shard(cfg, 1)[0], weight_bytes_per_shard=per_shard * dtype_bytes,
+    DeepSeek-V3) from its config.json, per tensor-parallel shard. Norms and routers are replicated; a
+    pre-quantized checkpoint's linear layers count their packed bytes (`linear_bytes_per_weight`)."""
+    linear, other, kv_values = _elements_per_shard(cfg, shards)
+    one_linear, one_other, _ = _elements_per_shard(cfg, 1)
+    weight_bytes = other * dtype_bytes + round(linear * linear_bytes_per_weight(cfg, dtype_bytes))
+    return MemoryEstimate(parameters=one_linear + one_other, weight_bytes_per_shard=weight_bytes,
                           kv_bytes_per_token_per_shard=kv_values * (kv_dtype_bytes or dtype_bytes))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +92,30 @@ def test_memory_estimate_of_a_grouped_query_model_shards_its_kv_heads() -> None:
     one, eight = model_memory(llama8b, 2, 1), model_memory(llama8b, 2, 8)
     assert abs(one.parameters - 8.03e9) < 0.05e9
     assert one.kv_bytes_per_token_per_shard == 2 * 32 * 8 * 128 * 2 == 8 * eight.kv_bytes_per_token_per_shard
+
+
+@pytest.fixture(scope="module")
+def small_llama(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("small") / "dense", "llama", size="small")
+
+
+@pytest.mark.parametrize("write", ["gptq4", "gptq8", "awq", "fp8_block"])
+def test_a_prequantized_checkpoint_counts_its_packed_bytes(tmp_path, small_llama, write):
+    """GPTQ, AWQ and FP8 checkpoints stay packed in the runtime's memory: the estimate is their tensors'
+    bytes (within the g_idx and per-row scales it leaves out), a fraction of the dense model's."""
+    from tests.runtime.prequantized import write_awq, write_block_fp8, write_gptq
+
+    dense = small_llama
+    writers = {"gptq4": lambda d: write_gptq(d, tmp_path / "ref", bits=4, group=64),
+               "gptq8": lambda d: write_gptq(d, tmp_path / "ref", bits=8, group=64),
+               "awq": lambda d: write_awq(d, tmp_path / "ref", group=64),
+               "fp8_block": lambda d: write_block_fp8(d, block=(64, 64))}
+    import shutil
+
+    model_dir = writers[write](Path(shutil.copytree(dense, tmp_path / "quantized")))
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        stored = sum(math.prod(f.get_slice(n).get_shape()) * f.get_tensor(n).element_size() for n in f.keys())
+    cfg = json.loads((model_dir / "config.json").read_text())
+    estimate = model_memory(cfg, dtype_bytes=4).weight_bytes_per_shard
+    assert abs(estimate - stored) / stored < 0.03, (estimate, stored)
+    assert estimate < 0.6 * model_memory(json.loads((dense / "config.json").read_text()), dtype_bytes=4).weight_bytes_per_shard
