@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,3 +162,14 @@ def alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"  # a zombie is dead for our purposes
     except FileNotFoundError:
         return False
+
+
+@contextmanager
+def running(model_dir: Path | str, tmp: Path, *args: str, env: dict | None = None) -> Iterator[Launched]:
+    """`launch`, ready to serve, stopped afterwards (a module fixture's `with`)."""
+    srv = launch(model_dir, tmp, *args, env=env)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()

@@ -19,7 +19,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import launch
+from tests.runtime.launched import running
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +44,8 @@ class Weather(BaseModel):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = make_tiny_model(tmp_path_factory.mktemp("frameworks") / "llama", "llama")
-    srv = launch(model_dir, tmp_path_factory.mktemp("frameworks-run"), *ARGS, env=ENV)
-    try:
-        srv.wait_ready()
+    with running(model_dir, tmp_path_factory.mktemp("frameworks-run"), *ARGS, env=ENV) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +71,7 @@ def chat_model(base_url):
 def test_langchain_bind_tools_forced_call(chat_model):
     from langchain_core.tools import tool
 
-    answer = chat_model.bind_tools([tool(get_weather)], tool_choice="required").invoke(
+    answer = chat_model.bind_tools([tool(get_weather)], tool_choice="required", parallel_tool_calls=False).invoke(
         "What is the weather in Paris?", max_tokens=120)
     (call,) = answer.tool_calls
     assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "London"), answer
@@ -120,7 +116,7 @@ def test_litellm_tool_call(base_url):
     litellm = _litellm()
     r = litellm.completion(model=f"openai/{MODEL}", api_base=base_url, api_key="-", max_tokens=120,
                            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-                           tools=[TOOL], tool_choice="required")
+                           tools=[TOOL], tool_choice="required", parallel_tool_calls=False)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments)["city"] in ("Paris", "London")
@@ -156,7 +152,7 @@ def _agent(model, **kw):
     set_tracing_disabled(True)
     return Agent(name="weather", instructions="Answer with the tool.", model=model,
                  tools=[function_tool(get_weather)], tool_use_behavior="stop_on_first_tool",
-                 model_settings=ModelSettings(tool_choice="required", max_tokens=120), **kw)
+                 model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=120), **kw)
 
 
 def _in_one_loop(base_url: str, api: str, body) -> None:

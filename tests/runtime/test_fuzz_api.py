@@ -33,7 +33,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, get_json, launch
+from tests.runtime.launched import SMALL_ARGS, SMALL_ENV, get_json, running
 
 pytestmark = pytest.mark.slow
 
@@ -74,13 +74,9 @@ OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error":
 def fuzzed_server(tmp_path_factory):
     model_dir = make_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
     # Short generations (at most 48 tokens in all): the cases are many, each one's answer is what counts.
-    srv = launch(model_dir, tmp_path_factory.mktemp("fuzz"), *SMALL_ARGS, "--max-input-tokens", "32",
-                 "--max-total-tokens", "48", env=SMALL_ENV)
-    try:
-        srv.wait_ready()
+    with running(model_dir, tmp_path_factory.mktemp("fuzz"), *SMALL_ARGS, "--max-input-tokens", "32",
+                 "--max-total-tokens", "48", env=SMALL_ENV) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
