@@ -18,6 +18,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from gaudi_runtime import progress
+from gaudi_runtime.router import openai_envelope
 
 LISTEN_FD_ENV = "GAUDI_SERVE_LISTEN_FD"
 
@@ -44,6 +45,15 @@ def liveness(progress_dir: str | None, started_at: float, window_s: float,
         body["progress"] = {"phase": last.phase, "done": last.done, "total": last.total,
                             "idle_seconds": round(now() - last.at, 1)}
     return 200, body
+
+
+def refusal(path: str, state: dict) -> dict:
+    """The 503 body of a route while the start goes on, in the shape the router gives it later: OpenAI's
+    envelope on /v1 (which has no room for the progress: /health has it), TGI's with the state elsewhere."""
+    message = f"the server cannot serve requests yet ({state['status']})"
+    if openai_envelope.applies(path):
+        return openai_envelope.body(503, message)
+    return {"error": message, "error_type": "unhealthy", **state}
 
 
 class StartServer:
@@ -83,9 +93,7 @@ class StartServer:
         elif path == "/health":
             code, body = 503, self.status()
         else:
-            state = self.status()
-            code, body = 503, {"error": f"the server cannot serve requests yet ({state['status']})",
-                               "error_type": "unhealthy", **state}
+            code, body = 503, refusal(path, self.status())
         data = json.dumps(body).encode()
         request.send_response(code)
         request.send_header("Content-Type", "application/json")

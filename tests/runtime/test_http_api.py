@@ -337,7 +337,8 @@ async def test_engine_errors_map_to_status_codes(fake_server):
 ROUTE_BODIES = {"/generate": {"inputs": "hello"}, "/generate_stream": {"inputs": "hello"}, "/": {"inputs": "hello"},
                 "/invocations": {"inputs": "hello"}, "/tokenize": {"inputs": "hello"},
                 "/v1/completions": {"prompt": "hello"},
-                "/v1/chat/completions": {"messages": [{"role": "user", "content": "hello"}]}}
+                "/v1/chat/completions": {"messages": [{"role": "user", "content": "hello"}]},
+                "/v1/responses": {"input": "hello"}}
 
 
 async def _walk_routes(url: str) -> dict[str, tuple[int, object]]:
@@ -345,7 +346,7 @@ async def _walk_routes(url: str) -> dict[str, tuple[int, object]]:
 
     out = {}
     for r in ROUTES:
-        path = r.path.replace("{name}", "swagger-ui.css")
+        path = r.path.replace("{name}", "swagger-ui.css").replace("{response_id}", "resp_unknown")
         status, body, _ = await call(url, path, ROUTE_BODIES.get(r.path), method=r.method)
         out[r.path] = (status, body, r.open)
     return out
@@ -379,7 +380,8 @@ async def test_until_ready_every_route_but_the_open_ones_answers_503_with_the_wa
     s.engine.healthy = True
     s.engine.health_body = {"status": "ready"}
     seen = await _walk_routes(s.url)
-    assert all(status == 200 for status, _, _ in seen.values()), seen
+    # ready: every route answers, a stored response that is not there with its 404
+    assert all(status == (404 if "{response_id}" in path else 200) for path, (status, _, _) in seen.items()), seen
 
 
 # --- other TGI routes ----------------------------------------------------------------------

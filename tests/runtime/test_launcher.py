@@ -64,7 +64,8 @@ def test_a_token_budget_beyond_the_models_context_fails_naming_the_setting(model
 
 def test_health_reports_warmup_progress_then_ready(model_dir, tmp_path):
     """While it warms up, /health says how far it got, and every other route (/v1/models, which
-    clients probe to learn that a server is up, included) answers the same 503 with that progress."""
+    clients probe to learn that a server is up, included) answers 503: /v1 in OpenAI's error envelope,
+    which names the state (the progress itself is /health's)."""
     srv = launch(model_dir, tmp_path, "--max-input-tokens", "256", "--max-total-tokens", "512",
                  "--max-batch-size", "32", env={"PAD_SEQUENCE_TO_MULTIPLE_OF": "16", "BATCH_BUCKET_SIZE": "2"})
     seen = []
@@ -87,7 +88,8 @@ def test_health_reports_warmup_progress_then_ready(model_dir, tmp_path):
     assert seen[-2][:2] == ("/health", 200)
     models = [(c, b) for p, c, b in seen if p == "/v1/models"]
     refused = [b for c, b in models if c == 503]
-    assert any(b["error_type"] == "unhealthy" and "warmup" in b for b in refused), models[:5]
+    assert any(b["error"]["type"] == "ServiceUnavailableError" and "warming_up" in b["error"]["message"]
+               for b in refused), models[:5]
     first_ok = next(i for i, (p, c, _) in enumerate(seen) if p == "/v1/models" and c == 200)
     assert all(c == 200 for p, c, _ in seen[first_ok:] if p == "/health"), seen[first_ok:]  # one rule, one moment
 

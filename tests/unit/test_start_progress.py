@@ -93,9 +93,12 @@ def test_the_launchers_port_answers_the_probes_then_passes_to_the_router_unclose
     assert get(url + "/livez") == (200, {"status": "ok"})
     live["code"] = 503
     assert get(url + "/livez") == (503, {"status": "stalled"})
-    code, body = get(url + "/v1/models")
+    code, body = get(url + "/info")  # TGI's routes: TGI's body, with the progress
     assert code == 503 and body["error_type"] == "unhealthy" and "(downloading)" in body["error"]
     assert body["download"] == {"done": 1, "total": 4}
+    code, body = get(url + "/v1/models")  # /v1: OpenAI's envelope, as the router will answer it
+    assert code == 503 and body["error"]["type"] == "ServiceUnavailableError"
+    assert "(downloading)" in body["error"]["message"]
 
     fd = server.hand_over()
     # A probe arriving between the launcher and the router waits in the backlog, then the router answers.

@@ -284,11 +284,12 @@ def test_openai_penalties_keep_openais_meaning():
 
 
 def test_every_route_body_has_a_json_schema():
-    from gaudi_runtime.router.routes import ROUTES
+    from gaudi_runtime.router.routes import LORA_ROUTES, ROUTES
 
-    bodies = {m for r in ROUTES for m in r.bodies}
+    bodies = {m for r in ROUTES + LORA_ROUTES for m in r.bodies}
     assert {m.__name__ for m in bodies} == {"GenerateRequest", "CompletionRequest", "ChatCompletionRequest",
-                                            "TokenizeRequest"}
+                                            "TokenizeRequest", "ResponsesRequest", "LoadLoraAdapterRequest",
+                                            "UnloadLoraAdapterRequest"}
     for model in bodies:
         schema = model.model_json_schema()
         assert schema["type"] == "object" and schema["properties"], model

@@ -2,13 +2,13 @@
 does the work), in vLLM's shapes: bodies `{"lora_name", "lora_path", "load_inplace"}` and
 `{"lora_name"}`; a success is 200 with a line of text, a refusal vLLM's error object
 `{"error": {"message", "type", "param", "code"}}` (400 bad input, 404 an adapter not found), as
-every /v1 route sends it (`openai_errors`: `code` is OpenAI's string or null, not vLLM's number)."""
+every /v1 route sends it (`openai_envelope`: `code` is OpenAI's string or null, not vLLM's number)."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from gaudi_runtime.router import openai_errors
+from gaudi_runtime.router import openai_envelope
 from gaudi_runtime.router.adapter_updates import UpdateError
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.request_models import (
@@ -21,8 +21,8 @@ from gaudi_runtime.router.validation import parse_json_body
 
 
 def vllm_error(status: int, kind: str, message: str) -> web.Response:
-    """OpenAI's envelope as every /v1 route sends it (`openai_errors`), with vLLM's error kind as its type."""
-    answer = openai_errors.body(status, message)
+    """OpenAI's envelope as every /v1 route sends it (`openai_envelope`), with vLLM's error kind as its type."""
+    answer = openai_envelope.body(status, message)
     answer["error"]["type"] = kind
     return web.json_response(answer, status=status)
 

@@ -25,7 +25,7 @@ from gaudi_runtime.router.errors import (
     ValidationError,
 )
 from gaudi_runtime.router.metrics import Metrics
-from gaudi_runtime.router.openai_errors import applies as openai_route
+from gaudi_runtime.router.openai_envelope import applies as openai_route
 from gaudi_runtime.router.openai_errors import error_response_for, exception_response, json_error_for
 from gaudi_runtime.router.reasoning import thinking_tokens
 from gaudi_runtime.router.routes import add_routes, open_route
