@@ -104,6 +104,9 @@ def test_the_launchers_port_answers_the_probes_then_passes_to_the_router_unclose
     # A probe arriving between the launcher and the router waits in the backlog, then the router answers.
     probe = socket.create_connection(("127.0.0.1", port), timeout=10)
     probe.sendall(b"GET /ping HTTP/1.0\r\n\r\n")
+    # The router's socket becomes the descriptor's one owner: `sock`, detached, can no longer close it again
+    # once collected (by then the number may be another test's file).
+    assert fd == sock.detach()
     router = StartServer(socket.socket(fileno=fd), lambda: {"status": "loading"}, lambda: (200, {"status": "ok"}))
     router.start()
     answer = b""
