@@ -67,6 +67,17 @@ def served_ids(srv: Launched, prompts: list[str], max_new_tokens: int) -> list[l
     return asyncio.run(run())
 
 
+def served_ids_and_info(model_dir: Path, tmp: Path, shards: int, prompts: list[str],
+                        max_new_tokens: int) -> tuple[list[list[int]], int, dict]:
+    """A server started for these prompts alone: its greedy tokens for each, then /info's status and body."""
+    tmp.mkdir()
+    srv = serve(model_dir, tmp, shards)
+    try:
+        return (served_ids(srv, prompts, max_new_tokens), *get_json(srv.url + "/info"))
+    finally:
+        srv.stop()
+
+
 def check_single_requests(srv: Launched, n_prompts: int = 3, max_new_tokens: int = 24) -> None:
     for prompt, got in zip(PROMPTS, served_ids(srv, PROMPTS[:n_prompts], max_new_tokens)):
         assert got == greedy_reference(srv.model_dir, prompt, max_new_tokens), prompt

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.family_parity import PROMPTS, serve, served_ids
-from tests.runtime.launched import free_port, get_json
+from tests.runtime.family_parity import PROMPTS, served_ids_and_info
+from tests.runtime.launched import free_port
 from tests.runtime.prequantized import reference_model, write_block_fp8, write_compressed_tensors_fp8
 
 pytestmark = pytest.mark.slow
@@ -54,13 +54,7 @@ def test_served_greedy_tokens_match_transformers(family, fmt, shards, tmp_path):
     model_dir = write(make_tiny_model(tmp_path / "model", family), fmt)
     prompts = PROMPTS[:3]
     expected = reference_ids(model_dir, prompts)
-    (tmp_path / "run").mkdir()
-    srv = serve(model_dir, tmp_path / "run", shards)
-    try:
-        got = served_ids(srv, prompts, NEW_TOKENS)
-        code, info = get_json(srv.url + "/info")
-    finally:
-        srv.stop()
+    got, code, info = served_ids_and_info(model_dir, tmp_path / "run", shards, prompts, NEW_TOKENS)
     assert got == expected
     assert all(len(ids) == NEW_TOKENS for ids in got)
     assert code == 200

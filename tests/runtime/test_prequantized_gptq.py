@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.family_parity import PROMPTS, serve, served_ids
-from tests.runtime.launched import get_json
+from tests.runtime.family_parity import PROMPTS, served_ids_and_info
 from tests.runtime.prequantized import write_awq, write_gptq
 
 pytestmark = pytest.mark.slow
@@ -51,13 +50,7 @@ def test_served_greedy_tokens_match_the_reference(family, bits, group, desc_act,
         model_dir = write_awq(model, tmp_path / "dense", group)
     prompts = PROMPTS[:3]
     expected = reference_ids(tmp_path / "dense", prompts)
-    (tmp_path / "run").mkdir()
-    srv = serve(model_dir, tmp_path / "run", shards)
-    try:
-        got = served_ids(srv, prompts, NEW_TOKENS)
-        code, info = get_json(srv.url + "/info")
-    finally:
-        srv.stop()
+    got, code, info = served_ids_and_info(model_dir, tmp_path / "run", shards, prompts, NEW_TOKENS)
     assert got == expected
     assert all(len(ids) == NEW_TOKENS for ids in got)
     assert code == 200 and info["quantization"].startswith(f"gptq int{bits}" if bits else "awq int4"), info

@@ -24,7 +24,7 @@ from ..layers.mla import MLAShape, MLAttention
 from ..layers.moe import GroupedFusedMoE, expert_params_mapping
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, yarn_softmax_scale
-from .llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from .llama import LlamaConfig, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
 @dataclass(kw_only=True)
@@ -108,13 +108,9 @@ class DeepseekV3Model(nn.Module):
                                      for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, input_ids, positions, kv_caches, meta, inputs_embeds=None):
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, None if kv_caches is None else kv_caches[i], meta)
-        x, _ = self.norm(x, residual)
-        return x
+    # Llama's stack over these modules.
+    embed = LlamaModel.embed
+    forward = LlamaModel.forward
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
