@@ -9,7 +9,7 @@
 #       bfloat16), for a CPU without avx512_bf16 where both would emulate bf16; the offline workloads
 #       stay bfloat16-only (../shared/bench/vllm_offline.py fixes vLLM's dtype)
 #
-# Workloads (WORKLOADS, default all of "overhead offline online long multiturn mixed base lora"):
+# Workloads (WORKLOADS, default all of "overhead offline online long multiturn mixed base lora families"):
 # - offline: 64 prompts x 128 random tokens -> 128 new tokens, EOS ignored, the reference `small` model.
 # - online: streaming /v1/completions, 128 in / 128 out, 64 requests at concurrency 16 and C1_REQUESTS
 #   (default 16) at concurrency 1. Both servers get the same requests (`ignore_eos`).
@@ -45,6 +45,12 @@
 #   for the base model (lora-basereq), and once without them, the base model's traffic (lora-nolora;
 #   LORA_VLLM_BASE=0 skips vLLM's). Prints ours mixed / ours without adapters (goal >= 0.8) beside the
 #   ours/vLLM rows (mixed throughput >= 1.0, TTFT p50 <= 1.0).
+# - families: Qwen3 dense and Qwen3-MoE in the small model's shape (`python -m
+#   gaudi_runtime.bench.family_models`: random weights, its tokenizer; the MoE has 64 experts, 8 routed,
+#   so a token's active MLP weights equal the dense model's), streaming /v1/completions, 128 in / 128
+#   out, 64 requests at concurrency 16, vLLM then ours on each; ours also on the Llama `small` model, so
+#   a row compares Qwen3 dense with Llama of the same shape (goal: no worse) beside the ours/vLLM rows
+#   (Qwen3-MoE tok/s >= 1.0, TTFT p50 <= 1.0).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 peer=${PEER_BENCH:-$root/../shared/bench}
@@ -67,7 +73,7 @@ ours_env=${OURS_ENV:-EXPONENTIAL_BUCKETING=true}
 mt_ours_args=${MT_OURS_ARGS:---max-input-tokens 2048 --max-total-tokens 2304 --max-batch-size 16}
 mt_users=${MT_USERS:-4}
 mt_requests=${MT_REQUESTS:-32}
-workloads=${WORKLOADS:-overhead offline online long multiturn mixed base lora}
+workloads=${WORKLOADS:-overhead offline online long multiturn mixed base lora families}
 mixed_streams=${MIXED_STREAMS:-8}
 mixed_every=${MIXED_EVERY:-1.5}
 mixed_seconds=${MIXED_SECONDS:-60}
@@ -238,6 +244,29 @@ run_lora() {
   stop_server
 }
 
+run_families() {
+  local fam dir
+  for fam in qwen3 qwen3_moe; do
+    dir=$cache/model-$fam-like-$(basename "$model")
+    [ -f "$dir/config.json" ] || "$ours/python" -m gaudi_runtime.bench.family_models "$dir" --family "$fam" \
+      --like "$model" >&2
+    echo "== run $run: $fam in the small model's shape, vLLM then gaudi-serve, online c16" >&2
+    start_vllm "$log/vllm-$fam-server.log" "$dir"
+    online vllm "$dir" | sed "s/mode=c16/mode=$fam-c16/" | tee -a "$log/results.txt"
+    stop_server
+    # shellcheck disable=SC2086  # OURS_ARGS is a list
+    OURS_MODEL=$dir start_ours "$log/ours-$fam-server.log" $ours_args
+    online ours "$dir" | sed "s/mode=c16/mode=$fam-c16/" | tee -a "$log/results.txt"
+    metrics "$fam"
+    stop_server
+  done
+  echo "== run $run: gaudi-serve on the Llama of the same shape, online c16" >&2
+  # shellcheck disable=SC2086  # OURS_ARGS is a list
+  start_ours "$log/ours-llama-server.log" $ours_args
+  online ours "$model" | sed "s/mode=c16/mode=llama-c16/" | tee -a "$log/results.txt"
+  stop_server
+}
+
 wants() { case " $workloads " in *" $1 "*) return 0 ;; esac; return 1; }
 
 run_vllm_server_workloads() {
@@ -312,6 +341,7 @@ for run in $(seq 1 "$runs"); do
   ! wants mixed || run_mixed
   ! wants base || run_base
   ! wants lora || run_lora
+  ! wants families || run_families
 done
 
 "$ours/python" - "$out" "$runs" <<'PY'
@@ -365,7 +395,10 @@ rows = [("offline tok/s", "offline", "tok/s", "higher"), ("c16 tok/s", "c16", "t
         ("lora mixed ITL ms", "lora-mixed", "itl_p50_ms", "lower"),
         ("lora base-req tok/s", "lora-basereq", "tok/s", "higher"),
         ("lora no-lora tok/s", "lora-nolora", "tok/s", "higher"),
-        ("lora no-lora TTFT", "lora-nolora", "ttft_p50_ms", "lower")]
+        ("lora no-lora TTFT", "lora-nolora", "ttft_p50_ms", "lower"),
+        ("qwen3 c16 tok/s", "qwen3-c16", "tok/s", "higher"), ("qwen3 c16 TTFT ms", "qwen3-c16", "ttft_p50_ms", "lower"),
+        ("qwen3-moe c16 tok/s", "qwen3_moe-c16", "tok/s", "higher"),
+        ("qwen3-moe c16 TTFT", "qwen3_moe-c16", "ttft_p50_ms", "lower")]
 print(f"{'run':>3}  {'metric':<18} {'vLLM':>9} {'ours':>9} {'ours/vLLM':>9}  target")
 for run in range(1, runs + 1):
     res = {}
@@ -389,6 +422,10 @@ for run in range(1, runs + 1):
     for line in overhead_report.table(overhead_report.load(out / f"run{run}"), run):
         print(line)
     multiturn_table(run, out / f"run{run}")
+    qwen3, llama = res.get(("ours", "qwen3-c16")), res.get(("ours", "llama-c16"))
+    if qwen3 and llama:  # a Qwen3 dense model against the Llama of its shape, both ours
+        ratio = float(qwen3["tok/s"]) / float(llama["tok/s"])
+        print(f"{run:>3}  ours Qwen3 dense / Llama of the same shape, c16 tok/s: {ratio:.2f} (goal: no worse)")
     for engine in ("vllm", "ours"):  # the adapters' cost: mixed traffic against the server without them
         mixed, alone = res.get((engine, "lora-mixed")), res.get((engine, "lora-nolora"))
         if mixed and alone:

@@ -9,6 +9,7 @@ parsed list): parsing `--lora-adapters` (TGI: `id`, `name=path`, `id@revision`) 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -29,9 +30,25 @@ class AdapterError(ValueError):
     """An adapter cannot be served; the message names it and what is wrong."""
 
 
-def parse_specs(lora_adapters: str | None, lora_modules: str | None) -> list[dict]:
-    """Both flags' entries as `{name, source, revision}`, in order; a name given twice is an error."""
-    out: list[dict] = []
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One adapter to serve: as the user named it (a flag's entry, or a load request's body), and once
+    `resolve_and_check` has found it, its local directory and the digest of its files."""
+
+    name: str
+    source: str  # a local directory or a hub id, as given
+    revision: str | None = None
+    path: str | None = None  # the local directory: `source`, or the hub snapshot of it
+    digest: str | None = None  # SHA-256 of its files: salts its prefix-cache chains
+
+
+class AdapterNotFound(AdapterError):
+    """No local directory and no hub repository holds the adapter (an HTTP 404 on a load request)."""
+
+
+def parse_specs(lora_adapters: str | None, lora_modules: str | None) -> list[AdapterSpec]:
+    """Both flags' entries, in order; a name given twice is an error."""
+    out: list[AdapterSpec] = []
     for item in _items(lora_adapters):
         named = "=" in item
         name, _, source = item.partition("=") if named else (item, "", item)
@@ -40,20 +57,55 @@ def parse_specs(lora_adapters: str | None, lora_modules: str | None) -> list[dic
             source, _, revision = source.rpartition("@")
         if not named:
             name = source  # a hub id is served under its own name, without the revision
-        out.append({"name": name.strip(), "source": source.strip(), "revision": revision or None})
+        out.append(AdapterSpec(name.strip(), source.strip(), revision or None))
     for item in _items(lora_modules):
         name, eq, path = item.partition("=")
         if not eq or not name or not path:
             raise AdapterError(f"--lora-modules {item!r}: expected name=path")
-        out.append({"name": name.strip(), "source": path.strip(), "revision": None})
+        out.append(AdapterSpec(name.strip(), path.strip()))
     seen: set[str] = set()
     for a in out:
-        if not a["name"] or not a["source"]:
-            raise AdapterError(f"adapter {a!r}: empty name or path")
-        if a["name"] in seen:
-            raise AdapterError(f"adapter name {a['name']!r} is given twice")
-        seen.add(a["name"])
+        if not a.name or not a.source:
+            raise AdapterError(f"adapter {a.name!r} ({a.source!r}): empty name or path")
+        if a.name in seen:
+            raise AdapterError(f"adapter name {a.name!r} is given twice")
+        seen.add(a.name)
     return out
+
+
+def is_hub_id(source: str) -> bool:
+    """Whether `source` may name a hub repository: `name` or `owner/name`, not a path (the hub's rule)."""
+    return not source.startswith((os.sep, ".")) and source.count("/") <= 1
+
+
+def resolve_and_check(spec: AdapterSpec, model_dir: str | Path, max_rank: int, hub_cache: str | None,
+                      reporter=None) -> AdapterSpec:
+    """`spec` with its local directory and digest, once it fits the model and --max-lora-rank: the one
+    path of both start-up adapters and adapters loaded while serving. A local directory is taken as is;
+    anything else that may be a hub id is fetched as the model is (HF_TOKEN, HF_ENDPOINT,
+    HF_HUB_OFFLINE, the hub cache). Raises AdapterNotFound, download.DownloadError (a fetch that
+    failed, naming the adapter) or AdapterError (it does not fit)."""
+    path = adapter_dir(spec, hub_cache, reporter)
+    model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    check_adapter(spec.name, path, model_config, max_rank)
+    try:
+        return dataclasses.replace(spec, path=path, digest=digest(path))
+    except OSError as e:
+        raise AdapterError(f"adapter {spec.name!r}: {e}") from None
+
+
+def adapter_dir(spec: AdapterSpec, hub_cache: str | None, reporter=None) -> str:
+    """The adapter's local directory: `source` itself, or its hub snapshot, fetched into the cache."""
+    if os.path.isdir(spec.source):
+        return os.path.abspath(spec.source)
+    if not is_hub_id(spec.source):
+        raise AdapterNotFound(f"adapter {spec.name!r}: {spec.source} is no directory")
+    from gaudi_runtime.download import DownloadError, ensure_snapshot
+
+    try:
+        return ensure_snapshot(spec.source, spec.revision, hub_cache, reporter)["path"]
+    except DownloadError as e:
+        raise DownloadError(e.reason, f"adapter {spec.name!r} ({spec.source}): {e}", adapter=spec.name) from e
 
 
 def _items(value: str | None) -> list[str]:

@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gaudi_runtime.adapters import AdapterSpec
+
 
 class ConfigError(ValueError):
     """A setting is wrong; the message names it."""
@@ -344,12 +346,17 @@ class LimitsConfig:
 class AdaptersConfig:
     """LoRA adapters: those given at start, the slots and ranks, loading while serving."""
 
-    # {name, source, revision, path, digest} per adapter; the launcher sets path and digest.
-    lora_adapters: list[dict] = field(default_factory=list)
+    # In slot order; the launcher resolves each (its path and digest) before any shard starts.
+    lora_adapters: tuple[AdapterSpec, ...] = ()
     max_loras: int = 0
     max_lora_rank: int = 16
     allow_runtime_lora_updating: bool = False
     max_cpu_loras: int = 0  # adapter slots besides slot 0 (the base model)
+
+    def __post_init__(self):
+        # from_json hands each adapter over as the JSON object `asdict` made of it.
+        specs = tuple(a if isinstance(a, AdapterSpec) else AdapterSpec(**a) for a in self.lora_adapters)
+        object.__setattr__(self, "lora_adapters", specs)
 
 
 @dataclass(frozen=True)
@@ -661,10 +668,9 @@ def _derive_adapters(v: dict[str, object]) -> None:
     except AdapterError as e:
         raise ConfigError(f"--lora-adapters: {e}") from None
     for a in adapters:
-        if a["name"] in (v["model_name"], v["model_id"]):
-            raise ConfigError(f"--lora-adapters: adapter name {a['name']!r} is the base model's name")
-        a.update(path=None, digest=None)
-    v["lora_adapters"] = adapters
+        if a.name in (v["model_name"], v["model_id"]):
+            raise ConfigError(f"--lora-adapters: adapter name {a.name!r} is the base model's name")
+    v["lora_adapters"] = tuple(adapters)
     if v["max_lora_rank"] < 1:
         raise ConfigError("--max-lora-rank must be positive")
     _derive_adapter_slots(v, len(adapters))

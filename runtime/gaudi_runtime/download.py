@@ -395,19 +395,15 @@ def _http_error(repo_id: str, e: Exception) -> DownloadError:
 def fetch_adapters(lora_adapters: str | None, cache_dir: str | None, reporter: report.Reporter) -> None:
     """Each hub adapter of a --lora-adapters value into the cache (its own `done` event each), before the
     model, so that the model's `done` stays the last line of a success. Raises DownloadError naming it."""
-    from gaudi_runtime.adapters import AdapterError, parse_specs
+    from gaudi_runtime.adapters import AdapterError, adapter_dir, is_hub_id, parse_specs
 
     try:
         specs = parse_specs(lora_adapters, None)
     except AdapterError as e:
         raise DownloadError("error", f"--lora-adapters: {e}") from None
     for a in specs:
-        if a["source"].startswith((os.sep, ".")) or os.path.isdir(a["source"]):
-            continue  # a directory: nothing to fetch
-        try:
-            ensure_snapshot(a["source"], a["revision"], cache_dir, reporter)
-        except DownloadError as e:
-            raise DownloadError(e.reason, f"adapter {a['name']!r} ({a['source']}): {e}", a["name"]) from e
+        if is_hub_id(a.source) and not os.path.isdir(a.source):  # a directory: nothing to fetch
+            adapter_dir(a, cache_dir, reporter)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -75,35 +75,28 @@ def resolve_model_dir(cfg: Config, steps: progress.Reporter | None = None) -> st
     return ensure_snapshot(m.model_id, m.revision, m.huggingface_hub_cache, reporter)["path"]
 
 
-def resolve_adapter_dirs(cfg: Config, steps: progress.Reporter | None = None) -> None:
-    """Set each adapter's `path`: a local directory as is, else its hub snapshot, fetched and cached as the
-    model's is. Raises DownloadError naming the adapter."""
+def resolve_adapters(cfg: Config, model_dir: str, steps: progress.Reporter | None = None) -> Config:
+    """`cfg` with every adapter found (a directory, or its hub snapshot fetched as the model's is) and
+    checked against the model and --max-lora-rank, before any shard starts: ConfigError when one does
+    not fit, DownloadError naming it when its fetch fails."""
+    from gaudi_runtime.adapters import AdapterError, resolve_and_check
+
     reporter = _DownloadSteps(steps) if steps is not None else None
-    for a in cfg.adapters.lora_adapters:
-        if os.path.isdir(a["source"]):
-            a["path"] = os.path.abspath(a["source"])
-            continue
-        if a["source"].startswith((os.sep, ".")):
-            raise ConfigError(f"--lora-adapters: adapter {a['name']!r}: {a['source']} is no directory")
-        try:
-            hub_cache = cfg.model.huggingface_hub_cache
-            a["path"] = ensure_snapshot(a["source"], a["revision"], hub_cache, reporter)["path"]
-        except DownloadError as e:
-            raise DownloadError(e.reason, f"adapter {a['name']!r} ({a['source']}): {e}") from e
+    rank, hub_cache = cfg.adapters.max_lora_rank, cfg.model.huggingface_hub_cache
+    try:
+        specs = tuple(resolve_and_check(a, model_dir, rank, hub_cache, reporter) for a in cfg.adapters.lora_adapters)
+    except AdapterError as e:
+        raise ConfigError(f"--lora-adapters: {e}") from None
+    return cfg.replace(lora_adapters=specs)
 
 
-def check_adapters(cfg: Config, model_dir: str) -> None:
-    """Every adapter fits the model and --max-lora-rank (else ConfigError before any shard starts); each
-    gets the digest that names its KV blocks in the prefix cache."""
-    from gaudi_runtime.adapters import AdapterError, check_adapter, digest
-
-    model_config = json.loads((Path(model_dir) / "config.json").read_text())
-    for a in cfg.adapters.lora_adapters:
-        try:
-            check_adapter(a["name"], a["path"], model_config, cfg.adapters.max_lora_rank)
-        except AdapterError as e:
-            raise ConfigError(f"--lora-adapters: {e}") from None
-        a["digest"] = digest(a["path"])
+def fetch_and_check(cfg: Config, steps: progress.Reporter, watch: Watchdog) -> tuple[str, Config]:
+    """The model's directory, checked, and `cfg` with its adapters resolved; downloads run watched."""
+    with watched_download(watch):
+        model_dir = resolve_model_dir(cfg, steps)
+    check_model(model_dir)
+    with watched_download(watch):
+        return model_dir, resolve_adapters(cfg, model_dir, steps)
 
 
 def check_reasoning(cfg: Config, model_dir: str) -> None:
@@ -408,18 +401,14 @@ def _launch(cfg: Config, progress_dir: str) -> int:
     early = start_http.StartServer(sock, lambda: _start_state(progress_dir),
                                    lambda: start_http.liveness(progress_dir, t0, cfg.server.warmup_stall_seconds)).start()
     try:
-        with watched_download(watch):
-            model_dir = resolve_model_dir(cfg, steps)
-            resolve_adapter_dirs(cfg, steps)
+        model_dir, cfg = fetch_and_check(cfg, steps, watch)
     except DownloadError as e:
         log.error("--model-id %s: download failed (%s): %s", cfg.model.model_id, e.reason, e)
         return e.exit_code
     # Seconds spent getting the model, shown in /info (none for a local directory).
     download_seconds = None if model_dir == cfg.model.model_id else time.monotonic() - t0
     steps.report("loading")
-    check_model(model_dir)
     check_image_budget(cfg.limits, json.loads((Path(model_dir) / "config.json").read_text()))
-    check_adapters(cfg, model_dir)
     check_reasoning(cfg, model_dir)
     check_quantized(cfg, model_dir)
     log.info("effective configuration: %s", cfg.to_log_json())  # every flag and env setting, secrets masked

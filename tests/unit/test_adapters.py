@@ -3,13 +3,23 @@ cache's roots, and the model's output with several adapters in one batch against
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from gaudi_runtime.adapters import AdapterError, check_adapter, parse_specs
+from gaudi_runtime.adapters import (
+    AdapterError,
+    AdapterNotFound,
+    AdapterSpec,
+    check_adapter,
+    digest,
+    is_hub_id,
+    parse_specs,
+    resolve_and_check,
+)
 from gaudi_runtime.config import ConfigError, resolve
 from gaudi_runtime.router import adapters as router_adapters
 from gaudi_runtime.router.errors import ModelNotFoundError, ValidationError
@@ -34,10 +44,8 @@ def parts(cfg):
 
 def test_tgi_and_vllm_spellings_give_one_list_in_order():
     got = parse_specs("org/sql@v2, me=/tmp/y,plain", "a=/x b=/z")
-    assert got == [{"name": "org/sql", "source": "org/sql", "revision": "v2"},
-                   {"name": "me", "source": "/tmp/y", "revision": None},
-                   {"name": "plain", "source": "plain", "revision": None},
-                   {"name": "a", "source": "/x", "revision": None}, {"name": "b", "source": "/z", "revision": None}]
+    assert got == [AdapterSpec("org/sql", "org/sql", "v2"), AdapterSpec("me", "/tmp/y"), AdapterSpec("plain", "plain"),
+                   AdapterSpec("a", "/x"), AdapterSpec("b", "/z")]
 
 
 @pytest.mark.parametrize("adapters, modules, message", [("a=/x,a=/y", None, "given twice"),
@@ -49,10 +57,10 @@ def test_bad_specs_are_refused(adapters, modules, message):
 
 def test_config_reads_the_flags_and_derives_max_loras():
     cfg = config(LORA_ADAPTERS="a=/x,b=/y", LORA_MODULES="c=/z")
-    assert [a["name"] for a in cfg.adapters.lora_adapters] == ["a", "b", "c"]
+    assert [a.name for a in cfg.adapters.lora_adapters] == ["a", "b", "c"]
     assert cfg.adapters.max_loras == 3 and cfg.adapters.max_lora_rank == 16
     assert config(LORA_ADAPTERS="a=/x", MAX_LORAS="1", MAX_LORA_RANK="64").adapters.max_lora_rank == 64
-    assert config().adapters.lora_adapters == [] and config().adapters.max_loras == 0
+    assert config().adapters.lora_adapters == () and config().adapters.max_loras == 0
 
 
 @pytest.mark.parametrize("env, message", [
@@ -80,6 +88,25 @@ def test_a_good_adapter_passes_with_its_rank_and_scale(tiny):
     facts = check_adapter("sql", adapter, model_config, max_rank=16)
     assert facts.rank == 8 and facts.scale == 1.0  # lora_alpha 8 / rank 8
     assert len(facts.modules) == 7 * model_config["num_hidden_layers"]
+
+
+def test_one_resolution_serves_start_up_and_runtime_loads(tiny, tmp_path):
+    """`resolve_and_check` is what the launcher and a load request both run: the spec comes back with its
+    directory and digest, or with the error kind each caller maps (not found -> 404, does not fit -> 400)."""
+    model_dir, adapter, _ = tiny
+    spec = resolve_and_check(AdapterSpec("sql", str(adapter)), model_dir, max_rank=16, hub_cache=str(tmp_path))
+    assert spec.path == str(Path(adapter).resolve()) and spec.digest == digest(adapter) and spec.name == "sql"
+    with pytest.raises(AdapterNotFound, match="is no directory"):
+        resolve_and_check(AdapterSpec("x", str(tmp_path / "absent")), model_dir, 16, str(tmp_path))
+    with pytest.raises(AdapterError, match="above --max-lora-rank 4") as e:
+        resolve_and_check(AdapterSpec("sql", str(adapter)), model_dir, max_rank=4, hub_cache=str(tmp_path))
+    assert not isinstance(e.value, AdapterNotFound)
+
+
+@pytest.mark.parametrize("source, hub", [("org/name", True), ("name", True), ("./rel", False), ("/abs/dir", False),
+                                         ("a/b/c", False)])
+def test_what_may_name_a_hub_adapter(source, hub):
+    assert is_hub_id(source) is hub
 
 
 def _copy(adapter: Path, to: Path) -> Path:
@@ -181,9 +208,9 @@ def test_an_unloaded_adapters_slot_waits_for_its_requests_and_a_reload_is_a_new_
     assert table.remove("a").name == "a" and table.slot("a") is None
     assert table.free_slot(busy={1}) == 2  # a request still runs with `a`: its slot is not reused
     assert table.name(1) == "a" and not table.current(*first)  # ... and still names it; new requests 404
-    table.put(2, "b", "/y", "d")
+    table.put(2, AdapterSpec("b", "/y", digest="d"))
     assert table.free_slot(busy={1}) is None and table.free_slot(busy=set()) == 1
-    table.put(1, "b", "/y2", "d2")  # `b` reloaded in place: slot 1 now, slot 2 drains
+    table.put(1, AdapterSpec("b", "/y2", digest="d2"))  # `b` reloaded in place: slot 1 now, slot 2 drains
     assert table.slot("b") == 1 and [a.source for a in table.served()] == ["/y2"]
     assert table.free_slot(busy={2}) is None and table.free_slot(busy=set()) == 2
 
@@ -213,10 +240,11 @@ def test_max_loras_bounds_the_distinct_adapters_in_a_batch():
 
 def test_each_adapter_roots_its_own_block_hashes():
     cfg = config(LORA_ADAPTERS="a=/x,b=/y")
-    cfg.adapters.lora_adapters[0]["digest"], cfg.adapters.lora_adapters[1]["digest"] = "d1", "d2"
+    cfg = cfg.replace(lora_adapters=tuple(dataclasses.replace(a, digest=f"d{i}")
+                                          for i, a in enumerate(cfg.adapters.lora_adapters, start=1)))
     table = router_adapters.AdapterTable(cfg.adapters, cfg.model)
     cache = PrefixCache(cfg, None, table)
     roots = [cache.slot_root(i) for i in range(3)]
     assert roots[0] == root_hash(cfg) and len(set(roots)) == 3
-    table.put(1, "a", "/x", "changed")
+    table.put(1, AdapterSpec("a", "/x", digest="changed"))
     assert cache.slot_root(1) != roots[1]  # new weights under the same name: new blocks

@@ -54,7 +54,7 @@ def test_the_runtime_reads_the_adapters_the_spec_names() -> None:
     args = cli._parser().parse_args(c["args"])
     environ = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     cfg = resolve(args, environ, device_count=lambda _: 1)
-    assert [(a["name"], a["source"], a["revision"]) for a in cfg.adapters.lora_adapters] == [
+    assert [(a.name, a.source, a.revision) for a in cfg.adapters.lora_adapters] == [
         ("sql", "org/llama-sql-lora", "v2"), ("chat", "org/llama-chat-lora", None),
         ("local", "/data/adapters/local-lora", None)]
     assert environ["HF_HUB_OFFLINE"] == "1"  # prefetched: the hub adapters come from the claim's hub cache too

@@ -33,3 +33,16 @@ def test_memory_floor_counts_what_a_decode_step_reads(tmp_path):
     every = sum(p.numel() * 4 for p in model.parameters())  # a tied head's tensor appears once here
     expected = every if cfg.tie_word_embeddings else every - embedding
     assert weight_bytes_per_step(model) == expected
+
+
+def test_the_family_models_take_the_reference_shape_and_the_moe_its_active_width():
+    """bench/compare_vllm.sh's families workload compares Qwen3 with the Llama of the same shape, and a
+    Qwen3-MoE whose routed experts per token hold as many weights as that Llama's MLP."""
+    from gaudi_runtime.bench.family_models import family_config
+
+    like = dict(vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, max_position_embeddings=4096, bos_token_id=0, eos_token_id=1)
+    dense, moe = family_config("qwen3", like), family_config("qwen3_moe", like)
+    assert (dense.head_dim, dense.intermediate_size, dense.attention_bias) == (64, 1536, False)
+    assert moe.num_experts_per_tok * moe.moe_intermediate_size == like["intermediate_size"]
+    assert moe.num_experts == 64 and moe.mlp_only_layers == [] and moe.num_hidden_layers == 8

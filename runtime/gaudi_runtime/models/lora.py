@@ -27,7 +27,7 @@ def load_adapters(model, cfg, model_dir: str) -> AdapterRows | None:
     if not cfg.lora_adapters and not cfg.allow_runtime_lora_updating:
         return None
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
-    adapters = [(a["name"], a["path"] or a["source"]) for a in cfg.lora_adapters]
+    adapters = [(a.name, a.path or a.source) for a in cfg.lora_adapters]
     return attach_adapters(model, adapters, model_config, cfg.max_lora_rank,
                            slots=max(cfg.max_cpu_loras, len(adapters)), every_layer=cfg.allow_runtime_lora_updating)
 

@@ -17,11 +17,9 @@ the slot. Loads and unloads run one at a time.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
-from pathlib import Path
 
+from gaudi_runtime.adapters import AdapterSpec
 from gaudi_runtime.config import AdaptersConfig, ServedModelConfig
 from gaudi_runtime.router.adapters import AdapterTable
 from gaudi_runtime.router.client import ShardClient, ShardError
@@ -38,29 +36,17 @@ class UpdateError(Exception):
         self.status, self.kind = status, kind
 
 
-def resolve_path(model: ServedModelConfig, lora_path: str) -> str:
-    """`lora_path` as a local directory: as is, or a hub id's snapshot (fetched as the model's is:
-    HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE, the hub cache). 404 NotFoundError when neither is found."""
-    if os.path.isdir(lora_path):
-        return os.path.abspath(lora_path)
-    if lora_path.startswith((os.sep, ".")) or lora_path.count("/") != 1:
-        raise UpdateError(404, "NotFoundError", f"No adapter found for {lora_path}")
-    from gaudi_runtime.download import DownloadError, ensure_snapshot
+def resolve(model: ServedModelConfig, adapters: AdaptersConfig, model_dir: str, name: str, lora_path: str) -> AdapterSpec:
+    """`lora_path` found and checked as a start-up adapter is (`adapters.resolve_and_check`): 404
+    NotFoundError when no directory or hub repository holds it, 400 saying what does not fit otherwise."""
+    from gaudi_runtime.adapters import AdapterError, AdapterNotFound, resolve_and_check
+    from gaudi_runtime.download import DownloadError
 
     try:
-        return ensure_snapshot(lora_path, None, model.huggingface_hub_cache, None)["path"]
-    except DownloadError as e:
+        return resolve_and_check(AdapterSpec(name, lora_path), model_dir, adapters.max_lora_rank,
+                                 model.huggingface_hub_cache)
+    except (AdapterNotFound, DownloadError) as e:
         raise UpdateError(404, "NotFoundError", f"No adapter found for {lora_path}: {e}") from None
-
-
-def check_files(adapters: AdaptersConfig, model_dir: str, name: str, path: str) -> str:
-    """The adapter's digest once it fits the model and --max-lora-rank; 400 saying what is wrong otherwise."""
-    from gaudi_runtime.adapters import AdapterError, check_adapter, digest
-
-    model_config = json.loads((Path(model_dir) / "config.json").read_text())
-    try:
-        check_adapter(name, path, model_config, adapters.max_lora_rank)
-        return digest(path)
     except (AdapterError, OSError) as e:
         raise UpdateError(400, "BadRequestError", f"Loading lora {name} failed: {e}") from None
 
@@ -84,15 +70,14 @@ class AdapterUpdates:
             if self.table.slot(name) is not None and not inplace:
                 raise UpdateError(400, "InvalidUserInput", f"The lora adapter '{name}' has already been loaded. "
                                   "If you want to load the adapter in place, set 'load_inplace' to True.")
-            path = await asyncio.to_thread(resolve_path, self.model, lora_path)
-            digest = await asyncio.to_thread(check_files, self.adapters, self.model_dir, name, path)
+            spec = await asyncio.to_thread(resolve, self.model, self.adapters, self.model_dir, name, lora_path)
             slot = self.table.free_slot(self.requests.busy_adapters())
             if slot is None:
                 raise UpdateError(400, "BadRequestError", self._full(name))
-            await self._write(slot, name, path)
-            self.table.put(slot, name, lora_path, digest)
+            await self._write(slot, name, spec.path)
+            self.table.put(slot, spec)
             self.requests.report_load()
-        log.info("Loaded new LoRA adapter: name '%s', path '%s' (slot %d)", name, path, slot)
+        log.info("Loaded new LoRA adapter: name '%s', path '%s' (slot %d)", name, spec.path, slot)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     def _full(self, name: str) -> str:

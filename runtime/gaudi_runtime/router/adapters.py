@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from gaudi_runtime.adapters import AdapterSpec
 from gaudi_runtime.config import AdaptersConfig, ServedModelConfig
 from gaudi_runtime.router.errors import ModelNotFoundError, ValidationError
 
@@ -42,8 +43,8 @@ class AdapterTable:
         self._ids = itertools.count(1)
         self.slots: list[Served | None] = [None] * (max(adapters.max_cpu_loras, len(adapters.lora_adapters)) + 1)
         self._named: dict[str, int] = {}
-        for i, a in enumerate(adapters.lora_adapters, start=1):
-            self.put(i, a["name"], a["source"], a.get("digest") or "")
+        for i, spec in enumerate(adapters.lora_adapters, start=1):
+            self.put(i, spec)
 
     def slot(self, name: str | None) -> int | None:
         """The slot `name` selects: 0 for none or the base model; None if no adapter has that name."""
@@ -73,10 +74,11 @@ class AdapterTable:
         named = set(self._named.values())
         return next((i for i in range(1, len(self.slots)) if i not in named and i not in busy), None)
 
-    def put(self, slot: int, name: str, source: str, digest: str) -> Served:
-        """Serve `name` from `slot` (a name served already moves there: its old slot drains)."""
-        self.slots[slot] = served = Served(name, source, digest, next(self._ids))
-        self._named[name] = slot
+    def put(self, slot: int, spec: AdapterSpec) -> Served:
+        """Serve the resolved adapter `spec` from `slot` (a name served already moves there: its old
+        slot drains)."""
+        self.slots[slot] = served = Served(spec.name, spec.source, spec.digest or "", next(self._ids))
+        self._named[spec.name] = slot
         return served
 
     def remove(self, name: str) -> Served | None:
