@@ -9,7 +9,6 @@ parsed list): parsing `--lora-adapters` (TGI: `id`, `name=path`, `id@revision`) 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -76,36 +75,6 @@ def parse_specs(lora_adapters: str | None, lora_modules: str | None) -> list[Ada
 def is_hub_id(source: str) -> bool:
     """Whether `source` may name a hub repository: `name` or `owner/name`, not a path (the hub's rule)."""
     return not source.startswith((os.sep, ".")) and source.count("/") <= 1
-
-
-def resolve_and_check(spec: AdapterSpec, model_dir: str | Path, max_rank: int, hub_cache: str | None,
-                      reporter=None) -> AdapterSpec:
-    """`spec` with its local directory and digest, once it fits the model and --max-lora-rank: the one
-    path of both start-up adapters and adapters loaded while serving. A local directory is taken as is;
-    anything else that may be a hub id is fetched as the model is (HF_TOKEN, HF_ENDPOINT,
-    HF_HUB_OFFLINE, the hub cache). Raises AdapterNotFound, download.DownloadError (a fetch that
-    failed, naming the adapter) or AdapterError (it does not fit)."""
-    path = adapter_dir(spec, hub_cache, reporter)
-    model_config = json.loads((Path(model_dir) / "config.json").read_text())
-    check_adapter(spec.name, path, model_config, max_rank)
-    try:
-        return dataclasses.replace(spec, path=path, digest=digest(path))
-    except OSError as e:
-        raise AdapterError(f"adapter {spec.name!r}: {e}") from None
-
-
-def adapter_dir(spec: AdapterSpec, hub_cache: str | None, reporter=None) -> str:
-    """The adapter's local directory: `source` itself, or its hub snapshot, fetched into the cache."""
-    if os.path.isdir(spec.source):
-        return os.path.abspath(spec.source)
-    if not is_hub_id(spec.source):
-        raise AdapterNotFound(f"adapter {spec.name!r}: {spec.source} is no directory")
-    from gaudi_runtime.download import DownloadError, ensure_snapshot
-
-    try:
-        return ensure_snapshot(spec.source, spec.revision, hub_cache, reporter)["path"]
-    except DownloadError as e:
-        raise DownloadError(e.reason, f"adapter {spec.name!r} ({spec.source}): {e}", adapter=spec.name) from e
 
 
 def _items(value: str | None) -> list[str]:

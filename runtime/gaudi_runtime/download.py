@@ -395,7 +395,7 @@ def _http_error(repo_id: str, e: Exception) -> DownloadError:
 def fetch_adapters(lora_adapters: str | None, cache_dir: str | None, reporter: report.Reporter) -> None:
     """Each hub adapter of a --lora-adapters value into the cache (its own `done` event each), before the
     model, so that the model's `done` stays the last line of a success. Raises DownloadError naming it."""
-    from gaudi_runtime.adapters import AdapterError, adapter_dir, is_hub_id, parse_specs
+    from gaudi_runtime.adapters import AdapterError, is_hub_id, parse_specs
 
     try:
         specs = parse_specs(lora_adapters, None)
@@ -403,7 +403,16 @@ def fetch_adapters(lora_adapters: str | None, cache_dir: str | None, reporter: r
         raise DownloadError("error", f"--lora-adapters: {e}") from None
     for a in specs:
         if is_hub_id(a.source) and not os.path.isdir(a.source):  # a directory: nothing to fetch
-            adapter_dir(a, cache_dir, reporter)
+            fetch_adapter(a, cache_dir, reporter)
+
+
+def fetch_adapter(spec, cache_dir: str | None, reporter: report.Reporter | None = None) -> str:
+    """The directory of an adapter's (`adapters.AdapterSpec`) hub snapshot, fetched and checked as a
+    model's is. Raises DownloadError naming the adapter."""
+    try:
+        return ensure_snapshot(spec.source, spec.revision, cache_dir, reporter)["path"]
+    except DownloadError as e:
+        raise DownloadError(e.reason, f"adapter {spec.name!r} ({spec.source}): {e}", spec.name) from e
 
 
 def _parser() -> argparse.ArgumentParser:

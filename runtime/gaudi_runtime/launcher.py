@@ -79,7 +79,8 @@ def resolve_adapters(cfg: Config, model_dir: str, steps: progress.Reporter | Non
     """`cfg` with every adapter found (a directory, or its hub snapshot fetched as the model's is) and
     checked against the model and --max-lora-rank, before any shard starts: ConfigError when one does
     not fit, DownloadError naming it when its fetch fails."""
-    from gaudi_runtime.adapters import AdapterError, resolve_and_check
+    from gaudi_runtime.adapter_sources import resolve_and_check
+    from gaudi_runtime.adapters import AdapterError
 
     reporter = _DownloadSteps(steps) if steps is not None else None
     rank, hub_cache = cfg.adapters.max_lora_rank, cfg.model.huggingface_hub_cache

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gaudi_runtime.adapter_sources import resolve_and_check
 from gaudi_runtime.adapters import (
     AdapterError,
     AdapterNotFound,
@@ -18,7 +19,6 @@ from gaudi_runtime.adapters import (
     digest,
     is_hub_id,
     parse_specs,
-    resolve_and_check,
 )
 from gaudi_runtime.config import ConfigError, resolve
 from gaudi_runtime.router import adapters as router_adapters

@@ -39,7 +39,8 @@ class UpdateError(Exception):
 def resolve(model: ServedModelConfig, adapters: AdaptersConfig, model_dir: str, name: str, lora_path: str) -> AdapterSpec:
     """`lora_path` found and checked as a start-up adapter is (`adapters.resolve_and_check`): 404
     NotFoundError when no directory or hub repository holds it, 400 saying what does not fit otherwise."""
-    from gaudi_runtime.adapters import AdapterError, AdapterNotFound, resolve_and_check
+    from gaudi_runtime.adapter_sources import resolve_and_check
+    from gaudi_runtime.adapters import AdapterError, AdapterNotFound
     from gaudi_runtime.download import DownloadError
 
     try:
