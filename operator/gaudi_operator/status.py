@@ -24,14 +24,16 @@ from .estimate import expected_warmup_shapes
 from .gateway import KINDS as GATEWAY_KINDS
 from .gateway import NO_PICKER_MESSAGE, gateway_status, missing_apis, routed
 from .kv_offload import kv_cache_status
+from .memory import memory_status
 from .prefetch_job import Download
 from .prefetch_job import summary as download_summary
+from .quantity import bytes_of
 from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, Rendered, selector_string
 from .spec import InferenceServiceSpec
 
 MANAGED_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "selector",
                 "url", "readySummary", "warmupSummary", "warmup", "conditions", "autoscaling", "download",
-                "downloadSummary", "startup", "gateway", "adapters", "kvCache")
+                "downloadSummary", "startup", "gateway", "adapters", "kvCache", "memory")
 
 IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 CONTAINER_CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
@@ -502,7 +504,19 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: R
     kv_cache = _served(fleet, kv_cache_status(spec, claim), previous.get("kvCache"), dict)
     if kv_cache:
         status["kvCache"] = kv_cache
+    memory = _memory(spec, observed.download)
+    if memory:
+        status["memory"] = memory
     return status
+
+
+def _memory(spec: InferenceServiceSpec, download: Download | None) -> dict[str, Any] | None:
+    """status.memory: the estimate from the config.json the download Job reported (spec.model.cache.prefetch),
+    for spec.shards and the host tier. BF16 only: an FP8 pod's bytes depend on its QUANT_CONFIG."""
+    if download is None or download.config is None or spec.precision != "bf16":
+        return None
+    host = int(bytes_of(spec.offload.host_memory)) if spec.offload else None
+    return memory_status(download.config, spec.shards, host)
 
 
 def _adapters(spec: InferenceServiceSpec) -> list[dict[str, str]] | None:
