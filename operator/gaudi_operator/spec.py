@@ -81,6 +81,9 @@ ADAPTER_FP8_MESSAGE = ("spec.model.adapters cannot be combined with spec.precisi
 KV_DISK_CACHE_MESSAGE = ("spec.kvCache.offload.disk.volume modelCache needs a model cache the pods can write: "
                          "spec.model.cache.persistentVolumeClaim that is not readOnly (or prefetch), or ephemeral")
 KV_SUB_PATH_MESSAGE = "spec.kvCache.offload.disk.subPath is for volume modelCache only (an emptyDir is the pod's own)"
+KV_SUB_PATH_OWNED_MESSAGE = ("spec.kvCache.offload.disk.subPath must not be in hub/ or recipes/ (the model's and "
+                             "the compiled graphs' directories on the claim)")
+OWNED_SUB_PATHS = ("hub", "recipes")
 SELECTOR_VALUES_MESSAGE = ("spec.networkPolicy.from: a matchExpressions entry needs values with In or NotIn, "
                            "and none with Exists or DoesNotExist")
 
@@ -352,6 +355,8 @@ class OffloadDisk(_Model):
     def _sub_path_on_the_claim(self) -> OffloadDisk:
         if self.sub_path is not None and self.volume != "modelCache":
             raise ValueError(KV_SUB_PATH_MESSAGE)
+        if self.sub_path is not None and self.sub_path.split("/")[0] in OWNED_SUB_PATHS:
+            raise ValueError(KV_SUB_PATH_OWNED_MESSAGE)
         return self
 
     @property

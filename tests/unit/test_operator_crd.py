@@ -370,6 +370,14 @@ BAD = [
                                            kvCache={"offload": {"hostMemory": "8Gi", "disk": {
                                                "volume": "modelCache", "size": "8Gi", "subPath": "/kv"}}}),
      "spec.kvCache.offload.disk.subPath", "does not match"),
+    ("offload subPath in the hub cache", manifest(model={"id": "m", "cache": {"persistentVolumeClaim": {"claimName": "c"}}},
+                                                  kvCache={"offload": {"hostMemory": "8Gi", "disk": {
+                                                      "volume": "modelCache", "size": "8Gi", "subPath": "hub/kv"}}}),
+     "spec.kvCache.offload.disk", "spec.kvCache.offload.disk.subPath must not be in hub/ or recipes/"),
+    ("offload subPath on the recipes", manifest(model={"id": "m", "cache": {"persistentVolumeClaim": {"claimName": "c"}}},
+                                                kvCache={"offload": {"hostMemory": "8Gi", "disk": {
+                                                    "volume": "modelCache", "size": "8Gi", "subPath": "recipes"}}}),
+     "spec.kvCache.offload.disk", "spec.kvCache.offload.disk.subPath must not be in hub/ or recipes/"),
     ("offload on a model cache that is an emptyDir", manifest(kvCache={"offload": {"hostMemory": "8Gi", "disk": {
         "volume": "modelCache", "size": "8Gi"}}}),
      "spec", "spec.kvCache.offload.disk.volume modelCache needs a model cache the pods can write"),
