@@ -14,7 +14,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["MemoryEstimate", "linear_bytes_per_weight", "model_memory"]
+__all__ = ["CONFIG_KEYS", "MemoryEstimate", "config_subset", "linear_bytes_per_weight", "memory_status", "model_memory"]
+
+# The config.json entries the estimate reads: what status.download keeps of the download's config (so that a
+# later pass, after a change of spec.shards, estimates again without the Job's log).
+CONFIG_KEYS = (
+    "model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "tie_word_embeddings", "attention_bias", "moe_intermediate_size",
+    "num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts", "first_k_dense_replace",
+    "moe_layer_freq", "decoder_sparse_step", "mlp_only_layers", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "quantization_config",
+)
+_QUANT_KEYS = ("quant_method", "bits", "w_bit", "group_size", "q_group_size")
 
 
 @dataclass(frozen=True)
@@ -128,3 +139,29 @@ def model_memory(cfg: dict[str, Any], dtype_bytes: int = 2, shards: int = 1,
     weight_bytes = other * dtype_bytes + round(linear * linear_bytes_per_weight(cfg, dtype_bytes))
     return MemoryEstimate(parameters=one_linear + one_other, weight_bytes_per_shard=weight_bytes,
                           kv_bytes_per_token_per_shard=kv_values * (kv_dtype_bytes or dtype_bytes))
+
+
+def config_subset(cfg: Any) -> dict[str, Any] | None:
+    """What the estimate reads of a config.json (None when it is not an object)."""
+    if not isinstance(cfg, dict):
+        return None
+    out = {k: cfg[k] for k in CONFIG_KEYS if k in cfg}
+    if isinstance(out.get("quantization_config"), dict):
+        out["quantization_config"] = {k: v for k, v in out["quantization_config"].items() if k in _QUANT_KEYS}
+    return out
+
+
+def memory_status(cfg: dict[str, Any], shards: int, host_tier_bytes: int | None = None) -> dict[str, Any] | None:
+    """status.memory: the estimate for one card of `shards`, in bytes, and with a host tier of `host_tier_bytes`
+    (the pod's, shared by its shards as vLLM's --kv-offloading-size is by its ranks, each keeping its own slice
+    of every token) the tokens of KV cache it holds. None for a config it cannot read (a multimodal model's
+    nested text config, say)."""
+    try:
+        est = model_memory(cfg, dtype_bytes=2, shards=shards)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    out: dict[str, Any] = {"parameters": est.parameters, "weightBytesPerShard": est.weight_bytes_per_shard,
+                           "kvBytesPerTokenPerShard": est.kv_bytes_per_token_per_shard}
+    if host_tier_bytes and est.kv_bytes_per_token_per_shard:
+        out["hostTierTokens"] = host_tier_bytes // (est.kv_bytes_per_token_per_shard * shards)
+    return out

@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .memory import config_subset
 from .spec import InferenceServiceSpec, lora_adapters_flag
 
 CONTAINER = "download"
@@ -168,6 +169,7 @@ class Download:
     reason: str | None = None  # of the failure, or of the last failed attempt
     message: str = ""
     adapter: str | None = None  # the LoRA adapter whose download failed (spec.model.adapters[].name)
+    config: dict[str, Any] | None = None  # what the memory estimate reads of the model's config.json, once done
     pod: dict[str, Any] | None = None  # the attempt under way (its problems are the service's)
 
     def as_status(self) -> dict[str, Any]:
@@ -181,6 +183,8 @@ class Download:
             out["message"] = self.message
         if self.adapter:
             out["adapter"] = self.adapter
+        if self.config is not None:
+            out["config"] = self.config
         return out
 
 
@@ -253,14 +257,16 @@ def log_pod(job: dict[str, Any], pods: list[dict[str, Any]], previous: dict[str,
 
 
 def _progress(log_text: str | None, previous: dict[str, Any] | None, job: str) -> dict[str, Any]:
-    """done/total/file/seconds from the log's last event, else what the status said about this Job."""
+    """done/total/file/seconds (and the model's config, once done) from the log's last event, else what the
+    status said about this Job."""
     event = last_event(log_text) or {}
     if event.get("event") == "done":
-        return {"done": event.get("bytes"), "total": event.get("bytes"), "seconds": event.get("seconds")}
+        return {"done": event.get("bytes"), "total": event.get("bytes"), "seconds": event.get("seconds"),
+                "config": config_subset(event.get("config"))}
     if event.get("event") == "progress":
         return {k: event.get(k) for k in ("done", "total", "file")}
     if (previous or {}).get("job") == job:
-        return {k: previous.get(k) for k in ("done", "total", "seconds")}  # type: ignore[union-attr]
+        return {k: previous.get(k) for k in ("done", "total", "seconds", "config")}  # type: ignore[union-attr]
     return {}
 
 
@@ -275,8 +281,10 @@ def observe(job: dict[str, Any], pods: list[dict[str, Any]], log_text: str | Non
     reason, message, adapter = _failure(failed[-1]) if failed else (None, "", None)
     progress = _progress(log_text, previous, name)
     if _condition(job, "Complete", "SuccessCriteriaMet"):
+        config = progress.get("config")
         return Download(name, "Complete", progress.get("total"), progress.get("total"),
-                        seconds=progress.get("seconds"), attempts=attempts)
+                        seconds=progress.get("seconds"), attempts=attempts,
+                        config=config if isinstance(config, dict) else None)
     if _condition(job, "Failed", "FailureTarget"):
         if reason is None:
             cond = _condition(job, "Failed", "FailureTarget") or {}

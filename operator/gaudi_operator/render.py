@@ -24,6 +24,7 @@ import kopf
 
 from .autoscaling import render_autoscaler
 from .gateway import render_gateway
+from .kv_offload import disk_volume, offload_env, offload_resources
 from .picker import PickerConfig, picker_ref, render_picker
 from .spec import (
     API_KEY_ENV,
@@ -162,6 +163,7 @@ def runtime_env(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
         env.append({"name": "RECIPE_CACHE_DIR", "value": recipes})
     if spec.precision == "fp8" and spec.quantization and spec.quantization.config_map_ref:
         env.append({"name": "QUANT_CONFIG", "value": f"{QUANT_DIR}/{spec.quantization.config_map_ref.key}"})
+    env += offload_env(spec)
     # Secrets reach the runtime only as references the kubelet resolves: their values never pass
     # through the operator, the pod's args or the status.
     if spec.model.hub_token_secret_ref:
@@ -182,9 +184,11 @@ def _volumes(spec: InferenceServiceSpec, name: str) -> tuple[list[dict[str, Any]
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     cache = spec.model.cache
     if cache and cache.persistent_volume_claim and cache.prefetch:
-        # The model read-only (the download Job wrote it); only the recipes' directory writable.
+        # The model read-only (the download Job wrote it); only the recipes' and the KV disk tier's
+        # directories writable.
+        kv_on_claim = bool(spec.offload and spec.offload.disk and spec.offload.disk.volume == "modelCache")
         volumes.append({"name": "model-cache", "persistentVolumeClaim": {
-            "claimName": cache.persistent_volume_claim.claim_name, "readOnly": not cache.recipes}})
+            "claimName": cache.persistent_volume_claim.claim_name, "readOnly": not (cache.recipes or kv_on_claim)}})
         mounts.append({"name": "model-cache", "mountPath": DATA_DIR, "readOnly": True})
         if cache.recipes:
             mounts.append({"name": "model-cache", "mountPath": RECIPE_DIR, "subPath": RECIPE_SUBPATH})
@@ -215,7 +219,8 @@ def _volumes(spec: InferenceServiceSpec, name: str) -> tuple[list[dict[str, Any]
             "claimName": m.persistent_volume_claim.claim_name, "readOnly": m.persistent_volume_claim.read_only}})
         mounts.append({"name": "quant-measurements", "mountPath": m.mount_path,
                        "readOnly": m.persistent_volume_claim.read_only})
-    return volumes, mounts
+    kv_volumes, kv_mounts = disk_volume(spec, "model-cache")
+    return volumes + kv_volumes, mounts + kv_mounts
 
 
 def _probe(path: str, period: int | None, timeout: int | None, failures: int | None, default_failures: int) -> dict[str, Any]:
@@ -250,6 +255,7 @@ def _resources(spec: InferenceServiceSpec) -> dict[str, Any]:
     requests = {k: v for k, v in (spec.resources.get("requests") or {}).items() if k != GAUDI_RESOURCE}
     limits[GAUDI_RESOURCE] = str(spec.shards)  # quantities are strings
     requests[GAUDI_RESOURCE] = str(spec.shards)  # extended resources: requests must equal limits
+    offload_resources(spec, requests, limits)
     return {"limits": limits, "requests": requests}
 
 

@@ -41,7 +41,13 @@ Size = Annotated[str, StringConstraints(max_length=64, pattern=POSITIVE_QUANTITY
 LabelKey = Annotated[str, StringConstraints(max_length=317, pattern=LABEL_KEY)]
 LabelValue = Annotated[str, StringConstraints(max_length=63, pattern=LABEL_VALUE)]
 Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=32)]
-RESERVED_MOUNTS = ("/data", "/dev/shm", "/etc/gaudi-serve/quant")
+RESERVED_MOUNTS = ("/data", "/dev/shm", "/etc/gaudi-serve/quant", "/kv-cache")
+# spec.kvCache.offload: sizes of the host and disk tiers, a whole number of Mi, Gi or Ti (or M, G, T): the
+# runtime's settings are in GiB, and a fraction of a byte or a bare byte count is not what anyone means.
+BYTE_SIZE = r"^[1-9][0-9]{0,8}(Mi|Gi|Ti|M|G|T)$"
+# A directory on the model cache claim, relative, without '.' or '..' parts.
+SUB_PATH = r"^[A-Za-z0-9_][-A-Za-z0-9_.]*(/[A-Za-z0-9_][-A-Za-z0-9_.]*)*$"
+KV_SUB_PATH = "kv-cache"
 # A hub repository id (`org/name`, or a legacy single name): what a download Job can fetch.
 HUB_ID = r"^[A-Za-z0-9][-A-Za-z0-9_.]*(/[A-Za-z0-9][-A-Za-z0-9_.]*)?$"
 # spec.model.adapters: a name a request gives as OpenAI's `model` (or TGI's adapter_id), a source that is a
@@ -55,8 +61,8 @@ MAX_ADAPTERS = 32
 
 # Rules the CRD's CEL also enforces at admission, with the same messages.
 API_KEY_ENV_MESSAGE = "spec.env must not set API_KEY when spec.apiKeySecretRef is set (the key comes from the Secret)"
-MOUNT_MESSAGE = ("spec.quantization.measurements.mountPath must not be /data, /dev/shm or /etc/gaudi-serve/quant "
-                 "(the operator mounts those)")
+MOUNT_MESSAGE = ("spec.quantization.measurements.mountPath must not be /data, /dev/shm, /etc/gaudi-serve/quant "
+                 "or /kv-cache (the operator mounts those)")
 PEER_MESSAGE = "spec.networkPolicy.from: each peer needs a namespaceSelector, a podSelector or both"
 PREFETCH_CLAIM_MESSAGE = ("spec.model.cache.prefetch needs spec.model.cache.persistentVolumeClaim "
                           "(a ReadWriteMany claim the download Job fills)")
@@ -72,6 +78,12 @@ ADAPTER_CLAIM_MESSAGE = ("spec.model.adapters: a source that is a path (/data/..
 ADAPTER_REVISION_MESSAGE = "spec.model.adapters[].revision is for a hub source only (a path on the claim has none)"
 ADAPTER_FP8_MESSAGE = ("spec.model.adapters cannot be combined with spec.precision fp8 yet "
                        "(the runtime has no float8 adapter path)")
+KV_DISK_CACHE_MESSAGE = ("spec.kvCache.offload.disk.volume modelCache needs a model cache the pods can write: "
+                         "spec.model.cache.persistentVolumeClaim that is not readOnly (or prefetch), or ephemeral")
+KV_SUB_PATH_MESSAGE = "spec.kvCache.offload.disk.subPath is for volume modelCache only (an emptyDir is the pod's own)"
+KV_SUB_PATH_OWNED_MESSAGE = ("spec.kvCache.offload.disk.subPath must not be in hub/ or recipes/ (the model's and "
+                             "the compiled graphs' directories on the claim)")
+OWNED_SUB_PATHS = ("hub", "recipes")
 SELECTOR_VALUES_MESSAGE = ("spec.networkPolicy.from: a matchExpressions entry needs values with In or NotIn, "
                            "and none with Exists or DoesNotExist")
 
@@ -90,7 +102,7 @@ DRAIN_MARGIN_SECONDS = 30  # preStop 5 s, cut requests 5 s, the shards 10 s, 10 
 
 __all__ = [
     "ALLOWED_SHARDS", "API_KEY_ENV", "Adapter", "FIELD_MANAGER", "GROUP", "PLURAL", "PRESTOP_SECONDS", "RUNTIME_PORT",
-    "VERSION", "Autoscaling", "InferenceServiceSpec", "SpecError", "lora_adapters_flag", "parse_spec",
+    "VERSION", "Autoscaling", "InferenceServiceSpec", "KVOffload", "OffloadDisk", "SpecError", "lora_adapters_flag", "parse_spec",
 ]
 
 
@@ -140,9 +152,15 @@ class CacheVolume(_Model):
             raise ValueError(PREFETCH_CLAIM_MESSAGE)
         if self.prefetch and pvc is not None and pvc.read_only:
             raise ValueError(PREFETCH_READ_ONLY_MESSAGE)
-        if self.recipes and not (self.ephemeral is not None or (pvc is not None and not pvc.read_only)):
+        if self.recipes and not self.writable:
             raise ValueError(RECIPES_MESSAGE)
         return self
+
+    @property
+    def writable(self) -> bool:
+        """The pods may write the cache volume (a prefetched claim through a subPath mount of its own)."""
+        pvc = self.persistent_volume_claim
+        return self.ephemeral is not None or (pvc is not None and not pvc.read_only)
 
 
 class Adapter(_Model):
@@ -321,6 +339,43 @@ class PodTemplate(_Model):
     spec: dict[str, Any] = {}
 
 
+# ---- spec.kvCache ------------------------------------------------------------
+
+ByteSize = Annotated[str, StringConstraints(max_length=16, pattern=BYTE_SIZE)]
+
+
+class OffloadDisk(_Model):
+    """The disk tier under the host tier: an emptyDir of the pod, or a directory on the model cache claim."""
+
+    volume: Literal["emptyDir", "modelCache"] = "emptyDir"
+    size: ByteSize  # the runtime's LRU bound (--kv-offloading-disk-size)
+    sub_path: Annotated[str, StringConstraints(max_length=255, pattern=SUB_PATH)] | None = None
+
+    @model_validator(mode="after")
+    def _sub_path_on_the_claim(self) -> OffloadDisk:
+        if self.sub_path is not None and self.volume != "modelCache":
+            raise ValueError(KV_SUB_PATH_MESSAGE)
+        if self.sub_path is not None and self.sub_path.split("/")[0] in OWNED_SUB_PATHS:
+            raise ValueError(KV_SUB_PATH_OWNED_MESSAGE)
+        return self
+
+    @property
+    def directory(self) -> str:
+        """The directory on the model cache volume (volume modelCache)."""
+        return self.sub_path or KV_SUB_PATH
+
+
+class KVOffload(_Model):
+    """Tiers under the device's prefix cache: host memory (--kv-offloading-size), optionally a disk."""
+
+    host_memory: ByteSize
+    disk: OffloadDisk | None = None
+
+
+class KVCache(_Model):
+    offload: KVOffload | None = None
+
+
 # ---- spec.autoscaling -------------------------------------------------------
 
 class AutoscalingTargets(_Model):
@@ -455,6 +510,7 @@ class InferenceServiceSpec(_Model):
     pod_template: PodTemplate = PodTemplate()
     autoscaling: Autoscaling | None = None
     gateway: Gateway | None = None
+    kv_cache: KVCache | None = None
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceServiceSpec:
@@ -466,6 +522,9 @@ class InferenceServiceSpec(_Model):
             raise ValueError(ADAPTER_FP8_MESSAGE)
         if self.api_key_secret_ref is not None and any(e.get("name") == API_KEY_ENV for e in self.env):
             raise ValueError(API_KEY_ENV_MESSAGE)
+        disk = self.offload.disk if self.offload else None
+        if disk is not None and disk.volume == "modelCache" and not (self.model.cache and self.model.cache.writable):
+            raise ValueError(KV_DISK_CACHE_MESSAGE)
         for field, items in (("env", self.env), ("imagePullSecrets", self.image_pull_secrets)):
             names = [item.get("name") for item in items]
             if len(set(names)) < len(names):  # lists keyed by name (x-kubernetes-list-type: map)
@@ -473,6 +532,11 @@ class InferenceServiceSpec(_Model):
         return self
 
     # ---- derived values -------------------------------------------------
+
+    @property
+    def offload(self) -> KVOffload | None:
+        """spec.kvCache.offload: the host (and disk) tiers of the prefix cache, None without them."""
+        return self.kv_cache.offload if self.kv_cache else None
 
     def startup_budget_seconds(self) -> int:
         """Seconds the startupProbe allows the process to start answering HTTP (spec.probes.startup.budgetSeconds

@@ -23,14 +23,17 @@ from .autoscaling import autoscaling_status
 from .estimate import expected_warmup_shapes
 from .gateway import KINDS as GATEWAY_KINDS
 from .gateway import NO_PICKER_MESSAGE, gateway_status, missing_apis, routed
+from .kv_offload import kv_cache_status
+from .memory import memory_status
 from .prefetch_job import Download
 from .prefetch_job import summary as download_summary
+from .quantity import bytes_of
 from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, Rendered, selector_string
 from .spec import InferenceServiceSpec
 
 MANAGED_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "selector",
                 "url", "readySummary", "warmupSummary", "warmup", "conditions", "autoscaling", "download",
-                "downloadSummary", "startup", "gateway", "adapters")
+                "downloadSummary", "startup", "gateway", "adapters", "kvCache", "memory")
 
 IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 CONTAINER_CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
@@ -492,22 +495,45 @@ def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: R
     startup = _startup(observed.startup) or (body.get("status") or {}).get("startup")
     if startup:
         status["startup"] = startup
-    adapters = _served_adapters(spec, fleet, (body.get("status") or {}).get("adapters"))
+    previous = body.get("status") or {}
+    adapters = _served(fleet, _adapters(spec), previous.get("adapters"), list)
     if adapters:
         status["adapters"] = adapters
+    cache = spec.model.cache
+    claim = cache.persistent_volume_claim.claim_name if cache and cache.persistent_volume_claim else None
+    kv_cache = _served(fleet, kv_cache_status(spec, claim), previous.get("kvCache"), dict)
+    if kv_cache:
+        status["kvCache"] = kv_cache
+    memory = _memory(spec, observed.download)
+    if memory:
+        status["memory"] = memory
     return status
 
 
-def _served_adapters(spec: InferenceServiceSpec, fleet: Fleet, previous: Any) -> list[dict[str, str]] | None:
-    """The adapters the ready pods serve. A pod of the current template is ready only once every adapter of
-    spec.model.adapters loaded (the runtime refuses to start otherwise), so those are what it serves; while
-    only pods of an earlier template are ready, what the status said of them stays."""
+def _memory(spec: InferenceServiceSpec, download: Download | None) -> dict[str, Any] | None:
+    """status.memory: the estimate from the config.json the download Job reported (spec.model.cache.prefetch),
+    for spec.shards and the host tier. BF16 only: an FP8 pod's bytes depend on its QUANT_CONFIG."""
+    if download is None or download.config is None or spec.precision != "bf16":
+        return None
+    host = int(bytes_of(spec.offload.host_memory)) if spec.offload else None
+    return memory_status(download.config, spec.shards, host)
+
+
+def _adapters(spec: InferenceServiceSpec) -> list[dict[str, str]] | None:
+    return [{"name": a.name, "source": a.source, **({"revision": a.revision} if a.revision else {})}
+            for a in spec.model.adapters] or None
+
+
+def _served(fleet: Fleet, current: Any, previous: Any, kind: type) -> Any:
+    """What the ready pods run of a setting of their template: `current` once a pod of the current template is
+    ready (spec.model.adapters: a pod starts only once every adapter loaded; spec.kvCache.offload: the tiers
+    it started with, whose health while serving is in its metrics); while only pods of an earlier template
+    are ready, what the status said of them (`previous`) stays."""
     if not fleet.ready:
         return None
     if not any(s.ready and s.updated for s in fleet.active):
-        return previous if isinstance(previous, list) else None
-    return [{"name": a.name, "source": a.source, **({"revision": a.revision} if a.revision else {})}
-            for a in spec.model.adapters] or None
+        return previous if isinstance(previous, kind) else None
+    return current
 
 
 def latest_ready_pod(pods: list[dict[str, Any]], template_hash: str) -> dict[str, Any] | None:

@@ -36,6 +36,9 @@ from gaudi_runtime import download_events as report
 log = logging.getLogger(__name__)
 
 WEIGHTS_INDEX = "model.safetensors.index.json"
+# A config.json larger than this (a label table, say) is left out of the "done" event rather than make a log line
+# the kubelet and the operator's tail of the log would have to carry.
+MAX_CONFIG_BYTES = 32 << 10
 # Besides the weights: config.json, generation_config.json, tokenizer*.json / tokenizer.model,
 # special_tokens_map.json, chat templates (*.jinja, chat_template.json), preprocessor_config.json, merges.txt.
 SERVING_PATTERNS = ("*.json", "*.jinja", "tokenizer*", "*.model", "*.txt")
@@ -208,8 +211,24 @@ def ensure_snapshot(repo_id: str, revision: str | None = None, cache_dir: str | 
     total = sum(files.values())
     result = {"path": str(repo.snapshot), "bytes": total, "fetched": fetched,
               "seconds": round(time.monotonic() - t0, 3), "repo": repo_id, "revision": revision, "commit": repo.commit}
+    config = model_config(repo.snapshot)
+    if config is not None:
+        result["config"] = config
     reporter.done(result)
     return result
+
+
+def model_config(snapshot: Path) -> dict | None:
+    """The snapshot's config.json, for the "done" event (the operator's memory estimate reads it from the download
+    Job's log); None without one (an adapter), when it is not a JSON object, or when it is too large for a log line."""
+    path = snapshot / "config.json"
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            return None
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def fetch_snapshot(repo: Repo, reporter: report.Reporter) -> tuple[dict[str, int], int]:

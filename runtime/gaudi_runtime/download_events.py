@@ -12,6 +12,8 @@ object per line on stdout, every line a complete JSON object with an "event" key
   snapshot directory to serve (`--model-id`); ``fetched`` the bytes this run transferred (0 when the
   cache was complete); ``revision`` as asked (null: the default branch), ``commit`` what it resolved to.
   With ``--lora-adapters``, each hub adapter's ``done`` comes first (``repo`` says whose), the model's last.
+  The model's also holds ``"config": {...}``, its config.json (left out above 32 KiB): the operator's memory
+  estimate reads it.
 * ``{"event": "error", "reason": REASON, "message": TEXT[, "adapter": NAME]}``: the last line of a
   failure (``adapter``: the LoRA adapter of ``--lora-adapters`` whose download failed), whose exit
   code is the reason's (see `EXIT_CODES`). Reasons: ``unauthorized`` (the hub refused access: missing

@@ -75,6 +75,7 @@ def test_a_download_fetches_what_the_runtime_loads_and_reports_bytes(hub, tiny_f
     total = sum(len(v) for v in wanted.values())
     assert done["event"] == "done" and done["bytes"] == done["fetched"] == total
     assert done["commit"] == hub.repos["org/tiny"].commit and done["revision"] is None and done["repo"] == "org/tiny"
+    assert done["config"] == json.loads(tiny_files["config.json"])  # what the operator's memory estimate reads
     assert served(done["path"]) == wanted
     assert all(e["event"] == "progress" and e["total"] == total for e in progress)
     assert [e["done"] for e in progress] == sorted(e["done"] for e in progress) and progress[-1]["done"] == total
@@ -276,6 +277,7 @@ def test_lora_adapters_are_fetched_before_the_model_and_a_missing_one_is_named(t
         assert [(e["repo"], e["revision"]) for e in done] == [("org/sql", commit), ("org/tiny", None)]
         assert events[-1] is done[-1]
         assert served(done[0]["path"]) == {k: v for k, v in adapter.items() if k != "README.md"}
+        assert "config" not in done[0] and "config" in done[1]  # an adapter has no config.json
 
         hub.requests.clear()
         code, events, err = download(hub, tmp_path / "other", "--model-id", "org/tiny",

@@ -175,6 +175,15 @@ GOOD = [
     manifest(replicas=3, gateway={"endpointPicker": {"service": {"name": "epp", "port": 9010}, "failureMode": "FailOpen"},
                                   "route": {"gateway": {"name": "inference-gateway", "namespace": "gateway-system"},
                                             "path": "/v1"}}),
+    # spec.kvCache.offload: a host tier alone, on an emptyDir, on the model cache claim (prefetched or not, ephemeral)
+    manifest(kvCache={"offload": {"hostMemory": "64Gi"}}),
+    manifest(kvCache={"offload": {"hostMemory": "512Mi", "disk": {"size": "100G"}}}),
+    manifest(model={"id": "org/m", "cache": {"persistentVolumeClaim": {"claimName": "models"}, "prefetch": True}},
+             kvCache={"offload": {"hostMemory": "1Ti", "disk": {"volume": "modelCache", "size": "2Ti",
+                                                                "subPath": "kv/llama-8b_v1.2"}}}),
+    manifest(model={"id": "m", "cache": {"ephemeral": {"size": "500Gi"}}},
+             kvCache={"offload": {"hostMemory": "16Gi", "disk": {"volume": "modelCache", "size": "200Gi"}}}),
+    manifest(kvCache={}),
 ]
 
 
@@ -334,6 +343,52 @@ BAD = [
     ("gateway route relative path", manifest(gateway={"endpointPicker": {"service": {"name": "epp"}},
                                                       "route": {"gateway": {"name": "gw"}, "path": "v1"}}),
      "spec.gateway.route.path", "spec.gateway.route.path must be an absolute path"),
+    # spec.kvCache.offload
+    ("offload without host memory", manifest(kvCache={"offload": {"disk": {"size": "10Gi"}}}),
+     "spec.kvCache.offload", "'hostMemory' is a required property"),
+    ("offload host memory in bytes", manifest(kvCache={"offload": {"hostMemory": "17179869184"}}),
+     "spec.kvCache.offload.hostMemory", "does not match"),
+    ("offload host memory fraction", manifest(kvCache={"offload": {"hostMemory": "0.5Gi"}}),
+     "spec.kvCache.offload.hostMemory", "does not match"),
+    ("offload host memory zero", manifest(kvCache={"offload": {"hostMemory": "0Gi"}}),
+     "spec.kvCache.offload.hostMemory", "does not match"),
+    ("offload host memory milli", manifest(kvCache={"offload": {"hostMemory": "100m"}}),
+     "spec.kvCache.offload.hostMemory", "does not match"),
+    ("offload disk without size", manifest(kvCache={"offload": {"hostMemory": "8Gi", "disk": {}}}),
+     "spec.kvCache.offload.disk", "'size' is a required property"),
+    ("offload disk volume", manifest(kvCache={"offload": {"hostMemory": "8Gi", "disk": {"size": "8Gi",
+                                                                                      "volume": "hostPath"}}}),
+     "spec.kvCache.offload.disk.volume", "is not one of"),
+    ("offload subPath on an emptyDir", manifest(kvCache={"offload": {"hostMemory": "8Gi", "disk": {
+        "size": "8Gi", "subPath": "kv"}}}),
+     "spec.kvCache.offload.disk", "spec.kvCache.offload.disk.subPath is for volume modelCache only"),
+    ("offload subPath climbing out", manifest(model={"id": "m", "cache": {"persistentVolumeClaim": {"claimName": "c"}}},
+                                               kvCache={"offload": {"hostMemory": "8Gi", "disk": {
+                                                   "volume": "modelCache", "size": "8Gi", "subPath": "kv/../hub"}}}),
+     "spec.kvCache.offload.disk.subPath", "does not match"),
+    ("offload subPath absolute", manifest(model={"id": "m", "cache": {"persistentVolumeClaim": {"claimName": "c"}}},
+                                           kvCache={"offload": {"hostMemory": "8Gi", "disk": {
+                                               "volume": "modelCache", "size": "8Gi", "subPath": "/kv"}}}),
+     "spec.kvCache.offload.disk.subPath", "does not match"),
+    ("offload subPath in the hub cache", manifest(model={"id": "m", "cache": {"persistentVolumeClaim": {"claimName": "c"}}},
+                                                  kvCache={"offload": {"hostMemory": "8Gi", "disk": {
+                                                      "volume": "modelCache", "size": "8Gi", "subPath": "hub/kv"}}}),
+     "spec.kvCache.offload.disk", "spec.kvCache.offload.disk.subPath must not be in hub/ or recipes/"),
+    ("offload subPath on the recipes", manifest(model={"id": "m", "cache": {"persistentVolumeClaim": {"claimName": "c"}}},
+                                                kvCache={"offload": {"hostMemory": "8Gi", "disk": {
+                                                    "volume": "modelCache", "size": "8Gi", "subPath": "recipes"}}}),
+     "spec.kvCache.offload.disk", "spec.kvCache.offload.disk.subPath must not be in hub/ or recipes/"),
+    ("offload on a model cache that is an emptyDir", manifest(kvCache={"offload": {"hostMemory": "8Gi", "disk": {
+        "volume": "modelCache", "size": "8Gi"}}}),
+     "spec", "spec.kvCache.offload.disk.volume modelCache needs a model cache the pods can write"),
+    ("offload on a read-only claim", manifest(model={"id": "m", "cache": {"persistentVolumeClaim": {
+        "claimName": "c", "readOnly": True}}}, kvCache={"offload": {"hostMemory": "8Gi", "disk": {
+            "volume": "modelCache", "size": "8Gi"}}}),
+     "spec", "spec.kvCache.offload.disk.volume modelCache needs a model cache the pods can write"),
+    ("measurements over the disk tier", manifest(precision="fp8", quantization={
+        "configMapRef": {"name": "q"}, "measurements": {"persistentVolumeClaim": {"claimName": "m"},
+                                                        "mountPath": "/kv-cache"}}),
+     "spec.quantization.measurements.mountPath", "must not be /data, /dev/shm, /etc/gaudi-serve/quant or /kv-cache"),
 ]
 
 
