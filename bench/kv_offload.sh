@@ -90,8 +90,9 @@ started() {  # $1: log file; true once $url/health answers, false (the server st
   done
 }
 
-why_not() {  # $1: log file; the line a refused start left, for the table
-  grep -m1 -iE 'unrecognized arguments|error|invalid|not supported' "$1" | cut -c1-160 || tail -1 "$1" | cut -c1-160
+why_not() {  # $1: log file; what a refused start said (an unknown flag, else the first exception), for the table
+  { grep -m1 -oE 'unrecognized arguments: .*' "$1" || grep -m1 -oE '(^|\] )[A-Za-z_.]*(Exception|Error): .*' "$1" \
+    || tail -1 "$1"; } | sed 's/^\] //' | cut -c1-200
 }
 
 start_ours() {  # $1: run label; $2...: extra `launch` arguments; false (and the run skipped) if it does not start
@@ -157,7 +158,7 @@ if [ "${VLLM:-0}" = 1 ]; then
       stop_server
     else
       echo "vLLM's CPU build does not offload" >&2
-      skip vllm "vLLM's CPU build does not offload: $(why_not "$out/vllm-server.log")"
+      skip vllm "vLLM's CPU build does not offload (it did not start with --kv-offloading-size): $(why_not "$out/vllm-server.log")"
     fi
   fi
 fi
