@@ -7,6 +7,7 @@
 #   TIERS=none bench/kv_offload.sh             # only the server without tiers (the script's plumbing)
 #   VLLM=1 bench/kv_offload.sh                 # and vLLM's CPU build with --kv-offloading-size
 #   BUDGET=8192 CONTEXT=2048 bench/kv_offload.sh
+#   HOST_ARGS= DISK_ARGS= bench/kv_offload.sh  # every run and the restart, without tier flags (plumbing)
 #
 # The workload (`python -m gaudi_runtime.bench.returning`, streaming /v1/completions, greedy, EOS ignored):
 # conversations that each open with their own CONTEXT (default 1024) tokens, then TURNS (default 3) turns of
@@ -21,7 +22,7 @@
 # - none: our server, prefix caching on, no tier.
 # - host: the same with --kv-offloading-size of HOST_MULTIPLE (default 8) x BUDGET tokens of this model's KV
 #   cache, in GiB (HOST_GIB overrides).
-# - disk: the host tier plus --kv-offloading-disk-path (DISK_DIR, default a fresh directory under OUT)
+# - disk: the host tier plus --kv-offloading-disk-path (DISK_DIR, empty or absent; default OUT/kv-disk, emptied)
 #   --kv-offloading-disk-size (DISK_GIB, default DISK_MULTIPLE=16 x BUDGET tokens): phase `build` (the whole
 #   workload), the server stopped (SIGTERM) and started again on the same directory, then phase `return`
 #   (each conversation's next turn once). Then `cold-return`: the same `return` phase against a fresh
@@ -69,6 +70,9 @@ host_gib=${HOST_GIB:-$(size $((host_multiple * budget)))}
 disk_gib=${DISK_GIB:-$(size $((disk_multiple * budget)))}
 host_args=(--kv-offloading-size "$host_gib")
 disk_args=("${host_args[@]}" --kv-offloading-disk-path "$disk_dir" --kv-offloading-disk-size "$disk_gib")
+# HOST_ARGS / DISK_ARGS replace the tier flags (set but empty: the same runs without tiers, the plumbing alone).
+[ -z "${HOST_ARGS+set}" ] || read -r -a host_args <<<"$HOST_ARGS"
+[ -z "${DISK_ARGS+set}" ] || read -r -a disk_args <<<"$DISK_ARGS"
 
 # shellcheck source=bench/server.sh
 source "$root/bench/server.sh"
@@ -128,8 +132,14 @@ if wants host; then
 fi
 if wants disk; then
   echo "== disk: gaudi-serve with a disk tier in $disk_dir ($disk_gib GiB), restarted between the phases" >&2
-  rm -rf "$disk_dir" && mkdir -p "$disk_dir"
-  if start_ours disk-build "${disk_args[@]}"; then
+  # The build starts from an empty directory; one the caller named is never emptied here.
+  [ -n "${DISK_DIR:-}" ] || rm -rf "$disk_dir"
+  mkdir -p "$disk_dir"
+  if [ -n "$(ls -A "$disk_dir")" ]; then
+    skip disk-build "DISK_DIR $disk_dir is not empty"
+    skip disk-return "no disk-build run"
+    skip cold-return "no disk-build run to return to"
+  elif start_ours disk-build "${disk_args[@]}"; then
     returning disk-build --phase build --state "$out/state.json"
     stop_server
     if start_ours disk-return "${disk_args[@]}"; then
