@@ -448,7 +448,11 @@ def test_bad_returning_arguments_exit_with_usage(capsys):
     from gaudi_runtime.bench import returning
 
     for argv, msg in ((["--phase", "return"], "--phase return needs --state"),
-                      (["--turns", "0"], "must be positive"), (["--phase", "later"], "invalid choice")):
+                      (["--turns", "0"], "must be positive"), (["--phase", "later"], "invalid choice"),
+                      (["--phase", "return", "--state", "/nonexistent/s.json"], "no such file"),
+                      (["--phase", "build", "--state", "/nonexistent/s.json"], "its directory does not exist")):
         with pytest.raises(SystemExit) as e:
             returning.main(["--url", "http://127.0.0.1:1", *argv])
         assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert returning.main(["--url", "http://127.0.0.1:1", "--conversations", "1"]) == 1  # nothing listens
+    assert "error: http://127.0.0.1:1: " in capsys.readouterr().err

@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -285,13 +286,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--api-key", default=None, help="bearer token")
     p.add_argument("--json", dest="json_path", default=None, help="write the report as JSON")
-    p.add_argument("--outputs", default=None, help="write every answer as JSON lines (conversation, turn, text)")
+    p.add_argument("--outputs", default=None, help="write every answer as JSON lines (conversation and turn from 0, text)")
     return p
 
 
 def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.phase in ("build", "return") and not a.state:
         p.error(f"--phase {a.phase} needs --state")
+    if a.phase == "return" and not os.path.isfile(a.state):
+        p.error(f"--state {a.state}: no such file (write it with --phase build)")
+    if a.phase == "build" and not os.path.isdir(os.path.dirname(os.path.abspath(a.state))):
+        p.error(f"--state {a.state}: its directory does not exist")
     sizes = (a.context_tokens, a.message_tokens, a.output_tokens, a.turns, a.concurrency, a.conversations or 1)
     if min(sizes) < 1 or a.budget_multiple <= 0:
         p.error("--conversations, --context-tokens, --message-tokens, --output-tokens, --turns, --concurrency "
@@ -302,7 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
     check_args(p, a)
-    r = run(a)
+    import aiohttp
+
+    try:
+        r = run(a)
+    except (OSError, aiohttp.ClientError) as e:  # the server is unreachable or stopped answering
+        print(f"error: {a.url}: {e}", file=sys.stderr)
+        return 1
     print(report.render(r))
     print(report.result_line(r))
     for line in report.tier_metric_lines(server_metrics(a.url)):
