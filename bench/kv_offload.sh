@@ -65,6 +65,9 @@ if [ ! -f "$model/config.json" ]; then
 fi
 mkdir -p "$out"
 : >"$out/skipped.txt"
+# An OUT used before keeps nothing the table would read as this run's.
+for label in none host disk-build disk-return cold-return vllm; do rm -f "$out/$label.json" "$out/$label.jsonl"; done
+rm -f "$out/state.json"
 size() { "$ours/python" -m gaudi_runtime.bench.kv_offload_report size "$model" "$1" --dtype "$dtype"; }
 host_gib=${HOST_GIB:-$(size $((host_multiple * budget)))}
 disk_gib=${DISK_GIB:-$(size $((disk_multiple * budget)))}

@@ -412,7 +412,8 @@ def _run_report(ttft_back: float, tok_s: float) -> dict:
 def test_the_kv_offload_table_gives_each_target_met_or_missed_and_says_what_was_skipped():
     from gaudi_runtime.bench import kv_offload_report as kr
 
-    reports = {"none": _run_report(100.0, 10.0), "host": _run_report(25.0, 14.0),
+    reports = {"none": _run_report(100.0, 10.0),
+               "host": {**_run_report(25.0, 14.0), "tier_metrics": ['kv_offload_hits_total{tier="host"} 7']},
                "disk-return": _run_report(50.0, 10.0), "cold-return": _run_report(100.0, 10.0)}
     outputs = {"none": {(0, 0): "a"}, "host": {(0, 0): "a"}, "disk-return": {(0, 1): "x"},
                "cold-return": {(0, 1): "y"}}
@@ -422,6 +423,7 @@ def test_the_kv_offload_table_gives_each_target_met_or_missed_and_says_what_was_
     assert "first returning TTFT p50 after restart, disk / cold: 0.50 (target <= 0.4) MISSED" in text
     assert "ours host tier / vLLM offloading: not measured (vllm skipped)" in text
     assert "vllm skipped: vLLM's CPU build does not offload: boom" in text
+    assert 'host metric: kv_offload_hits_total{tier="host"} 7' in text
     assert "greedy outputs identical, host vs none: yes" in text
     assert "greedy outputs identical, disk-return vs cold-return: NO (conversation 0 turn 2 differs" in text
     assert "| disk-build  | ours, disk tier: build        | not run |" in text

@@ -175,6 +175,7 @@ def summary_table(reports: dict[str, dict], outputs: dict[str, dict], skipped: d
               "return hit %"]
     lines = [table(header, run_rows(reports, skipped), left=2)]
     lines += [f"{label} skipped: {why}" for label, why in skipped.items()]
+    lines += [f"{label} metric: {m}" for label, _ in RUNS for m in reports.get(label, {}).get("tier_metrics", [])]
     return "\n".join([*lines, "", *ratio_lines(reports, skipped), *output_lines(outputs, skipped)])
 
 

@@ -314,9 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, aiohttp.ClientError) as e:  # the server is unreachable or stopped answering
         print(f"error: {a.url}: {e}", file=sys.stderr)
         return 1
+    r["tier_metrics"] = report.tier_metric_lines(server_metrics(a.url))
     print(report.render(r))
     print(report.result_line(r))
-    for line in report.tier_metric_lines(server_metrics(a.url)):
+    for line in r["tier_metrics"]:
         print(f"METRIC {line}")
     if a.json_path:
         report.write_report(r, a.json_path)
