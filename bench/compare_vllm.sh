@@ -51,6 +51,9 @@
 #   out, 64 requests at concurrency 16, vLLM then ours on each; ours also on the Llama `small` model, so
 #   a row compares Qwen3 dense with Llama of the same shape (goal: no worse) beside the ours/vLLM rows
 #   (Qwen3-MoE tok/s >= 1.0, TTFT p50 <= 1.0).
+# - offload (not in the default list): bench/kv_offload.sh with VLLM=1 on the same model, its table printed
+#   at the end (returning conversations; ours without tiers, with a host tier, with a disk tier across a
+#   restart, and vLLM with --kv-offloading-size; its own knobs, e.g. BUDGET, pass through).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 peer=${PEER_BENCH:-$root/../shared/bench}
@@ -269,6 +272,12 @@ run_families() {
 
 wants() { case " $workloads " in *" $1 "*) return 0 ;; esac; return 1; }
 
+run_offload() {
+  echo "== run $run: KV cache tiers (bench/kv_offload.sh)" >&2
+  OUT=$log/offload VLLM=1 MODEL=$model DTYPE=$dtype OURS_BIN=$ours PEER_BENCH=$peer PORT=$port \
+    bash "$root/bench/kv_offload.sh" >"$log/offload-table.txt"
+}
+
 run_vllm_server_workloads() {
   wants online || wants long || wants multiturn || return 0
   echo "== run $run: vLLM long prompts, online, multi-turn ($workloads)" >&2
@@ -342,6 +351,7 @@ for run in $(seq 1 "$runs"); do
   ! wants base || run_base
   ! wants lora || run_lora
   ! wants families || run_families
+  ! wants offload || run_offload
 done
 
 "$ours/python" - "$out" "$runs" <<'PY'
@@ -434,3 +444,6 @@ for run in range(1, runs + 1):
                   + (f" ({'met' if ratio >= 0.8 else 'MISSED'}: target >= 0.8)" if engine == "ours" else ""))
 print(f"logs: {out}")
 PY
+for run in $(seq 1 "$runs"); do
+  [ ! -f "$out/run$run/offload-table.txt" ] || { echo "run $run: KV cache tiers"; cat "$out/run$run/offload-table.txt"; }
+done

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -159,6 +160,38 @@ def test_mixed_workload_reports_chat_gaps_and_long_prompt_ttft(server, tiny_mode
     assert r["long_requests"] >= 2 and r["long_ttft_p50_ms"] > 0
     assert 0 <= r["chat_gap_p50_ms"] <= r["chat_gap_p99_ms"] <= r["chat_gap_max_ms"] and r["chat_gap_max_ms"] > 0
     assert r["chat_tokens_per_s"] > 0
+
+
+def test_returning_conversations_build_then_return_as_after_a_restart(server, tiny_model_dir, tmp_path, capsys):
+    """bench/kv_offload.sh's workload, small: the continuous run (first turns, then a returning round) and the
+    same conversations split into `build` and `return` send the same turns and get the same greedy answers."""
+    from gaudi_runtime.bench import kv_offload_report, returning
+
+    common = ["--url", server.url, "--tokenizer", tiny_model_dir, "--conversations", "3", "--context-tokens", "4",
+              "--message-tokens", "1", "--output-tokens", "2", "--concurrency", "1", "--seed", "5"]
+    assert returning.main([*common, "--turns", "2", "--json", str(tmp_path / "all.json"),
+                           "--outputs", str(tmp_path / "all.jsonl")]) == 0
+    assert "RESULT phase=all conversations=3 requests=6 ok=6 " in capsys.readouterr().out
+    everything = json.loads((tmp_path / "all.json").read_text())
+    info = json.loads(urllib.request.urlopen(server.url + "/info", timeout=5).read())
+    assert everything["device_budget"] == info["max_batch_total_tokens"]  # read from /info
+    assert (everything["first_ttft_ms"]["count"], everything["returning_ttft_ms"]["count"]) == (3, 3)
+    back = [t for t in everything["turns"] if t["round"] == 1]
+    assert [t["conversation"] for t in back] == returning.return_order(3, 1, seed=5) and {t["turn"] for t in back} == {1}
+    assert all(t["generated_tokens"] == 2 and t["ttft_ms"] > 0 for t in everything["turns"])
+    assert everything["prefix_cache"]["returning"]["hits"] > 0  # a device this size still holds three contexts
+
+    state = str(tmp_path / "state.json")
+    assert returning.main([*common, "--turns", "1", "--phase", "build", "--state", state,
+                           "--outputs", str(tmp_path / "build.jsonl")]) == 0
+    assert returning.main([*common, "--phase", "return", "--state", state, "--json", str(tmp_path / "return.json"),
+                           "--outputs", str(tmp_path / "return.jsonl")]) == 0
+    again = json.loads((tmp_path / "return.json").read_text())
+    assert (again["phase"], again["requests"], again["ok"], again["returning_ttft_ms"]["count"]) == ("return", 3, 3, 3)
+    assert [t["turn"] for t in again["turns"]] == [1, 1, 1]
+    split = {**kv_offload_report.load_outputs(tmp_path / "build.jsonl"),
+             **kv_offload_report.load_outputs(tmp_path / "return.jsonl")}
+    assert kv_offload_report.compare_outputs(kv_offload_report.load_outputs(tmp_path / "all.jsonl"), split)[0]
 
 
 def test_loadtest_counts_connection_errors(tmp_path):

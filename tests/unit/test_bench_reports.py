@@ -295,3 +295,166 @@ def test_overhead_table_gives_each_engine_its_ratios_to_vllm_at_the_same_concurr
     assert rows["ours-omp1 c48"] == ["500.0", "400.0", "190/192", "0.50", "2.00", "MISSED"]
     assert rows["ours c64"][3:] == ["0.50", "0.50", "MISSED"]
     assert overhead_report.table({}) == []
+
+
+# ---- KV cache tiers: returning conversations and bench/kv_offload.sh's table -----------------------
+
+def test_returning_conversations_outgrow_the_device_budget_and_keep_their_own_prefix():
+    from gaudi_runtime.bench.returning import Shape, conversations_needed, make_conversations
+
+    shape = Shape(context_tokens=100, message_tokens=10, output_tokens=5, turns=3)
+    assert shape.history(1) == 115 and shape.history(3) == 145
+    n = conversations_needed(1000, shape)
+    assert n == 35 and n * shape.history(1) >= 4 * 1000 > (n - 1) * shape.history(1)
+    assert conversations_needed(1000, shape, multiple=8) == 70
+    convs = make_conversations(PromptMaker(), 3, shape, seed=2)
+    assert convs == make_conversations(PromptMaker(), 3, shape, seed=2) != make_conversations(PromptMaker(), 3, shape, 3)
+    # one message more than the turns (what --phase return sends), every answer asked for the same length
+    assert all(len(c.user_messages) == 4 and c.max_new_tokens == [5] * 4 and not c.answers for c in convs)
+    # no two conversations share an opening: a returning prefix can only come from its own history
+    assert [c.system.split(".")[0] for c in convs] == ["Conversation 0", "Conversation 1", "Conversation 2"]
+
+
+def test_conversations_return_in_a_seeded_random_order_after_all_first_turns():
+    from gaudi_runtime.bench.returning import return_order
+
+    assert return_order(6, 0, seed=1) == list(range(6))  # the first turns, in order
+    rounds = [return_order(50, r, seed=1) for r in (1, 2)]
+    assert all(sorted(o) == list(range(50)) for o in rounds) and rounds[0] != rounds[1] != list(range(50))
+    assert return_order(50, 1, seed=1) == rounds[0] != return_order(50, 1, seed=2)
+
+
+def test_a_round_sends_each_conversation_its_next_turn_and_a_failure_ends_it():
+    import asyncio
+
+    from gaudi_runtime.bench.returning import Shape, make_conversations, run_round
+
+    convs = make_conversations(PromptMaker(), 3, Shape(20, 5, 4, 2), seed=0)
+    convs[1].answers = ["earlier"]
+    sent = []
+
+    async def fake_send(p):
+        sent.append(p)
+        ok = not p.prompt.startswith("Conversation 2")
+        return Record(index=p.index, start_s=0, status="ok" if ok else "500", text=f" answer{len(sent)}",
+                      ttft_ms=5.0 if ok else None, generated_tokens=p.max_new_tokens if ok else 0)
+
+    turns = asyncio.run(run_round(convs, [2, 1, 0], round_=1, concurrency=1, send_one=fake_send))
+    assert [(t.conversation, t.turn, t.round) for t in turns] == [(2, 0, 1), (1, 1, 1), (0, 0, 1)]
+    assert sent[1].prompt == convs[1].prompt(1) and "Assistant:earlier" in sent[1].prompt
+    assert all(p.max_new_tokens == 4 for p in sent)
+    assert convs[1].answers == ["earlier", " answer2"] and convs[0].answers == [" answer3"] and convs[2].answers == []
+
+
+def test_returning_summary_separates_first_and_returning_turns():
+    from gaudi_runtime.bench.returning import Turn, summarize
+
+    def turn(c, t, rnd, ttft, status="ok"):
+        r = Record(index=0, start_s=0, status=status, ttft_ms=ttft, generated_tokens=10 if status == "ok" else 0,
+                   prompt_tokens=100, text=f"c{c}t{t}")
+        return Turn(c, t, rnd, r)
+
+    turns = [turn(0, 0, 0, 100.0), turn(1, 0, 0, 300.0), turn(1, 1, 1, 20.0), turn(0, 1, 1, 40.0),
+             turn(0, 2, 2, 60.0), turn(1, 2, 2, None, "timeout")]
+    hits = {"queries": 100.0, "hits": 50.0, "hit_rate": 0.5}
+    s = summarize(turns, {0: (2.0, None), 1: (1.0, hits), 2: (1.0, hits)}, elapsed=4.0, model="m")
+    assert (s["requests"], s["ok"], s["errors"]) == (6, 5, {"timeout": 1})
+    assert s["first_ttft_ms"]["p50"] == 200.0 and s["first_ttft_ms"]["count"] == 2
+    assert s["returning_ttft_ms"]["p50"] == 40.0 and s["returning_ttft_ms"]["count"] == 3
+    assert s["tokens_per_s"] == 50 / 4.0 and s["returning_tokens_per_s"] == 30 / 2.0
+    assert s["prefix_cache"] == {"first": None, "returning": {"queries": 200.0, "hits": 100.0, "hit_rate": 0.5}}
+    assert [t["text"] for t in s["turns"]][:2] == ["c0t0", "c1t0"]
+
+
+def test_the_kv_tier_size_in_gib_comes_from_the_models_config():
+    from gaudi_runtime.bench import kv_offload_report as kr
+
+    small = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 8}
+    assert kr.kv_bytes_per_token(small) == 2 * 8 * 4 * 64 * 2 == 8192
+    assert kr.gib(8 * 4096, 8192) == 0.25
+    assert kr.kv_bytes_per_token({**small, "head_dim": 32, "num_key_value_heads": None}, "float32") == 2 * 8 * 8 * 32 * 4
+
+
+def test_tier_metric_lines_are_read_loosely_by_name():
+    from gaudi_runtime.bench.kv_offload_report import tier_metric_lines
+
+    text = ("# HELP gaudi_serve_kv_offload_hits_total x\ngaudi_serve_kv_offload_hits_total{tier=\"host\"} 3.0\n"
+            "gaudi_serve_kv_tier_bytes{medium=\"disk\"} 10\ngaudi_serve_prefix_cache_hits_total{tier=\"x\"} 1\n"
+            "tgi_queue_size 0\n")
+    assert tier_metric_lines(text) == ['gaudi_serve_kv_offload_hits_total{tier="host"} 3.0',
+                                       'gaudi_serve_kv_tier_bytes{medium="disk"} 10']
+    assert tier_metric_lines("") == []
+
+
+def test_greedy_outputs_are_compared_turn_by_turn(tmp_path):
+    from gaudi_runtime.bench import kv_offload_report as kr
+
+    r = {"turns": [{"conversation": 1, "turn": 0, "status": "ok", "text": "b"},
+                   {"conversation": 0, "turn": 0, "status": "ok", "text": "a"},
+                   {"conversation": 0, "turn": 1, "status": "timeout", "text": ""}]}
+    kr.write_outputs(r, tmp_path / "a.jsonl")
+    a = kr.load_outputs(tmp_path / "a.jsonl")
+    assert a == {(0, 0): "a", (1, 0): "b"}
+    assert kr.compare_outputs(a, dict(a)) == (True, "2 answers identical")
+    same, detail = kr.compare_outputs(a, {(0, 0): "a", (1, 0): "c"})
+    assert not same and detail.startswith("conversation 1 turn 1 differs")
+    assert kr.compare_outputs(a, {(0, 0): "a"}) == (False, "conversation 1 turn 1 answered by one run only")
+    assert kr.compare_outputs({}, {})[0] is False
+    assert kr.main(["compare", str(tmp_path / "a.jsonl"), str(tmp_path / "a.jsonl")]) == 0
+
+
+def _run_report(ttft_back: float, tok_s: float) -> dict:
+    return {"ok": 4, "requests": 4, "tokens_per_s": tok_s, "first_ttft_ms": {"p50": 100.0},
+            "returning_ttft_ms": {"p50": ttft_back, "p90": ttft_back * 2},
+            "prefix_cache": {"returning": {"hit_rate": 0.9}}}
+
+
+def test_the_kv_offload_table_gives_each_target_met_or_missed_and_says_what_was_skipped():
+    from gaudi_runtime.bench import kv_offload_report as kr
+
+    reports = {"none": _run_report(100.0, 10.0),
+               "host": {**_run_report(25.0, 14.0), "tier_metrics": ['kv_offload_hits_total{tier="host"} 7']},
+               "disk-return": _run_report(50.0, 10.0), "cold-return": _run_report(100.0, 10.0)}
+    outputs = {"none": {(0, 0): "a"}, "host": {(0, 0): "a"}, "disk-return": {(0, 1): "x"},
+               "cold-return": {(0, 1): "y"}}
+    text = kr.summary_table(reports, outputs, {"vllm": "vLLM's CPU build does not offload: boom"})
+    assert "returning TTFT p50, host tier / none: 0.25 (target <= 0.3) met" in text
+    assert "throughput, host tier / none: 1.40 (target >= 1.3) met" in text
+    assert "first returning TTFT p50 after restart, disk / cold: 0.50 (target <= 0.4) MISSED" in text
+    assert "ours host tier / vLLM offloading: not measured (vllm skipped)" in text
+    assert "vllm skipped: vLLM's CPU build does not offload: boom" in text
+    assert 'host metric: kv_offload_hits_total{tier="host"} 7' in text
+    assert "greedy outputs identical, host vs none: yes" in text
+    assert "greedy outputs identical, disk-return vs cold-return: NO (conversation 0 turn 2 differs" in text
+    assert "| disk-build  | ours, disk tier: build        | not run |" in text
+    assert "| host        | ours, host tier               |     4/4 |          100.0 |            25.0 |" in text
+
+
+def test_the_kv_offload_table_reads_what_the_script_left(tmp_path, capsys):
+    import json
+
+    from gaudi_runtime.bench import kv_offload_report as kr
+
+    (tmp_path / "none.json").write_text(json.dumps(_run_report(80.0, 10.0)))
+    (tmp_path / "none.jsonl").write_text('{"conversation": 0, "turn": 0, "text": "a"}\n')
+    (tmp_path / "skipped.txt").write_text("host the server did not start with the tier flags\n")
+    assert kr.main(["table", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| none        | ours, no tier                 |     4/4 |" in out and "| host        | ours, host tier" \
+        "               | skipped |" in out
+    assert "host skipped: the server did not start with the tier flags" in out
+    assert "greedy outputs identical, host vs none: not compared (host skipped)" in out
+
+
+def test_bad_returning_arguments_exit_with_usage(capsys):
+    from gaudi_runtime.bench import returning
+
+    for argv, msg in ((["--phase", "return"], "--phase return needs --state"),
+                      (["--turns", "0"], "must be positive"), (["--phase", "later"], "invalid choice"),
+                      (["--phase", "return", "--state", "/nonexistent/s.json"], "no such file"),
+                      (["--phase", "build", "--state", "/nonexistent/s.json"], "its directory does not exist")):
+        with pytest.raises(SystemExit) as e:
+            returning.main(["--url", "http://127.0.0.1:1", *argv])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert returning.main(["--url", "http://127.0.0.1:1", "--conversations", "1"]) == 1  # nothing listens
+    assert "error: http://127.0.0.1:1: " in capsys.readouterr().err
