@@ -166,15 +166,8 @@ class ScriptedShards:
     # ---- the KV tiers below the device (router/kv_tiers.py), as shard/kv_tiers.py runs them -----------
 
     def _copy(self, c: pb.KvCopies) -> None:
-        """One admission's copies in the shards' order: spills, device reads, loads, then host writes."""
+        """One admission's copies in the shards' order: device reads, loads, host writes, then the disk."""
         self.copy_log.append(c)
-        for slot, key in zip(c.spill_slots, c.spill_hashes):
-            self.disk[bytes(key)] = list(self.host[slot])
-            (self.disk_dir / "rank0").mkdir(parents=True, exist_ok=True)
-            (self.disk_dir / "rank0" / bytes(key).hex()).write_bytes(b"")
-        for key in c.drop_hashes:
-            self.disk.pop(bytes(key), None)
-            (self.disk_dir / "rank0" / bytes(key).hex()).unlink(missing_ok=True)
         saved = [list(self.kv.get(b, [None] * BLOCK_SIZE)) for b in c.save_blocks]
         for slot, block in zip(c.load_slots, c.load_blocks):
             self.kv[block] = list(self.host[slot])
@@ -182,6 +175,13 @@ class ScriptedShards:
             self.kv[block] = self.staged.pop(bytes(key))
         for slot, content in zip(c.save_slots, saved):
             self.host[slot] = content
+        for key in c.drop_hashes:
+            self.disk.pop(bytes(key), None)
+            (self.disk_dir / "rank0" / bytes(key).hex()).unlink(missing_ok=True)
+        for slot, key in zip(c.spill_slots, c.spill_hashes):
+            self.disk[bytes(key)] = list(self.host[slot])
+            (self.disk_dir / "rank0").mkdir(parents=True, exist_ok=True)
+            (self.disk_dir / "rank0" / bytes(key).hex()).write_bytes(b"")
 
     async def fetch_blocks(self, hashes: list[bytes], discard: list[bytes]) -> list[pb.FetchBlocksResponse]:
         for key in discard:

@@ -49,15 +49,15 @@ def test_host_slots_are_reused_least_recently_used_first_and_pinned_ones_are_kep
     assert lru.add(h(1)) == [] and lru.add(h(2)) == [] and lru.add(h(1)) == [] and lru.add(h(3)) == [h(2)]
 
 
-def test_a_device_eviction_becomes_a_save_and_the_host_victim_a_spill_with_old_files_dropped():
+def test_a_device_eviction_becomes_a_save_written_through_to_disk_with_old_files_dropped():
     tiers = KvTiers(host_slots=2, block_bytes=100, world_size=2, metrics=EngineMetrics(None), disk_blocks=2)
     for i in range(1, 6):
         tiers.evicted(block=10 + i, h=h(i))
     tiers.evicted(block=99, h=h(5))  # already in host memory: nothing to copy
     [c] = tiers.drain()
     assert c.save_blocks == [11, 12, 13, 14, 15] and c.save_slots == [1, 2, 1, 2, 1]
-    assert c.spill_hashes == [h(1), h(2), h(3)] and c.spill_slots == [1, 2, 1]
-    assert c.drop_hashes == [h(1)]  # the disk holds two blocks: the oldest file goes
+    assert c.spill_hashes == [h(1), h(2), h(3), h(4), h(5)] and c.spill_slots == c.save_slots
+    assert c.drop_hashes == [h(1), h(2), h(3)]  # the disk holds two blocks: the oldest files go
     assert tiers.metrics.kv_offload["bytes_device_to_host"] == 5 * 200  # both shards' slices
     assert tiers.drain() == []
 

@@ -3,8 +3,8 @@ copies that move blocks between them (--kv-offloading-size, --kv-offloading-disk
 
 The router owns every map, as it owns the device's (router/blocks.py); the shards only copy
 (shard/kv_tiers.py). A registered block the device evicts is copied to a host slot instead of
-dropped (the host's least recently used block is written to disk first, when there is a disk
-tier). A prompt whose chain goes on past the device's blocks into host memory gets fresh device
+dropped (taking the least recently used one's), and written through to disk when there is a disk
+tier, so that the disk holds all that host memory held: what a restarted server finds. A prompt whose chain goes on past the device's blocks into host memory gets fresh device
 blocks with the host slots copied onto them, and counts them as cached: only the rest is computed.
 
 Copies ride on the next Prefill (`drain`), one `Copies` per admission, which the shards run before
@@ -128,7 +128,8 @@ class KvTiers:
     # ---- the device evicts --------------------------------------------
 
     def evicted(self, block: int, h: bytes) -> None:
-        """Device block `block`, registered under `h`, is being given other content: keep a copy."""
+        """Device block `block`, registered under `h`, is being given other content: keep a copy (written
+        through to disk, so that the disk holds whatever host memory held: what a restart finds)."""
         if h in self.host:
             self.host.get(h)
             return
@@ -137,24 +138,21 @@ class KvTiers:
             return
         slot, victim = got
         if victim is not None:
-            self._host_evicted(victim, slot)
+            self._announce_removed([victim], MEDIUM_CPU)
         self._copies.save_blocks.append(block)
         self._copies.save_slots.append(slot)
         self.metrics.kv_offload_count("bytes", "device_to_host", self.block_bytes)
         self._announce_stored([h], MEDIUM_CPU)
-
-    def _host_evicted(self, victim: bytes, slot: int) -> None:
-        self._announce_removed([victim], MEDIUM_CPU)
         if self.disk is None:
             return
-        if victim in self.disk:
-            self.disk.add(victim)
+        if h in self.disk:
+            self.disk.add(h)
             return
         self._copies.spill_slots.append(slot)
-        self._copies.spill_hashes.append(victim)
+        self._copies.spill_hashes.append(h)
         self.metrics.kv_offload_count("bytes", "host_to_disk", self.block_bytes)
-        self._announce_stored([victim], MEDIUM_DISK)
-        self._drop_files(self.disk.add(victim))
+        self._announce_stored([h], MEDIUM_DISK)
+        self._drop_files(self.disk.add(h))
 
     def _drop_files(self, hashes: list[bytes]) -> None:
         if hashes:

@@ -70,11 +70,6 @@ class KvTiers:
         return time.perf_counter_ns() - t0
 
     def _apply_one(self, c) -> None:
-        if self.disk is not None:
-            for slot, key in zip(c.spill_slots, c.spill_hashes):
-                self.disk.write(bytes(key), self.slot_bytes(slot))
-            for key in c.drop_hashes:
-                self.disk.drop(bytes(key))
         pairs = self.tensors()
         saved = [self.backend.gather_blocks(dev, list(c.save_blocks)) for dev, _ in pairs] if c.save_blocks else None
         if c.load_slots:
@@ -88,6 +83,11 @@ class KvTiers:
             for (_, host), blocks in zip(pairs, saved):
                 host.index_copy_(0, slots, blocks)
         self.backend.mark_step()
+        if self.disk is not None:
+            for key in c.drop_hashes:
+                self.disk.drop(bytes(key))
+            for slot, key in zip(c.spill_slots, c.spill_hashes):
+                self.disk.write(bytes(key), self.slot_bytes(slot))
 
     # ---- disk reads (beside the numbered calls) ------------------------
 
