@@ -75,9 +75,11 @@ class KvTiers:
         if c.load_slots:
             for dev, host in pairs:
                 self.backend.copy_blocks(host, list(c.load_slots), dev, list(c.load_blocks))
-        for key, block in zip(c.staged_hashes, c.staged_blocks):
-            for (dev, _), part in zip(pairs, self._unpack(self.staged.pop(bytes(key)))):
-                dev[block].copy_(part.to(dev.device))
+        if c.staged_hashes:  # the staged blocks, stacked per cache tensor, go the way host slots do
+            parts = [self._unpack(self.staged.pop(bytes(key))) for key in c.staged_hashes]
+            rows = list(range(len(parts)))
+            for i, (dev, _) in enumerate(pairs):
+                self.backend.copy_blocks(torch.stack([p[i] for p in parts]), rows, dev, list(c.staged_blocks))
         if saved is not None:
             slots = torch.tensor(list(c.save_slots), dtype=torch.long)
             for (_, host), blocks in zip(pairs, saved):
