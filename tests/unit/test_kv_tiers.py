@@ -78,6 +78,27 @@ def test_a_lookup_continues_into_host_memory_and_staged_blocks_and_a_fetch_keeps
     assert m["hits_host"] == 16 and m["hits_disk"] == 32 and m["faults_corrupt"] == 1
 
 
+def test_each_tier_announces_its_blocks_with_vllms_medium():
+    from gaudi_runtime.router.kv_events import KvEvents
+
+    class Batches:
+        def __init__(self):
+            self.batches = []
+
+        def publish(self, batch):
+            self.batches.append(batch)
+
+    publisher = Batches()
+    tiers = KvTiers(host_slots=1, block_bytes=100, world_size=1, metrics=EngineMetrics(None), disk_blocks=1)
+    tiers.events = KvEvents(publisher)  # no running loop: each event goes out at once
+    tiers.evicted(1, h(1))
+    tiers.evicted(2, h(2))  # takes h(1)'s slot; the disk holds one block: h(1)'s file goes
+    seen = [(type(e).__name__, e.medium, e.block_hashes) for b in publisher.batches for e in b.events]
+    assert seen == [("BlockStored", "CPU", [h(1)]), ("BlockStored", "DISK", [h(1)]),
+                    ("BlockRemoved", "CPU", [h(1)]), ("BlockStored", "CPU", [h(2)]),
+                    ("BlockStored", "DISK", [h(2)]), ("BlockRemoved", "DISK", [h(1)])]
+
+
 def test_tier_sizes_count_host_memory_per_shard_and_the_disk_for_every_shard():
     assert tier_sizes(1.0, 2.0, 1 << 20, 2) == (1024, 1024)
     assert tier_sizes(0.5, None, 1 << 20, 1) == (512, None)
