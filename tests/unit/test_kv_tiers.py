@@ -205,30 +205,33 @@ def test_the_disk_store_writes_in_the_background_skips_corrupt_files_and_survive
 
 # ---- the shard's copies ----------------------------------------------------------------------
 
-def shard_tiers(backend, tmp_path=None):
+def shard_tiers(backend, tmp_path=None, dtype=torch.float32):
     from gaudi_runtime.shard.kv_tiers import KvTiers as ShardTiers
 
-    kv = [(torch.arange(5 * 2 * 3, dtype=torch.float32).view(5, 2, 1, 3) + 100 * layer,
-           torch.zeros(5, 2, 1, 3, dtype=torch.float32)) for layer in range(2)]
-    block_bytes = 2 * 2 * 2 * 3 * 4
+    kv = [((torch.arange(5 * 2 * 3, dtype=torch.float32).view(5, 2, 1, 3) + 10 * layer).to(dtype),
+           torch.zeros(5, 2, 1, 3, dtype=dtype)) for layer in range(2)]
+    block_bytes = 2 * 2 * 2 * 3 * kv[0][0].element_size()
     return kv, ShardTiers(kv, backend, 4 * block_bytes / (1 << 30), block_bytes,
                           None if tmp_path is None else str(tmp_path), 0)
 
 
-def test_the_shard_saves_before_it_loads_so_a_reused_block_keeps_its_old_bytes_in_host_memory(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_the_shard_saves_before_it_loads_so_a_reused_block_keeps_its_old_bytes_in_host_memory(tmp_path, dtype):
     from gaudi_runtime.device.base import Backend
 
-    kv, tiers = shard_tiers(Backend(torch.device("cpu")), tmp_path)
+    kv, tiers = shard_tiers(Backend(torch.device("cpu")), tmp_path, dtype)
     before = [t[2].clone() for pair in kv for t in pair]
     tiers.apply([pb.KvCopies(save_blocks=[2], save_slots=[1])])
     # Block 2 is given other content and gets slot 1's bytes back in the same admission: both orders hold.
     tiers.apply([pb.KvCopies(save_blocks=[3], save_slots=[2], load_slots=[1], load_blocks=[3])])
-    assert all(torch.equal(t[3], b) for t, b in zip([t for pair in kv for t in pair], before))
+    assert all(torch.equal(t[3].view(torch.uint8), b.view(torch.uint8))
+               for t, b in zip([t for pair in kv for t in pair], before))
     tiers.apply([pb.KvCopies(spill_slots=[1], spill_hashes=[h(7)])])
     tiers.disk.flush()
     assert tiers.fetch([h(7), h(8)], []) == ([h(7)], 0, tiers.block_bytes)
     tiers.apply([pb.KvCopies(staged_hashes=[h(7)], staged_blocks=[4])])
-    assert all(torch.equal(t[4], b) for t, b in zip([t for pair in kv for t in pair], before))
+    assert all(torch.equal(t[4].view(torch.uint8), b.view(torch.uint8))
+               for t, b in zip([t for pair in kv for t in pair], before))
 
 
 def test_hpu_copies_run_on_padded_static_shapes_through_the_recording_fake(monkeypatch):

@@ -44,7 +44,9 @@ class KvTiers:
                  f", disk tier under {disk_dir}" if disk_dir else "")
 
     def tensors(self):
-        return [(dev, host) for dpair, hpair in zip(self.kv_cache, self.host) for dev, host in zip(dpair, hpair)]
+        """(device, host) of each cache tensor; a float8 cache as its bytes (torch copies those by index)."""
+        return [(_bytes(dev), _bytes(host)) for dpair, hpair in zip(self.kv_cache, self.host)
+                for dev, host in zip(dpair, hpair)]
 
     # ---- one block as bytes (disk files, staging) ----------------------
 
@@ -106,6 +108,10 @@ class KvTiers:
                 self.staged[key] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
                 loaded.append(key)
         return loaded, self.disk.corrupt - before, len(loaded) * self.block_bytes
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
 
 
 def make_tiers(runner, rank: int, world_size: int) -> KvTiers | None:
