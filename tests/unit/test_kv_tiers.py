@@ -142,14 +142,16 @@ class History(dict):
         return self[key]
 
 
-def test_conversations_evicted_from_the_device_come_back_from_host_memory_with_their_own_tokens(tokenizer):
+@pytest.mark.parametrize("env", [{}, {"MAX_BATCH_PREFILL_TOKENS": "32"}], ids=["whole", "chunked"])
+def test_conversations_evicted_from_the_device_come_back_from_host_memory_with_their_own_tokens(tokenizer, env):
     shards = scripted(tokenizer, num_blocks=14, host_slots=64)
-    info = run_tiers(tokenizer, shards, History(), order=[0, 1, 2, 3, 0, 2, 1, 3], turns=2, seed=1)
+    info = run_tiers(tokenizer, shards, History(), order=[0, 1, 2, 3, 0, 2, 1, 3], turns=2, seed=1, **env)
     assert shards.bad_reads == [] and shards.stale_writes == []
     tiers = info["kv_offloading"]
     assert tiers["hits_host"] >= 4 * BS and tiers["host_blocks"] == 64 and tiers["blocks_host"] > 0
     assert any(c.save_blocks for c in shards.copy_log) and any(c.load_slots for c in shards.copy_log)
     assert max(shards.cached_tokens.values()) > 4 * BS  # a returning conversation's history was not computed
+    assert (info["prefill_chunks"] > 0) == bool(env)
 
 
 def test_a_restarted_server_reads_its_disk_tier_and_skips_a_corrupt_block(tokenizer, tmp_path):
