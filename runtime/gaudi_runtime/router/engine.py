@@ -25,7 +25,7 @@ from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.grammar_check import ShardGrammars, check_grammars
 from gaudi_runtime.router.kv_events import AllBlocksCleared, make_kv_events
-from gaudi_runtime.router.kv_tiers import KvTiers, tier_sizes
+from gaudi_runtime.router.kv_tiers import INFO_COUNTS, KvTiers, tier_sizes
 from gaudi_runtime.router.live_requests import Requests
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.output import OutputProcessor
@@ -212,7 +212,8 @@ class BatchingEngine:
                "disk_size_gib": sched.kv_offloading_disk_size,
                "disk_dir": self.shard_info.kv_tiers.disk_dir or None if self.shard_info is not None else None,
                "disk_blocks": tiers.disk.capacity if tiers.disk is not None else 0}
-        out.update({k: int(v) if float(v).is_integer() else v for k, v in self.metrics.kv_offload.items()})
+        counts = {k: 0 for k in INFO_COUNTS} | self.metrics.kv_offload
+        out.update({k: int(v) if float(v).is_integer() else v for k, v in counts.items()})
         return out
 
     async def generate_groups(self, request: ValidRequest):

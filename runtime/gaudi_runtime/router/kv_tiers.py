@@ -28,6 +28,10 @@ from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.kv_events import MEDIUM_CPU, MEDIUM_DISK, KvEvents, removed, stored
 
 GIB = 1 << 30
+# The counts /info's `kv_offloading` always shows (EngineMetrics.kv_offload keys: metric_label).
+INFO_COUNTS = ("hits_host", "hits_disk", "bytes_device_to_host", "bytes_host_to_device", "bytes_host_to_disk",
+               "bytes_disk_to_device", "copy_seconds_copy", "copy_seconds_disk_read", "faults_corrupt",
+               "faults_write_failed", "faults_fetch_failed", "blocks_host", "blocks_disk", "blocks_staged")
 
 
 class LruSlots:
