@@ -150,7 +150,8 @@ class DiskStore:
             self.writes += 1
         except OSError as e:
             self.write_failures += 1
-            log.warning("KV disk tier: writing %s failed (%s); %d failures so far", path, e, self.write_failures)
+            if self.write_failures in (1, 10) or self.write_failures % 1000 == 0:  # a full disk fails every write
+                log.warning("KV disk tier: writing %s failed (%s); %d failures so far", path, e, self.write_failures)
             try:
                 tmp.unlink(missing_ok=True)
             except OSError:
