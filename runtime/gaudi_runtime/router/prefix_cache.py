@@ -28,6 +28,10 @@ With --kv-events-config, each run of consecutive blocks registered is announced 
 the hash of the block before it and its tokens), and each hash the allocator drops (evicted, or
 forgotten) too (`BlockRemoved`): router/kv_events.py.
 
+With --kv-offloading-size, a lookup continues past the device's blocks into host memory and disk
+blocks staged from the disk tier (router/kv_tiers.py): those get fresh blocks, copied before the
+prefill, registered at once and counted as cached.
+
 Requests that want their prompt's log-probabilities (`decoder_input_details`) look nothing up, so
 every prompt token is computed for them; their blocks are still registered for others.
 """
