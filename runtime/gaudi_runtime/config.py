@@ -130,6 +130,16 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
      "router: a JSON object with vLLM's KVEventsConfig fields, e.g. "
      "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' "
      "(docs/operations.md, \"Model-server protocol\")."),
+    ("--kv-offloading-size", "KV_OFFLOADING_SIZE", float, None, "GiB of host memory (per shard) for a second "
+     "tier of the prefix cache, as vLLM's flag: KV blocks evicted from the device are copied there instead of "
+     "dropped, and a prompt found there is copied back before its prefill, so only the rest is computed "
+     "(pinned memory on CUDA and Gaudi). Unset: no host tier."),
+    ("--kv-offloading-disk-path", "KV_OFFLOADING_DISK_PATH", str, None, "A writable directory (local disk, an "
+     "emptyDir, the model cache volume) for a third tier under the host tier: blocks evicted from host memory "
+     "are written there, checksummed, and a restarted server finds them (needs --kv-offloading-size and "
+     "--kv-offloading-disk-size)."),
+    ("--kv-offloading-disk-size", "KV_OFFLOADING_DISK_SIZE", float, None, "GiB the disk tier may hold (every "
+     "shard's files together); the least recently used blocks are deleted beyond it."),
     ("--otlp-endpoint", None, str, None, "OTLP/HTTP collector (e.g. http://collector:4318) receiving request traces."),
     ("--otlp-service-name", None, str, "text-generation-inference.router", "service.name of the exported traces."),
     ("--disable-grammar-support", None, _bool, False, "Refuse constrained generation: grammar, response_format, "
@@ -253,6 +263,9 @@ class SchedulingConfig:
     speculate: int = 0
     prefix_caching: bool = True
     kv_events_config: dict | None = None  # vLLM's KVEventsConfig, every field filled; None: no events
+    kv_offloading_size: float | None = None  # GiB of host memory per shard for the host tier; None: none
+    kv_offloading_disk_path: str | None = None  # the disk tier's directory; None: no disk tier
+    kv_offloading_disk_size: float | None = None  # GiB the disk tier holds, every shard's files together
 
 
 @dataclass(frozen=True)
@@ -490,6 +503,7 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     _derive_structured_output(v)
     _derive_request_limits(v)
     v["kv_events_config"] = kv_events_config(v["kv_events_config"])
+    check_kv_offloading(v)
     origins = v["cors_allow_origin"]
     v["cors_allow_origin"] = [o.strip() for o in origins.split(",") if o.strip()] if origins else []
     v["model_name"] = v["model_name"] or v["model_id"]
@@ -535,6 +549,21 @@ def kv_events_config(raw: str | dict | None) -> dict | None:
     if not out["enable_kv_cache_events"] or out["publisher"] == "null":
         return None
     return out
+
+
+def check_kv_offloading(v: dict[str, object]) -> None:
+    """The host and disk tiers' settings agree with each other and with prefix caching (whose blocks they keep)."""
+    size, path, disk = v["kv_offloading_size"], v["kv_offloading_disk_path"] or None, v["kv_offloading_disk_size"]
+    v["kv_offloading_disk_path"] = path
+    for name, value in (("--kv-offloading-size", size), ("--kv-offloading-disk-size", disk)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{name} must be a positive number of GiB, got {value}")
+    if (path is None) != (disk is None):
+        raise ConfigError("--kv-offloading-disk-path and --kv-offloading-disk-size go together: set both or neither")
+    if path is not None and size is None:
+        raise ConfigError("--kv-offloading-disk-path needs --kv-offloading-size: disk blocks are read through host memory")
+    if size is not None and not v["prefix_caching"]:
+        raise ConfigError("--kv-offloading-size needs --prefix-caching: the tiers keep the prefix cache's blocks")
 
 
 # Tool-call formats the router parses (and constrains, for tool_choice required or named).

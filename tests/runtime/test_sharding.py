@@ -7,7 +7,9 @@
 * each of 2 ranks holds at most ~55% of the 1-shard weight bytes;
 * a killed shard or a hung shard stops every process with a non-zero exit and `/health` fails first;
   a rank that cannot join the process group exits with a clear message instead of hanging;
-* `--num-shard` defaults to every visible card (TGI), `--sharded false` forces one.
+* `--num-shard` defaults to every visible card (TGI), `--sharded false` forces one;
+* with a host KV tier (`--kv-offloading-size`) each rank copies its own slice out and back: a prompt
+  evicted from the device comes back from host memory with the 1-shard output.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ FAMILIES = ["llama", "llama31", "mistral", "qwen2"]
 # 490 padded to 492.
 CASES = [(f, 2) for f in FAMILIES] + [("qwen2", 4)]
 
-# --device cpu: gloo on CPU whatever accelerator the test machine has (what CI shows).
-SERVER_ARGS = ["--device", "cpu", *SMALL_ARGS]
+# --device cpu: gloo on CPU whatever accelerator the test machine has (what CI shows). A KV budget of
+# 128 blocks of 4 tokens and a host tier under it.
+SERVER_ARGS = ["--device", "cpu", *SMALL_ARGS, "--max-batch-total-tokens", "512", "--kv-offloading-size", "0.001"]
 
 PROMPTS = [
     "What is deep learning?",
@@ -143,6 +146,24 @@ def test_greedy_concurrent_requests_match_one_shard(server):
 def test_conversations_with_cached_history_match_one_shard(server):
     """Every rank reads the same cached blocks: the prefill of the uncached tail agrees across ranks."""
     check_conversations(server, conversations=2, seed=server.shards)
+
+
+def test_a_prompt_evicted_to_host_memory_comes_back_the_same_on_every_rank(server):
+    """One prompt, then others enough to evict it from the device, then the first again: its blocks
+    come back from each rank's host tier and the answer is still the 1-shard one."""
+    rng = random.Random(server.shards)
+    words = "the a gaudi card shard router token batch cache serve request stream answer".split()
+    prompts = [f"{i} " + " ".join(rng.choice(words) for _ in range(50)) for i in range(16)]
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            return [await generate(s, server.url, p, 4 if i in (0, 16) else 1)
+                    for i, p in enumerate(prompts + prompts[:1])]
+
+    answers = asyncio.run(run())
+    assert [t["id"] for t in answers[-1]["tokens"]] == reference(server.model_dir, prompts[0], 4)
+    code, info = get_json(server.url + "/info")
+    assert info["kv_offloading"]["hits_host"] > 0 and info["kv_offloading"]["bytes_host_to_device"] > 0
 
 
 _RUNNERS: dict[str, object] = {}

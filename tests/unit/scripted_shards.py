@@ -34,8 +34,16 @@ class ScriptedShards:
 
     def __init__(self, eos_id: int, eos_at: dict[int, int], num_blocks: int = 64, swap_answers: bool = False,
                  gate: asyncio.Event | None = None, fail_at: int | None = None, varied: bool = False,
-                 step_ms: float = 0.0):
+                 step_ms: float = 0.0, host_slots: int = 0, disk_dir=None, disk: dict | None = None):
         self.eos_id, self.eos_at, self.num_blocks = eos_id, eos_at, num_blocks
+        # KV tiers (--kv-offloading-size): host slot -> the tokens its block holds; the disk tier's blocks by
+        # hash (kept across a restart when passed in), an empty file each under `disk_dir` for the listing.
+        self.host_slots, self.disk_dir = host_slots, disk_dir
+        self.host: dict[int, list[int | None]] = {}
+        self.disk: dict[bytes, list[int | None]] = {} if disk is None else disk
+        self.staged: dict[bytes, list[int | None]] = {}
+        self.corrupt: set[bytes] = set()  # disk blocks whose file fails its checks
+        self.copy_log: list[pb.KvCopies] = []
         self.step_ms = step_ms  # the forward time each decode step reports (forward_ns)
         self.gate, self.fail_at = gate, fail_at
         # Answer calls in pairs, the second first (gRPC does not promise answers in call order); the
@@ -69,8 +77,11 @@ class ScriptedShards:
         pass
 
     async def info(self):
+        tiers = None if not self.host_slots else pb.KvTiers(block_bytes=1024, host_slots=self.host_slots,
+                                                            disk_dir=str(self.disk_dir or ""))
         return pb.InfoResponse(block_size=16, num_blocks=self.num_blocks, eos_token_ids=[self.eos_id],
-                               max_position_embeddings=4096, dtype="float32", device_type="cpu")
+                               max_position_embeddings=4096, dtype="float32", device_type="cpu", world_size=1,
+                               kv_tiers=tiers)
 
     async def warmup(self, on_progress):
         on_progress(0, 0, "done")
@@ -132,12 +143,14 @@ class ScriptedShards:
         for rid in ids:
             self._read(rid, self.fed[rid])
 
-    def prefill(self, batch: pb.Batch):
+    def prefill(self, batch: pb.Batch, kv_copies: list[pb.KvCopies] | None = None):
         ids = [r.id for r in batch.requests]
         prompts = {r.id: (list(r.input_ids), list(r.blocks), r.cached_tokens) for r in batch.requests}
         self.calls.append(("prefill", {rid: (cached, len(prompt)) for rid, (prompt, _, cached) in prompts.items()}))
 
         def answer():
+            for copies in kv_copies or []:
+                self._copy(copies)
             for rid, (prompt, blocks, cached) in prompts.items():
                 assert cached % BLOCK_SIZE == 0 and cached < len(prompt), (rid, cached, len(prompt))
                 self.blocks[rid], self.sequences[rid], self.cached_tokens[rid] = blocks, prompt, cached
@@ -149,6 +162,33 @@ class ScriptedShards:
                 self._read(rid, len(prompt))
             return pb.PrefillResponse(generations=self._tokens(ids), batch=pb.CachedBatch(id=batch.id, request_ids=ids))
         return self._in_turn(self._turn(), answer)
+
+    # ---- the KV tiers below the device (router/kv_tiers.py), as shard/kv_tiers.py runs them -----------
+
+    def _copy(self, c: pb.KvCopies) -> None:
+        """One admission's copies in the shards' order: device reads, loads, host writes, then the disk."""
+        self.copy_log.append(c)
+        saved = [list(self.kv.get(b, [None] * BLOCK_SIZE)) for b in c.save_blocks]
+        for slot, block in zip(c.load_slots, c.load_blocks):
+            self.kv[block] = list(self.host[slot])
+        for key, block in zip(c.staged_hashes, c.staged_blocks):
+            self.kv[block] = self.staged.pop(bytes(key))
+        for slot, content in zip(c.save_slots, saved):
+            self.host[slot] = content
+        for key in c.drop_hashes:
+            self.disk.pop(bytes(key), None)
+            (self.disk_dir / "rank0" / bytes(key).hex()).unlink(missing_ok=True)
+        for slot, key in zip(c.spill_slots, c.spill_hashes):
+            self.disk[bytes(key)] = list(self.host[slot])
+            (self.disk_dir / "rank0").mkdir(parents=True, exist_ok=True)
+            (self.disk_dir / "rank0" / bytes(key).hex()).write_bytes(b"")
+
+    async def fetch_blocks(self, hashes: list[bytes], discard: list[bytes]) -> list[pb.FetchBlocksResponse]:
+        for key in discard:
+            self.staged.pop(key, None)
+        loaded = [h for h in hashes if h in self.disk and h not in self.corrupt]
+        self.staged.update({h: list(self.disk[h]) for h in loaded})
+        return [pb.FetchBlocksResponse(loaded=loaded, corrupt=len(set(hashes) & self.corrupt))]
 
     def decode(self, batches: list[pb.CachedBatch], steps: int = 1):
         ids = [rid for b in batches for rid in b.request_ids]

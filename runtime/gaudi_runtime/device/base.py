@@ -57,3 +57,24 @@ class Backend:
 
     def graph_stats(self) -> dict:
         return {}
+
+    # ---- the KV cache's host tier (shard/kv_tiers.py) -------------------
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Host memory the device copies KV blocks to and from (pinned where the device DMAs from it)."""
+        return torch.zeros(shape, dtype=dtype)
+
+    def gather_blocks(self, device_cache: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+        """These blocks of one cache tensor, copied to host memory, in order."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=device_cache.device)
+        return device_cache.index_select(0, idx).to("cpu")
+
+    def copy_blocks(self, host: torch.Tensor, slots: list[int], device_cache: torch.Tensor, blocks: list[int]) -> None:
+        """Host slots `slots` of one cache tensor onto its device blocks `blocks`."""
+        src = host.index_select(0, torch.tensor(slots, dtype=torch.long))
+        idx = torch.tensor(blocks, dtype=torch.long, device=device_cache.device)
+        device_cache.index_copy_(0, idx, src.to(device_cache.device, non_blocking=True))
+
+
+    def warm_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Compile the KV copies' shapes ahead of serving, where the device compiles per shape."""

@@ -76,6 +76,9 @@ class CudaBackend(Backend):
         if not self.graphs_enabled:  # eager: the routing may be read on the host
             use_experts_kernel(model, grouped_experts)
 
+    def host_buffer(self, shape, dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype).pin_memory()  # copies to and from it are DMA, asynchronous
+
     def graph_stats(self) -> dict:
         return {n: {"graphs": len(r.graphs), "captures": r.captures, "replays": r.replays}
                 for n, r in self._runners.items()}

@@ -219,6 +219,46 @@ class HpuBackend(Backend):
         return hthpu.wrap_in_hpu_graph(_Step(fn, name), disable_tensor_cache=True)
 
 
+    # ---- the KV cache's host tier: static shapes ------------------------
+    # Every copy moves KV_COPY_BLOCKS blocks (padded with block 0 and slot 0, the padding block and slot):
+    # lazy mode compiles one recipe per direction and tensor shape, which `warm_copies` compiles at start.
+
+    def host_buffer(self, shape, dtype) -> torch.Tensor:
+        buf = torch.zeros(shape, dtype=dtype)
+        try:
+            return buf.pin_memory()  # DMA-able: copies to and from the card need no bounce buffer
+        except RuntimeError as e:  # no pinning here (a bridge without it): pageable memory, slower copies
+            log.warning("KV host tier: host memory not pinned (%s)", e)
+            return buf
+
+    def gather_blocks(self, device_cache: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+        out = []
+        for chunk in padded_chunks(blocks):
+            out.append(super().gather_blocks(device_cache, chunk))
+            self.mark_step()
+        return torch.cat(out)[:len(blocks)]
+
+    def copy_blocks(self, host: torch.Tensor, slots: list[int], device_cache: torch.Tensor, blocks: list[int]) -> None:
+        for src, dst in zip(padded_chunks(slots), padded_chunks(blocks)):
+            super().copy_blocks(host, src, device_cache, dst)
+            self.mark_step()
+
+    def warm_copies(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Run each tensor shape's copy both ways once, on the padding block and slot."""
+        for device_cache, host in pairs:
+            self.copy_blocks(host, [0], device_cache, [0])
+            self.gather_blocks(device_cache, [0])
+
+
+KV_COPY_BLOCKS = 16
+
+
+def padded_chunks(ids: list[int], width: int = KV_COPY_BLOCKS) -> list[list[int]]:
+    """`ids` in chunks of exactly `width`, the last padded with 0 (the padding block or slot)."""
+    chunks = [ids[i:i + width] for i in range(0, len(ids), width)]
+    return [c + [0] * (width - len(c)) for c in chunks]
+
+
 # E4M3 as Gaudi 2 computes it: largest finite value 240 (IEEE-like), where Gaudi 3 and the OCP format
 # torch.float8_e4m3fn stores reach 448.
 GAUDI2_FP8_MAX = 240.0

@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("dtype", "device_type", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "max_position_embeddings", "world_size", "architecture", "quantization", "kv_cache_dtype", "prefix_caching", "attention", "recipe_cache", "startup_seconds", "weight_bytes", "warmup", "unwarmed_shapes", "buckets", "exponential_bucketing", "speculate")
+    __slots__ = ("dtype", "device_type", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "max_position_embeddings", "world_size", "architecture", "quantization", "kv_cache_dtype", "prefix_caching", "attention", "recipe_cache", "startup_seconds", "weight_bytes", "warmup", "unwarmed_shapes", "buckets", "exponential_bucketing", "speculate", "kv_tiers")
     class BucketsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class InfoResponse(_message.Message):
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     EXPONENTIAL_BUCKETING_FIELD_NUMBER: _ClassVar[int]
     SPECULATE_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     device_type: str
     block_size: int
@@ -61,7 +62,60 @@ class InfoResponse(_message.Message):
     buckets: _containers.ScalarMap[str, int]
     exponential_bucketing: bool
     speculate: int
-    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., attention: _Optional[str] = ..., recipe_cache: _Optional[_Union[RecipeCacheInfo, _Mapping]] = ..., startup_seconds: _Optional[_Union[StartupSeconds, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., warmup: _Optional[_Union[WarmupSummary, _Mapping]] = ..., unwarmed_shapes: _Optional[int] = ..., buckets: _Optional[_Mapping[str, int]] = ..., exponential_bucketing: _Optional[bool] = ..., speculate: _Optional[int] = ...) -> None: ...
+    kv_tiers: KvTiers
+    def __init__(self, dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_position_embeddings: _Optional[int] = ..., world_size: _Optional[int] = ..., architecture: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., attention: _Optional[str] = ..., recipe_cache: _Optional[_Union[RecipeCacheInfo, _Mapping]] = ..., startup_seconds: _Optional[_Union[StartupSeconds, _Mapping]] = ..., weight_bytes: _Optional[int] = ..., warmup: _Optional[_Union[WarmupSummary, _Mapping]] = ..., unwarmed_shapes: _Optional[int] = ..., buckets: _Optional[_Mapping[str, int]] = ..., exponential_bucketing: _Optional[bool] = ..., speculate: _Optional[int] = ..., kv_tiers: _Optional[_Union[KvTiers, _Mapping]] = ...) -> None: ...
+
+class KvTiers(_message.Message):
+    __slots__ = ("block_bytes", "host_slots", "disk_dir")
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    DISK_DIR_FIELD_NUMBER: _ClassVar[int]
+    block_bytes: int
+    host_slots: int
+    disk_dir: str
+    def __init__(self, block_bytes: _Optional[int] = ..., host_slots: _Optional[int] = ..., disk_dir: _Optional[str] = ...) -> None: ...
+
+class KvCopies(_message.Message):
+    __slots__ = ("save_blocks", "save_slots", "load_slots", "load_blocks", "staged_hashes", "staged_blocks", "spill_slots", "spill_hashes", "drop_hashes")
+    SAVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SAVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SPILL_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DROP_HASHES_FIELD_NUMBER: _ClassVar[int]
+    save_blocks: _containers.RepeatedScalarFieldContainer[int]
+    save_slots: _containers.RepeatedScalarFieldContainer[int]
+    load_slots: _containers.RepeatedScalarFieldContainer[int]
+    load_blocks: _containers.RepeatedScalarFieldContainer[int]
+    staged_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    staged_blocks: _containers.RepeatedScalarFieldContainer[int]
+    spill_slots: _containers.RepeatedScalarFieldContainer[int]
+    spill_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    drop_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, save_blocks: _Optional[_Iterable[int]] = ..., save_slots: _Optional[_Iterable[int]] = ..., load_slots: _Optional[_Iterable[int]] = ..., load_blocks: _Optional[_Iterable[int]] = ..., staged_hashes: _Optional[_Iterable[bytes]] = ..., staged_blocks: _Optional[_Iterable[int]] = ..., spill_slots: _Optional[_Iterable[int]] = ..., spill_hashes: _Optional[_Iterable[bytes]] = ..., drop_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class FetchBlocksRequest(_message.Message):
+    __slots__ = ("hashes", "discard")
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    discard: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., discard: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class FetchBlocksResponse(_message.Message):
+    __slots__ = ("loaded", "corrupt", "read_ns", "bytes")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    READ_NS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    loaded: _containers.RepeatedScalarFieldContainer[bytes]
+    corrupt: int
+    read_ns: int
+    bytes: int
+    def __init__(self, loaded: _Optional[_Iterable[bytes]] = ..., corrupt: _Optional[int] = ..., read_ns: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class RecipeCacheInfo(_message.Message):
     __slots__ = ("dir", "key", "from_cache")
@@ -268,24 +322,32 @@ class Generations(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_n: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prefill: _Optional[_Iterable[_Union[PrefillLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch", "sequence")
+    __slots__ = ("batch", "sequence", "kv_copies")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KV_COPIES_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     sequence: int
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., sequence: _Optional[int] = ...) -> None: ...
+    kv_copies: _containers.RepeatedCompositeFieldContainer[KvCopies]
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., sequence: _Optional[int] = ..., kv_copies: _Optional[_Iterable[_Union[KvCopies, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "unwarmed_shapes")
+    __slots__ = ("generations", "batch", "forward_ns", "unwarmed_shapes", "kv_copy_ns", "kv_disk_write_failures", "kv_disk_writes")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     UNWARMED_SHAPES_FIELD_NUMBER: _ClassVar[int]
+    KV_COPY_NS_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_DISK_WRITES_FIELD_NUMBER: _ClassVar[int]
     generations: Generations
     batch: CachedBatch
     forward_ns: int
     unwarmed_shapes: int
-    def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ...) -> None: ...
+    kv_copy_ns: int
+    kv_disk_write_failures: int
+    kv_disk_writes: int
+    def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., kv_copy_ns: _Optional[int] = ..., kv_disk_write_failures: _Optional[int] = ..., kv_disk_writes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("batches", "sequence", "steps")

@@ -74,6 +74,11 @@ class TextGenerationServiceStub:
                 request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
                 response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterResponse.FromString,
                 _registered_method=True)
+        self.FetchBlocks = channel.unary_unary(
+                '/gaudi_serve.generate.v1.TextGenerationService/FetchBlocks',
+                request_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.FetchBlocksRequest.SerializeToString,
+                response_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.FetchBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -134,6 +139,14 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBlocks(self, request, context):
+        """Read KV blocks of the disk tier into the shard's staging memory (--kv-offloading-disk-path); runs
+        on arrival, beside the numbered calls: a later Prefill copies staged blocks onto the device.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +189,11 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.LoadAdapter,
                     request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterRequest.FromString,
                     response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'FetchBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchBlocks,
+                    request_deserializer=gaudi__runtime_dot_proto_dot_generate__pb2.FetchBlocksRequest.FromString,
+                    response_serializer=gaudi__runtime_dot_proto_dot_generate__pb2.FetchBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +412,33 @@ class TextGenerationService:
             '/gaudi_serve.generate.v1.TextGenerationService/LoadAdapter',
             gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
             gaudi__runtime_dot_proto_dot_generate__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gaudi_serve.generate.v1.TextGenerationService/FetchBlocks',
+            gaudi__runtime_dot_proto_dot_generate__pb2.FetchBlocksRequest.SerializeToString,
+            gaudi__runtime_dot_proto_dot_generate__pb2.FetchBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

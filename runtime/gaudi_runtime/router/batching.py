@@ -208,6 +208,8 @@ class BatchingLoop:
     def _take_waiting(self, running: int, min_size: int | None, chunks: bool) -> list[RequestState]:
         """The requests the next prefill takes (TGI's rules), their KV blocks reserved."""
         view = self.requests.waiting_view(max(0, self.cfg.scheduling.max_batch_size - running))
+        for state in self.requests.fetches():
+            asyncio.ensure_future(self._fetch(state))
         return self.requests.take(select_prefill(view, running, self.requests.allocator.free_count, self.cfg,
                                                  min_size, chunks, self.requests.running_adapters()))
 
@@ -243,7 +245,7 @@ class BatchingLoop:
     def _make_chunk(self, batch: RunningBatch, state: RequestState, request: pb.Request) -> None:
         """A chunk that is not the prompt's last: its KV is kept, its batch dropped at once."""
         batch_id = next(self._batch_ids)
-        rpc = asyncio.ensure_future(self.client.prefill(pb.Batch(id=batch_id, requests=[request])))
+        rpc = asyncio.ensure_future(self.client.prefill(pb.Batch(id=batch_id, requests=[request]), self._copies()))
         batch.inflight.append(Call(rpc, self._answer_chunk(state, rpc, time.monotonic()), chunk=True))
         batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(batch_id))))
 
@@ -284,7 +286,7 @@ class BatchingLoop:
         batch_id = next(self._batch_ids)
         chosen = [state for state, _ in encoded]
         batch = pb.Batch(id=batch_id, requests=[request for _, request in encoded])
-        rpc = asyncio.ensure_future(self.client.prefill(batch))
+        rpc = asyncio.ensure_future(self.client.prefill(batch, self._copies()))
         return batch_id, Call(rpc, self._answer_prefill(chosen, rpc, time.monotonic()))
 
     async def _answer_prefill(self, chosen: list[RequestState], rpc: Awaitable[pb.PrefillResponse],
@@ -296,6 +298,24 @@ class BatchingLoop:
             raise
         self.metrics.prefill_answered(made, resp, len(chosen))
         return self.output.process(resp.generations)
+
+    def _copies(self) -> list[pb.KvCopies]:
+        """The tier copies the admissions since the last Prefill made (router/kv_tiers.py)."""
+        tiers = self.requests.prefix.tiers
+        return [] if tiers is None else [pb.KvCopies(**c.as_dict()) for c in tiers.drain()]
+
+    async def _fetch(self, state: RequestState) -> None:
+        """Have every shard read `state`'s disk blocks into staging; it waits (not admitted) until then."""
+        tiers = self.requests.prefix.tiers
+        try:
+            answers = await self.client.fetch_blocks(state.disk_hashes, tiers.take_discards())
+            tiers.fetched(state.disk_hashes, [set(a.loaded) for a in answers], sum(a.corrupt for a in answers))
+            self.metrics.kv_offload_count("copy_seconds", "disk_read", answers[0].read_ns / 1e9)
+        except ShardError as e:
+            log.warning("reading KV blocks from the disk tier failed: %s; the prompt is computed", e)
+            self.metrics.kv_offload_count("faults", "fetch_failed", 1)
+        state.disk_fetch, state.disk_hashes = "done", []
+        self.wake()
 
     async def _answer_chunk(self, state: RequestState, rpc: Awaitable[pb.PrefillResponse], made: float) -> None:
         try:

@@ -16,9 +16,11 @@ from collections.abc import Callable
 class BlockAllocator:
     """Hands out block ids 1..num_blocks; block 0 is the shards' padding block."""
 
-    def __init__(self, num_blocks: int, on_removed: Callable[[list[bytes]], None] | None = None):
+    def __init__(self, num_blocks: int, on_removed: Callable[[list[bytes]], None] | None = None,
+                 on_evicted: Callable[[int, bytes], None] | None = None):
         self.num_blocks = num_blocks
         self._on_removed = on_removed  # told the hashes that no block holds any more (KV-cache events)
+        self._on_evicted = on_evicted  # told each cached block given other content (the host tier keeps a copy)
         self._free = list(range(num_blocks, 0, -1))  # blocks holding nothing anyone may look up
         self._refs: dict[int, int] = {}  # held block -> how many requests hold it
         self._hash_of: dict[int, bytes] = {}  # registered block -> its hash
@@ -49,6 +51,8 @@ class BlockAllocator:
             evicted.append(self._hash_of.pop(block))
             del self._by_hash[evicted[-1]]
             taken.append(block)
+            if self._on_evicted is not None:
+                self._on_evicted(block, evicted[-1])
         if evicted and self._on_removed is not None:
             self._on_removed(evicted)
         for block in taken:

@@ -93,8 +93,17 @@ class ShardClient:
 
     # Not coroutines themselves: each call takes its number when made, before the caller awaits it.
 
-    def prefill(self, batch: pb.Batch) -> Awaitable[pb.PrefillResponse]:
-        return self._all("Prefill", pb.PrefillRequest(batch=batch, sequence=next(self._sequence)))
+    def prefill(self, batch: pb.Batch, kv_copies: list[pb.KvCopies] | None = None) -> Awaitable[pb.PrefillResponse]:
+        return self._all("Prefill", pb.PrefillRequest(batch=batch, sequence=next(self._sequence), kv_copies=kv_copies))
+
+    async def fetch_blocks(self, hashes: list[bytes], discard: list[bytes]) -> list[pb.FetchBlocksResponse]:
+        """Every shard reads these disk-tier blocks into staging (not numbered: it changes no batch);
+        every shard's answer, as each says which it loaded."""
+        req = pb.FetchBlocksRequest(hashes=hashes, discard=discard)
+        try:
+            return list(await asyncio.gather(*(s.FetchBlocks(req, timeout=self.call_timeout_s) for s in self.stubs)))
+        except grpc.aio.AioRpcError as e:
+            raise ShardError(f"FetchBlocks failed: {e.code().name}: {e.details()}") from e
 
     def decode(self, batches: list[pb.CachedBatch], steps: int = 1) -> Awaitable[pb.DecodeResponse]:
         return self._all("Decode", pb.DecodeRequest(batches=batches, sequence=next(self._sequence), steps=steps))

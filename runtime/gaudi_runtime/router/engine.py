@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from gaudi_runtime import progress
+from gaudi_runtime import kv_files, progress
 from gaudi_runtime.config import Config
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.router import shard_info
@@ -25,6 +25,7 @@ from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.grammar_check import ShardGrammars, check_grammars
 from gaudi_runtime.router.kv_events import AllBlocksCleared, make_kv_events
+from gaudi_runtime.router.kv_tiers import INFO_COUNTS, KvTiers, tier_sizes
 from gaudi_runtime.router.live_requests import Requests
 from gaudi_runtime.router.metrics import Metrics
 from gaudi_runtime.router.output import OutputProcessor
@@ -79,7 +80,8 @@ class BatchingEngine:
             check_context_fits(self.cfg.limits.max_total_tokens, info.max_position_embeddings)
             self.shard_info = info
             self.warmup_progress["from_cache"] = shard_info.warmup_from_cache(info)
-            self.requests.allocator = BlockAllocator(info.num_blocks, on_removed=self.requests.prefix.removed)
+            self.requests.allocator = BlockAllocator(info.num_blocks, on_removed=self.requests.prefix.removed,
+                                                     on_evicted=self._evicted)
             self.output.eos_ids = set(info.eos_token_ids)
             self.state = "warming_up"
             progress.report("warming_up")
@@ -91,11 +93,33 @@ class BatchingEngine:
             self.metrics.cache_config(info.block_size, info.num_blocks, self.cfg)
             self.requests.report_load()  # the load gauges appear, at zero
             self._cache_cleared()  # whatever a picker knew of an earlier process at this address is gone
+            await self._start_tiers(info)
             log.info("ready: %d KV blocks of %d tokens", info.num_blocks, info.block_size)
         except (ShardError, OSError, ValueError) as e:
             self.fail(str(e))
             raise
         self._task = asyncio.create_task(self._serve(), name="batching-loop")
+
+    async def _start_tiers(self, info: pb.InfoResponse) -> None:
+        """The host and disk tiers the shards hold (--kv-offloading-size); a disk tier is listed, so that a
+        restarted server finds the blocks an earlier one wrote (router/kv_tiers.py)."""
+        if not info.HasField("kv_tiers"):
+            return
+        t, sched = info.kv_tiers, self.cfg.scheduling
+        _, disk = tier_sizes(sched.kv_offloading_size, sched.kv_offloading_disk_size, t.block_bytes, info.world_size)
+        tiers = KvTiers(t.host_slots, t.block_bytes, info.world_size, self.metrics, disk if t.disk_dir else None,
+                        info.block_size)
+        tiers.events = self.kv_events
+        self.requests.prefix.tiers = tiers
+        if t.disk_dir:
+            found = await asyncio.to_thread(kv_files.list_complete, t.disk_dir, info.world_size)
+            tiers.found_on_disk([h for _, h in found])
+            log.info("KV disk tier %s: %d blocks found", t.disk_dir, len(found))
+        tiers.report()
+
+    def _evicted(self, block: int, block_hash: bytes) -> None:
+        if self.requests.prefix.tiers is not None:
+            self.requests.prefix.tiers.evicted(block, block_hash)
 
     def _on_warmup(self, done: int, total: int, phase: str) -> None:
         self.warmup_progress.update(done=done, total=total, phase=phase)
@@ -176,7 +200,21 @@ class BatchingEngine:
             info["prefix_cache_queries"] = self.metrics.prefix_queries
             info["prefix_cache_hits"] = self.metrics.prefix_hits
             info["prefill_chunks"] = self.metrics.prefill_chunks
+        if self.requests.prefix.tiers is not None:
+            info["kv_offloading"] = self._tiers_info()
         return info
+
+    def _tiers_info(self) -> dict:
+        """The KV tiers below the device: sizes, where the disk tier is, what each holds and has served."""
+        tiers, sched = self.requests.prefix.tiers, self.cfg.scheduling
+        out = {"host_size_gib": sched.kv_offloading_size, "host_blocks": tiers.host.capacity,
+               "block_bytes": tiers.block_bytes, "disk_path": sched.kv_offloading_disk_path,
+               "disk_size_gib": sched.kv_offloading_disk_size,
+               "disk_dir": self.shard_info.kv_tiers.disk_dir or None if self.shard_info is not None else None,
+               "disk_blocks": tiers.disk.capacity if tiers.disk is not None else 0}
+        counts = {k: 0 for k in INFO_COUNTS} | self.metrics.kv_offload
+        out.update({k: int(v) if float(v).is_integer() else v for k, v in counts.items()})
+        return out
 
     async def generate_groups(self, request: ValidRequest):
         if self.state == "failed":

@@ -25,6 +25,7 @@ class EngineMetrics:
         self.prefill_chunks = 0  # chunks of long prompts prefilled before their last one
         self.prefix_hits = 0
         self.serving = False  # the load gauges are published from the moment the engine is ready
+        self.kv_offload: dict[str, float] = {}  # the KV tiers' counts, also kept without a registry (/info)
 
     def warmup(self, done: int, total: int) -> None:
         if self._m is not None:
@@ -67,6 +68,9 @@ class EngineMetrics:
         if self._m is not None:
             self._m.tgi_batch_next_size.observe(size)
         self._unwarmed(resp.unwarmed_shapes)
+        self.kv_offload_count("copy_seconds", "copy", resp.kv_copy_ns / 1e9)
+        failed = resp.kv_disk_write_failures - self.kv_offload.get("faults_write_failed", 0)
+        self.kv_offload_count("faults", "write_failed", failed)  # rank 0's count, since start
 
     def decode_answered(self, made: float, resp: pb.DecodeResponse) -> None:
         """A decode call made at `made` answered.
@@ -112,6 +116,21 @@ class EngineMetrics:
         if self._m is not None:
             self._m.gaudi_serve_prefix_cache_queries_total.inc(queried)
             self._m.gaudi_serve_prefix_cache_hits_total.inc(found)
+
+    def kv_offload_count(self, metric: str, label: str, amount: float) -> None:
+        """One of the KV tiers' counters (`gaudi_serve_kv_offload_<metric>_total{<label>}`) goes up."""
+        if amount <= 0:
+            return
+        key = f"{metric}_{label}"
+        self.kv_offload[key] = self.kv_offload.get(key, 0) + amount
+        if self._m is not None:
+            getattr(self._m, f"gaudi_serve_kv_offload_{metric}_total").labels(label).inc(amount)
+
+    def kv_offload_blocks(self, host: int, disk: int, staged: int) -> None:
+        for tier, count in (("host", host), ("disk", disk), ("staged", staged)):
+            self.kv_offload[f"blocks_{tier}"] = count
+            if self._m is not None:
+                self._m.gaudi_serve_kv_offload_blocks.labels(tier).set(count)
 
     def cached_blocks(self, count: int) -> None:
         if self._m is not None:

@@ -30,6 +30,8 @@ import msgspec
 log = logging.getLogger(__name__)
 
 MEDIUM_GPU = "GPU"  # vLLM's name for the accelerator's memory, whatever the device
+MEDIUM_CPU = "CPU"  # vLLM's name for host memory (its offloading connector's tier)
+MEDIUM_DISK = "DISK"  # the disk tier (--kv-offloading-disk-path)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # closes a replay
 
 
@@ -70,17 +72,17 @@ class KVEventBatch(EventBatch):
 
 
 def stored(hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
-           lora_id: int | None = None, lora_name: str | None = None) -> BlockStored:
+           lora_id: int | None = None, lora_name: str | None = None, medium: str = MEDIUM_GPU) -> BlockStored:
     """Consecutive blocks of one sequence registered; `parent` is the hash of the block before the
     first (None: the sequence's first block). One KV-cache group (0); `lora_id` and `lora_name` are
     the LoRA adapter's whose sequence it is (None: the base model), as vLLM reports them."""
     return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=token_ids,
-                       block_size=block_size, lora_id=lora_id, medium=MEDIUM_GPU, lora_name=lora_name,
+                       block_size=block_size, lora_id=lora_id, medium=medium, lora_name=lora_name,
                        group_idx=0)
 
 
-def removed(hashes: list[bytes]) -> BlockRemoved:
-    return BlockRemoved(block_hashes=hashes, medium=MEDIUM_GPU, group_idx=0)
+def removed(hashes: list[bytes], medium: str = MEDIUM_GPU) -> BlockRemoved:
+    return BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0)
 
 
 def frame(topic: bytes, seq: int, batch: KVEventBatch, encoder: msgspec.msgpack.Encoder) -> list[bytes]:

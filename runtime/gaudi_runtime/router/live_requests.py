@@ -58,6 +58,8 @@ class RequestState:
     sent: int = 0  # tokens asked of the shards so far (prefill and decode calls made, answered or not)
     prefill: list[Token] = field(default_factory=list)  # prompt tokens with logprobs (decoder_input_details)
     ended: bool = False
+    disk_fetch: str = ""  # its blocks on the disk tier: "" not asked, "wanted", "running", "done"
+    disk_hashes: list[bytes] = field(default_factory=list)  # those it waits for while "wanted" or "running"
 
 
 class Requests:
@@ -90,13 +92,29 @@ class Requests:
         return self._live.get(request_id)
 
     def waiting_view(self, limit: int) -> list[Waiting]:
-        """What the admission rules see of the first `limit` waiting requests."""
+        """What the admission rules see of the first `limit` waiting requests, up to the first one whose
+        blocks are being read from the disk tier (`fetches` lists those to read): in order, as always."""
         view = []
         for state in itertools.islice(self.waiting, limit):
+            if self._waits_for_disk(state):
+                break
             cached, held = self.prefix.waiting_view(self.allocator, state)
             view.append(Waiting(len(state.req.input_ids), state.req.stopping.max_new_tokens, cached, held,
                                 chunkable(state.req), state.req.adapter))
         return view
+
+    def _waits_for_disk(self, state: RequestState) -> bool:
+        if state.disk_fetch == "":
+            state.disk_hashes = self.prefix.wanted_on_disk(self.allocator, state)
+            state.disk_fetch = "wanted" if state.disk_hashes else "done"
+        return state.disk_fetch in ("wanted", "running")
+
+    def fetches(self) -> list[RequestState]:
+        """Waiting requests whose disk blocks are wanted and not being read yet (marked as being read)."""
+        out = [s for s in self.waiting if s.disk_fetch == "wanted"]
+        for state in out:
+            state.disk_fetch = "running"
+        return out
 
     def busy_adapters(self) -> set[int]:
         """The adapter slots of every live request, waiting or running: none of them may be reused."""
@@ -122,6 +140,8 @@ class Requests:
             self.prefill_made(state, self.next_prefill_end(state))
             state.started = now
             state.sent = 1  # the prefill computes the first token
+        if self.prefix.tiers is not None:
+            self.prefix.tiers.admitted()
         self.report_load()
         return chosen
 

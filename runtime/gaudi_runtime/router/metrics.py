@@ -156,6 +156,7 @@ class Metrics:
             "tgi_batch_forward_duration", "Forward pass time (s), by method", ("method",),
             buckets=_FAST + (5.0, 10.0, 30.0), registry=r)
         self._warmup_and_cache_metrics(c, r)
+        self._kv_tier_metrics(c, r)
         self._load_gauges(r)
         self._lora_metrics(c, r)
         self._spec_metrics(c)
@@ -225,6 +226,24 @@ class Metrics:
             registry=c)
         self.gaudi_serve_prefix_cache_blocks = Gauge(
             "gaudi_serve_prefix_cache_blocks", "KV blocks registered in the prefix cache, held by a request or not",
+            registry=r)
+
+    def _kv_tier_metrics(self, c: list[Counter], r: CollectorRegistry) -> None:
+        """The KV cache's host and disk tiers (docs/design.md, "KV cache tiers")."""
+        self.gaudi_serve_kv_offload_hits_total = Counter(
+            "gaudi_serve_kv_offload_hits_total", "Prompt tokens whose KV came from a tier below the device "
+            "(tier: host, disk) instead of being computed", ("tier",), registry=c)
+        self.gaudi_serve_kv_offload_bytes_total = Counter(
+            "gaudi_serve_kv_offload_bytes_total", "KV bytes moved between tiers, every shard together "
+            "(direction: device_to_host, host_to_device, host_to_disk, disk_to_device)", ("direction",), registry=c)
+        self.gaudi_serve_kv_offload_copy_seconds_total = Counter(
+            "gaudi_serve_kv_offload_copy_seconds_total", "Time rank 0 spent on tier copies before prefills "
+            "(kind: copy), and reading disk blocks beside them (kind: disk_read)", ("kind",), registry=c)
+        self.gaudi_serve_kv_offload_faults_total = Counter(
+            "gaudi_serve_kv_offload_faults_total", "Disk tier faults (kind: corrupt: a file skipped; write_failed: "
+            "a write that failed, rank 0; fetch_failed: a read call that failed)", ("kind",), registry=c)
+        self.gaudi_serve_kv_offload_blocks = Gauge(
+            "gaudi_serve_kv_offload_blocks", "KV blocks each tier holds (tier: host, disk, staged)", ("tier",),
             registry=r)
 
     def render(self) -> bytes:

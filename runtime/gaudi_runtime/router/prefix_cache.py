@@ -28,6 +28,10 @@ With --kv-events-config, each run of consecutive blocks registered is announced 
 the hash of the block before it and its tokens), and each hash the allocator drops (evicted, or
 forgotten) too (`BlockRemoved`): router/kv_events.py.
 
+With --kv-offloading-size, a lookup continues past the device's blocks into host memory and disk
+blocks staged from the disk tier (router/kv_tiers.py): those get fresh blocks, copied before the
+prefill, registered at once and counted as cached.
+
 Requests that want their prompt's log-probabilities (`decoder_input_details`) look nothing up, so
 every prompt token is computed for them; their blocks are still registered for others.
 """
@@ -38,19 +42,12 @@ import hashlib
 from array import array
 
 from gaudi_runtime.config import Config
+from gaudi_runtime.kv_root import root_hash
 from gaudi_runtime.router.adapters import AdapterTable
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.kv_events import KvEvents, removed, stored
-
-
-def root_hash(cfg: Config) -> bytes:
-    """The parent of every sequence's first block: what besides the tokens decides the KV values."""
-    m = cfg.model
-    salt = "|".join(str(x) for x in (m.model_id, m.revision, m.dtype, m.kv_cache_dtype, m.quantize,
-                                     m.quant_config, m.rope_scaling, m.rope_factor, cfg.device.block_size))
-    return hashlib.sha256(salt.encode()).digest()
-
+from gaudi_runtime.router.kv_tiers import KvTiers
 
 LONGROPE_TYPES = ("longrope", "su")
 
@@ -115,6 +112,7 @@ class PrefixCache:
         self.adapters = adapters or AdapterTable(cfg.adapters, cfg.model)
         self.metrics = metrics
         self.events: KvEvents | None = None  # where registrations and removals are announced
+        self.tiers: KvTiers | None = None  # host and disk tiers below the device (router/kv_tiers.py)
         self.long_rope_from: int | None = None  # `longrope_original_length` of the model served
 
     def removed(self, hashes: list[bytes]) -> None:
@@ -153,15 +151,35 @@ class PrefixCache:
         usable = (len(state.req.input_ids) - 1) // self.block_size  # never the last prompt token's block
         return allocator.lookup(self.prompt_hashes(state)[skip:usable])
 
+    def _below(self, state, skip: int) -> list[bytes]:
+        """The hashes of `state`'s usable prompt blocks after its first `skip` (the device's run)."""
+        if self.tiers is None or not self.enabled or state.req.decoder_input_details:
+            return []
+        usable = (len(state.req.input_ids) - 1) // self.block_size
+        return self.prompt_hashes(state)[skip:usable]
+
     def waiting_view(self, allocator: BlockAllocator, state) -> tuple[int, int]:
-        """(prompt tokens cached, blocks of them other requests hold) for the admission rules."""
+        """(prompt tokens cached, blocks of them other requests hold) for the admission rules; blocks
+        host memory or staging holds count as cached (copied, not computed) and cost fresh blocks."""
         found = self.hits(allocator, state)
-        return len(found) * self.block_size, sum(allocator.held(b) for b in found)
+        below = self.tiers.run(self._below(state, len(found))) if self.tiers is not None else []
+        return (len(found) + len(below)) * self.block_size, sum(allocator.held(b) for b in found)
+
+    def wanted_on_disk(self, allocator: BlockAllocator, state) -> list[bytes]:
+        """The blocks `state` could read from the disk tier after its device, host and staged ones."""
+        if self.tiers is None:
+            return []
+        found = len(self.hits(allocator, state))
+        below = self._below(state, found)
+        return self.tiers.on_disk(below[len(self.tiers.run(below)):])
 
     def hold_hits(self, allocator: BlockAllocator, state) -> None:
-        """Hold the cached blocks `state` starts with, before any allocation may evict them."""
+        """Hold the cached blocks `state` starts with, before any allocation may evict them (host blocks
+        it will read too)."""
         state.blocks = self.hits(allocator, state)
         allocator.acquire(state.blocks)
+        if self.tiers is not None:
+            self.tiers.pin(self.tiers.run(self._below(state, len(state.blocks))))
 
     def fill(self, allocator: BlockAllocator, state, total: int) -> None:
         """Complete `state`'s `total` blocks: hits on blocks an earlier request of the same prefill
@@ -169,8 +187,14 @@ class PrefixCache:
         more = self.hits(allocator, state, skip=len(state.blocks))
         allocator.acquire(more)
         hit_blocks = len(state.blocks) + len(more)
-        state.cached_tokens = hit_blocks * self.block_size
+        below = self.tiers.run(self._below(state, hit_blocks)) if self.tiers is not None else []
         state.blocks = state.blocks + more + allocator.allocate(total - hit_blocks)
+        if below:
+            self.tiers.take(below, state.blocks[hit_blocks:hit_blocks + len(below)])
+            # Registered now: the copies run before this prefill's forward pass, as writes would.
+            self._register(allocator, state, self.prompt_hashes(state)[:hit_blocks + len(below)],
+                           state.req.input_ids, hit_blocks)
+        state.cached_tokens = (hit_blocks + len(below)) * self.block_size
         if self.enabled and not state.req.decoder_input_details:
             self.metrics.prefix_lookup(len(state.req.input_ids), state.cached_tokens)
 

@@ -27,7 +27,13 @@ def startup_seconds(runner: ModelRunner) -> pb.StartupSeconds:
                              load=round(runner.load_seconds, 3), warmup=warmup)
 
 
-def info_response(runner: ModelRunner, world_size: int) -> pb.InfoResponse:
+def kv_tiers_info(tiers) -> pb.KvTiers | None:
+    if tiers is None:
+        return None
+    return pb.KvTiers(block_bytes=tiers.block_bytes, host_slots=tiers.host_slots, disk_dir=tiers.disk_dir or "")
+
+
+def info_response(runner: ModelRunner, world_size: int, tiers=None) -> pb.InfoResponse:
     cfg, m, cache = runner.cfg, runner.model, runner.recipe_cache
     return pb.InfoResponse(
         dtype=cfg.model.dtype, device_type=runner.device.type, block_size=cfg.device.block_size,
@@ -43,4 +49,5 @@ def info_response(runner: ModelRunner, world_size: int) -> pb.InfoResponse:
         warmup=warmup_summary(runner.warmup_summary), unwarmed_shapes=runner.unwarmed_shapes,
         buckets={phase: len(s) for phase, s in shapes(cfg, runner.flat_decode).items()},
         exponential_bucketing=cfg.device.exponential_bucketing, speculate=cfg.scheduling.speculate,
+        kv_tiers=kv_tiers_info(tiers),
     )

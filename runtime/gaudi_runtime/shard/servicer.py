@@ -18,6 +18,7 @@ from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
 from gaudi_runtime.shard.call_order import CallOrder
 from gaudi_runtime.shard.grammar import GrammarError
 from gaudi_runtime.shard.info import info_response
+from gaudi_runtime.shard.kv_tiers import make_tiers
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput, StepResult, WarmupError
 from gaudi_runtime.shard.speculation import SpecStats
 
@@ -73,9 +74,20 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         # Grammars compile one at a time beside the serving loop; one that takes too long is given up
         # by the router (--grammar-compile-timeout-s), and later ones queue behind it.
         self.compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self.tiers = make_tiers(runner, rank, world_size)  # the KV cache's host and disk tiers; None: none
+        self.disk_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk-reader")
 
     async def Info(self, request, context):
-        return info_response(self.runner, self.world_size)
+        return info_response(self.runner, self.world_size, self.tiers)
+
+    async def FetchBlocks(self, request, context):
+        """Disk blocks into staging memory, beside the forward passes (a thread reads and checks them)."""
+        if self.tiers is None:
+            return pb.FetchBlocksResponse()
+        t0 = time.perf_counter_ns()
+        loaded, corrupt, size = await asyncio.get_running_loop().run_in_executor(
+            self.disk_reader, self.tiers.fetch, [bytes(h) for h in request.hashes], [bytes(h) for h in request.discard])
+        return pb.FetchBlocksResponse(loaded=loaded, corrupt=corrupt, read_ns=time.perf_counter_ns() - t0, bytes=size)
 
     async def Health(self, request, context):
         return pb.HealthResponse()
@@ -105,15 +117,18 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         ]
         async with self.order.turn(request.sequence):
             self._adjust_threads()
+            copy_ns = self.tiers.apply(request.kv_copies) if self.tiers is not None and request.kv_copies else 0
             try:
                 step = self.runner.prefill(request.batch.id, reqs)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        disk = self.tiers.disk if self.tiers is not None else None
         return pb.PrefillResponse(
             generations=to_generations(step, self.rank),
             batch=pb.CachedBatch(id=request.batch.id, request_ids=step.request_ids),
             forward_ns=step.forward_ns,
-            unwarmed_shapes=self.runner.unwarmed_shapes,
+            unwarmed_shapes=self.runner.unwarmed_shapes, kv_copy_ns=copy_ns,
+            kv_disk_writes=disk.writes if disk else 0, kv_disk_write_failures=disk.write_failures if disk else 0,
         )
 
     async def Decode(self, request, context):
