@@ -130,13 +130,14 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
      "router: a JSON object with vLLM's KVEventsConfig fields, e.g. "
      "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}' "
      "(docs/operations.md, \"Model-server protocol\")."),
-    ("--kv-offloading-size", "KV_OFFLOADING_SIZE", float, None, "GiB of host memory (per shard) for a second "
-     "tier of the prefix cache, as vLLM's flag: KV blocks evicted from the device are copied there instead of "
+    ("--kv-offloading-size", "KV_OFFLOADING_SIZE", float, None, "GiB of host memory for a second tier of the "
+     "prefix cache, in all: the shards share it, as vLLM's flag is summed over tensor-parallel ranks (staging for "
+     "blocks read back from disk included). KV blocks evicted from the device are copied there instead of "
      "dropped, and a prompt found there is copied back before its prefill, so only the rest is computed "
      "(pinned memory on CUDA and Gaudi). Unset: no host tier."),
     ("--kv-offloading-disk-path", "KV_OFFLOADING_DISK_PATH", str, None, "A writable directory (local disk, an "
-     "emptyDir, the model cache volume) for a third tier under the host tier: blocks evicted from host memory "
-     "are written there, checksummed, and a restarted server finds them (needs --kv-offloading-size and "
+     "emptyDir, the model cache volume) for a third tier under the host tier: every block that enters host "
+     "memory is written there too, checksummed, and a restarted server finds them (needs --kv-offloading-size and "
      "--kv-offloading-disk-size)."),
     ("--kv-offloading-disk-size", "KV_OFFLOADING_DISK_SIZE", float, None, "GiB the disk tier may hold (every "
      "shard's files together); the least recently used blocks are deleted beyond it."),
@@ -263,7 +264,7 @@ class SchedulingConfig:
     speculate: int = 0
     prefix_caching: bool = True
     kv_events_config: dict | None = None  # vLLM's KVEventsConfig, every field filled; None: no events
-    kv_offloading_size: float | None = None  # GiB of host memory per shard for the host tier; None: none
+    kv_offloading_size: float | None = None  # GiB of host memory for the host tier, all shards together; None: none
     kv_offloading_disk_path: str | None = None  # the disk tier's directory; None: no disk tier
     kv_offloading_disk_size: float | None = None  # GiB the disk tier holds, every shard's files together
 

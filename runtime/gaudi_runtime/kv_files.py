@@ -21,6 +21,10 @@ import queue
 import threading
 from pathlib import Path
 
+# The part of --kv-offloading-size each shard keeps for blocks read from disk (staging), the rest being
+# host slots: the flag bounds all the host memory the tiers take, as the pod's memory request counts it.
+STAGED_PART = 0.2
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"GSKV\x01\x00"

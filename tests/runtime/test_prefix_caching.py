@@ -22,8 +22,8 @@ from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.runtime.launched import get_json, greedy_reference, serve_small
 from tests.runtime.prefix_checks import SYSTEM, WORDS, cache_hits, generate, too_long
 
-# A host tier of 52 blocks of this model's 2 KiB (the device holds 96), a disk tier under it.
-TIERS = ("--kv-offloading-size", "0.0001", "--kv-offloading-disk-size", "0.01")
+# A host tier of 52 blocks of this model's 2 KiB (four fifths of 0.000125 GiB; the device holds 96), a disk tier under it.
+TIERS = ("--kv-offloading-size", "0.000125", "--kv-offloading-disk-size", "0.01")
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def test_a_device_eviction_becomes_a_save_written_through_to_disk_with_old_files
 
 
 def test_a_lookup_continues_into_host_memory_and_staged_blocks_and_a_fetch_keeps_what_all_shards_loaded():
-    tiers = KvTiers(host_slots=4, block_bytes=100, world_size=2, metrics=EngineMetrics(None), disk_blocks=8)
+    tiers = KvTiers(host_slots=16, block_bytes=100, world_size=2, metrics=EngineMetrics(None), disk_blocks=8)
     tiers.evicted(1, h(1))
     tiers.found_on_disk([h(2), h(3), h(4)])
     assert tiers.run([h(1), h(2)]) == [h(1)] and tiers.on_disk([h(2), h(3), h(4), h(9)]) == [h(2), h(3), h(4)]
@@ -99,9 +99,10 @@ def test_each_tier_announces_its_blocks_with_vllms_medium():
                     ("BlockStored", "DISK", [h(2)]), ("BlockRemoved", "DISK", [h(1)])]
 
 
-def test_tier_sizes_count_host_memory_per_shard_and_the_disk_for_every_shard():
-    assert tier_sizes(1.0, 2.0, 1 << 20, 2) == (1024, 1024)
-    assert tier_sizes(0.5, None, 1 << 20, 1) == (512, None)
+def test_tier_sizes_share_host_memory_and_the_disk_among_the_shards():
+    """vLLM's --kv-offloading-size is summed over tensor-parallel ranks; a fifth of each share stages disk reads."""
+    assert tier_sizes(1.0, 2.0, 1 << 20, 2) == (409, 1024)
+    assert tier_sizes(0.5, None, 1 << 20, 1) == (409, None)
 
 
 # ---- the engine over scripted shards ----------------------------------------------------------
@@ -159,10 +160,10 @@ def test_a_restarted_server_reads_its_disk_tier_and_skips_a_corrupt_block(tokeni
     lists the same directory, and a returning conversation reads its prefix from disk; one block whose
     file fails its checks is computed instead."""
     disk, histories, env = {}, History(), {"KV_OFFLOADING_DISK_PATH": str(tmp_path), "KV_OFFLOADING_DISK_SIZE": "1"}
-    first = scripted(tokenizer, num_blocks=14, host_slots=4, disk_dir=tmp_path, disk=disk)
+    first = scripted(tokenizer, num_blocks=14, host_slots=16, disk_dir=tmp_path, disk=disk)
     run_tiers(tokenizer, first, histories, order=[0, 1, 2, 3], turns=2, seed=2, **env)
     assert first.bad_reads == [] and len(disk) > 4
-    again = scripted(tokenizer, num_blocks=14, host_slots=4, disk_dir=tmp_path, disk=disk)
+    again = scripted(tokenizer, num_blocks=14, host_slots=16, disk_dir=tmp_path, disk=disk)
     # The third block of conversation 0's history fails its checks: it and the rest are computed.
     cfg = resolve(None, {"MODEL_ID": "unused"})
     again.corrupt = {chain_hashes(histories[0], BS, root_hash(cfg))[2]}

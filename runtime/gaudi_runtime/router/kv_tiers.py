@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 
+from gaudi_runtime.kv_files import STAGED_PART
 from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.kv_events import MEDIUM_CPU, MEDIUM_DISK, KvEvents, removed, stored
 
@@ -120,7 +121,8 @@ class KvTiers:
                  disk_blocks: int | None = None, block_size: int = 16):
         self.host = LruSlots(host_slots)
         self.disk = None if disk_blocks is None else LruSet(disk_blocks)
-        self.staged = LruSet(max(1, host_slots))  # the shards' staging memory: at most the host tier's size
+        # The shards' staging memory: the rest of each one's share (STAGED_PART of it).
+        self.staged = LruSet(max(1, int(host_slots * STAGED_PART / (1 - STAGED_PART))))
         self.block_bytes = block_bytes * world_size  # one block on every shard
         self.block_size = block_size
         self.metrics = metrics
@@ -269,7 +271,8 @@ class KvTiers:
 
 
 def tier_sizes(size_gib: float, disk_gib: float | None, block_bytes: int, world_size: int) -> tuple[int, int | None]:
-    """(host slots, disk blocks) for the GiB given: host per shard, disk every shard together."""
-    host = max(1, int(size_gib * GIB) // block_bytes)
+    """(host slots, disk blocks) for the GiB given, both for every shard together (`block_bytes`: one
+    shard's slice of a block)."""
+    host = max(1, int(size_gib / world_size * GIB * (1 - STAGED_PART)) // block_bytes)
     disk = None if disk_gib is None else max(1, int(disk_gib * GIB) // (block_bytes * world_size))
     return host, disk

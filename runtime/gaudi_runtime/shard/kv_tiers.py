@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from gaudi_runtime.device.base import Backend
-from gaudi_runtime.kv_files import DiskStore, layout_key
+from gaudi_runtime.kv_files import STAGED_PART, DiskStore, layout_key
 from gaudi_runtime.kv_root import root_hash
 from gaudi_runtime.layers.kv_cache import cache_bytes_per_block, model_token_shapes
 
@@ -34,7 +34,8 @@ class KvTiers:
         self.kv_cache = kv_cache
         self.backend = backend
         self.block_bytes = block_bytes
-        self.host_slots = max(1, int(size_gib * GIB) // block_bytes)
+        # A fifth of the shard's share stages blocks read from disk (kv_files.STAGED_PART).
+        self.host_slots = max(1, int(size_gib * GIB * (1 - STAGED_PART)) // block_bytes)
         self.host = [tuple(backend.host_buffer((self.host_slots + 1, *t.shape[1:]), t.dtype) for t in pair)
                      for pair in kv_cache]
         self.disk_dir = disk_dir
@@ -127,6 +128,7 @@ def make_tiers(runner, rank: int, world_size: int) -> KvTiers | None:
     if sched.kv_offloading_disk_path:
         key = layout_key(root_hash(cfg), world_size, m.num_layers, shapes, str(runner.kv_dtype))
         disk_dir = str(Path(sched.kv_offloading_disk_path) / key)
-    tiers = KvTiers(runner.kv_cache, runner.backend, sched.kv_offloading_size, block_bytes, disk_dir, rank)
+    share = sched.kv_offloading_size / world_size  # vLLM's size is summed over tensor-parallel ranks
+    tiers = KvTiers(runner.kv_cache, runner.backend, share, block_bytes, disk_dir, rank)
     runner.backend.warm_copies(tiers.tensors())
     return tiers
