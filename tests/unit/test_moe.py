@@ -132,3 +132,24 @@ def test_missing_expert_weight_is_named(reference):
 def test_top_k_must_fit_the_experts():
     with pytest.raises(ValueError, match="num_experts_per_tok 9"):
         FusedMoE(8, 9, H, INTER)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_experts_path_with_the_few_row_kernel_gives_transformers_output(reference, dtype):
+    """The CPU backend's experts kernel multiplies each expert's few decode rows with the C kernel: the
+    same output as transformers' block (float32 exactly up to rounding; bfloat16 within its precision)."""
+    from gaudi_runtime.device import cpu_gemv
+    from gaudi_runtime.device.cpu import experts_kernel
+
+    gemv = cpu_gemv.kernel()
+    if gemv is None:
+        pytest.skip("no C compiler: the CPU backend runs F.linear, which the other tests cover")
+    moe = loaded(reference)
+    moe.kernel = experts_kernel(gemv)
+    x = tokens(6, seed=7)
+    with torch.no_grad():
+        want = reference(x)
+        moe.to(dtype)
+        got = moe(x.to(dtype)).float()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    torch.testing.assert_close(got, want, **tol)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
+import torch.nn.functional as F
 
-from gaudi_runtime.device import cpu_paged_attention
+from gaudi_runtime.device import cpu_gemv, cpu_paged_attention
 from gaudi_runtime.device.base import Backend
 from gaudi_runtime.device.cpu_attention import CpuAttention
 from gaudi_runtime.device.cpu_gemm import native_bf16, prepack_linears
@@ -48,4 +50,22 @@ class CpuBackend(Backend):
             use_layer_ops(model)
         if cfg is None or cfg.cpu_lora:
             use_lora_kernel(model)
-        use_experts_kernel(model, grouped_experts)  # eager: each expert runs on its own tokens only
+        # Eager: each expert runs on its own tokens only, a decode step's few rows through the C kernel.
+        use_experts_kernel(model, experts_kernel(cpu_gemv.kernel() if cfg is None or cfg.cpu_gemv else None))
+
+
+def experts_kernel(gemv):
+    """The MoE experts' CPU path: `grouped_experts`, an expert's few bfloat16 rows multiplied by the few-row
+    C kernel (`gemv`; None: F.linear throughout), which reads each expert's weight once where oneDNN's bf16
+    product of two or three rows runs far below the memory's speed (float32 keeps F.linear: MKL's is as fast)."""
+    if gemv is None:
+        return grouped_experts
+
+    def linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        few = weight.dtype == torch.bfloat16 and rows.dtype == weight.dtype and weight.is_contiguous()
+        if few and gemv.takes_rows(rows.shape[0], rows.dtype):
+            return gemv.multiply(rows, rows.shape[0], weight, None)
+        return F.linear(rows, weight)
+
+    return functools.partial(grouped_experts, linear=linear)
+
