@@ -131,6 +131,8 @@ def _model_modules(model: nn.Module, ckpt_modules: set[str]) -> dict[str, set]:
     out: dict[str, set] = {}
     for ckpt in sorted(ckpt_modules):
         name = model.checkpoint_name(f"{ckpt}.weight")
+        if model.unused_weight(name):  # e.g. DeepSeek's multi-token-prediction layer: not loaded at all
+            continue
         shard = None
         for frag, (mine, shard_id) in mapping.items():
             if f".{frag}." in name:
