@@ -137,23 +137,29 @@ def finish_loading(model: nn.Module) -> int:
 
 def use_hpu_fp8_experts(model: nn.Module, fmax: float) -> tuple[int, int]:
     """Ready float8 experts for Gaudi's blockwise fused MoE op (values within the card's E4M3 range `fmax`);
-    experts whose scales that op cannot take (not square blocks, a rank's slice across a block) are
-    dequantized into the model dtype for the plain op. Returns (float8 layers, dequantized layers)."""
+    a layer whose scales that op cannot take (not square blocks, a rank's gate/up slice across a block) has
+    both its stacks dequantized into the model dtype for the plain op. Returns (float8 layers, dequantized)."""
     kept, dense = 0, 0
-    for m in model.modules():
-        if not isinstance(m, Fp8ExpertWeights):
+    for moe in model.modules():
+        stacks = [w for w in (getattr(moe, "w13", None), getattr(moe, "w2", None)) if isinstance(w, Fp8ExpertWeights)]
+        if not stacks:
             continue
-        scale = getattr(m, m.scale_name)
-        if m.experts(m.compute_dtype).block_scales is None:
-            w = dequantize(m.weight.data, scale.data, m.compute_dtype)
-            delattr(m, m.scale_name)
-            m.__class__ = ExpertWeights
-            m.weight = nn.Parameter(w, requires_grad=False)
+        if any(w.experts(w.compute_dtype).block_scales is None for w in stacks):
+            for w in stacks:
+                _dequantize_stack(w)
             dense += 1
             continue
         if fmax < 448.0:  # Gaudi 2's E4M3: the same values, scaled into its smaller range
-            ratio = 448.0 / fmax
-            m.weight = nn.Parameter((m.weight.data.float() / ratio).clamp(-fmax, fmax).to(FP8), requires_grad=False)
-            m.register_parameter(m.scale_name, nn.Parameter(scale.data * ratio, requires_grad=False))
+            for w in stacks:
+                ratio, scale = 448.0 / fmax, getattr(w, w.scale_name).data
+                w.weight = nn.Parameter((w.weight.data.float() / ratio).clamp(-fmax, fmax).to(FP8), requires_grad=False)
+                w.register_parameter(w.scale_name, nn.Parameter(scale * ratio, requires_grad=False))
         kept += 1
     return kept, dense
+
+
+def _dequantize_stack(w: Fp8ExpertWeights) -> None:
+    dense = dequantize(w.weight.data, getattr(w, w.scale_name).data, w.compute_dtype)
+    delattr(w, w.scale_name)
+    w.__class__ = ExpertWeights
+    w.weight = nn.Parameter(dense, requires_grad=False)
