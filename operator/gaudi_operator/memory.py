@@ -115,8 +115,9 @@ def _elements_per_shard(cfg: dict[str, Any], shards: int) -> tuple[int, int, int
 
 def linear_bytes_per_weight(cfg: dict[str, Any], dtype_bytes: int) -> float:
     """What one weight of a linear layer costs in memory: the model dtype, or a pre-quantized checkpoint's
-    packed bits with their group scales and zero points (GPTQ, AWQ), or one byte (FP8), as the runtime
-    keeps them (packed, not dequantized). Embeddings, the LM head and norms stay in the model dtype."""
+    packed bits with their group scales and zero points (GPTQ, AWQ), or one byte (FP8; with block scales
+    a float32 per row and block of columns, as the runtime expands them), as the runtime keeps them
+    (packed, not dequantized). Embeddings, the LM head and norms stay in the model dtype."""
     qc = cfg.get("quantization_config") or {}
     method = qc.get("quant_method")
     if method in ("gptq", "awq"):
@@ -125,7 +126,8 @@ def linear_bytes_per_weight(cfg: dict[str, Any], dtype_bytes: int) -> float:
         per_group = (2 + bits / 8) / group if group > 0 else 0.0  # a float16 scale and a packed zero per group
         return bits / 8 + per_group
     if method in ("fp8", "compressed-tensors"):
-        return 1.0
+        block = qc.get("weight_block_size")  # block scales: a float32 per weight row and block of columns
+        return 1.0 + (4 / block[1] if isinstance(block, list) and len(block) == 2 and block[1] else 0.0)
     return float(dtype_bytes)
 
 

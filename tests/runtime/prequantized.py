@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # The projections every family here names its linear layers after (not the LM head: kept, as published).
-LINEAR_SUFFIXES = ("_proj.weight", "query_key_value.weight", "dense.weight", "dense_h_to_4h.weight",
+LINEAR_SUFFIXES = ("_proj.weight", "kv_a_proj_with_mqa.weight", "query_key_value.weight", "dense.weight", "dense_h_to_4h.weight",
                    "dense_4h_to_h.weight", "c_attn.weight", "c_proj.weight", "c_fc.weight")
 
 
@@ -38,12 +38,17 @@ def _per_channel(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Te
 
 
 def _per_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per ``block`` of the weight; the last row or column of blocks may be partial (DeepSeek's
+    kv_a_proj_with_mqa: 576 rows in 128-row blocks), its scale then counted over the rows it has."""
     out, cols = w.shape
     r, c = block
-    blocks = w.float().reshape(out // r, r, cols // c, c)
+    nr, nc = -(-out // r), -(-cols // c)
+    padded = torch.zeros(nr * r, nc * c)
+    padded[:out, :cols] = w.float()
+    blocks = padded.reshape(nr, r, nc, c)
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.reshape(out, cols), scale
+    return q.reshape(nr * r, nc * c)[:out, :cols].contiguous(), scale
 
 
 def _rewrite(model_dir: Path, quantize, quantization_config: dict) -> Path:
@@ -85,7 +90,9 @@ def write_compressed_tensors_fp8(model_dir: Path, strategy: str = "channel", sta
 
 
 def write_block_fp8(model_dir: Path, block: tuple[int, int] = (16, 16)) -> Path:
-    """Rewrite a tiny model as a block-scaled FP8 checkpoint (quant_method fp8, weight_block_size)."""
+    """Rewrite a tiny model as a block-scaled FP8 checkpoint (quant_method fp8, weight_block_size): every
+    projection, MoE experts and MLA projections included; routers (``mlp.gate``, DeepSeek's
+    ``e_score_correction_bias``), embeddings and the LM head stay as they are, as Qwen and DeepSeek publish."""
     def quantize(module: str, w: torch.Tensor) -> dict:
         q, scale = _per_block(w, block)
         return {"weight": q, "weight_scale_inv": scale}

@@ -2,7 +2,7 @@
 
 Each served answer must be the greedy output of `transformers` loading the same checkpoint (the
 libraries dequantize it: compressed-tensors, transformers' FineGrainedFP8), 16 of 16 tokens, on a tiny
-Llama and a tiny Gemma (another model class), with 1 and 2 shards; /info says which format was loaded.
+Llama, Gemma, Qwen3-MoE and DeepSeek-V3, with 1 and 2 shards; /info says which format was loaded.
 """
 
 from __future__ import annotations
@@ -22,9 +22,12 @@ from tests.runtime.prequantized import reference_model, write_block_fp8, write_c
 
 pytestmark = pytest.mark.slow
 
-# (family, format, shards): every format with 2 shards on Llama; the other family with 1 and 2.
+# (family, format, shards): every format with 2 shards on Llama; Gemma with 1 and 2; block FP8 as Qwen3-MoE
+# and DeepSeek-V3 publish it (float8 experts; DeepSeek's MLA projections too, kv_b_proj dequantized at
+# load), 1 and 2 shards each: their dense layers stand for a dense model on 1 shard.
 CASES = [("llama", "ct-channel", 2), ("llama", "ct-tensor-static", 2), ("llama", "block", 2),
-         ("llama", "block", 1), ("gemma", "ct-channel", 1), ("gemma", "block", 2)]
+         ("gemma", "ct-channel", 1), ("gemma", "block", 2), ("qwen3_moe", "block", 1), ("qwen3_moe", "block", 2),
+         ("deepseek_v3", "block", 1), ("deepseek_v3", "block", 2)]
 NEW_TOKENS = 16
 
 

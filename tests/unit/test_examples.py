@@ -63,6 +63,9 @@ VALIDATED = {
     ("Granite-3-8B", 1): {"BF16"},
     ("Qwen3-8B", 1): {"BF16"},
     ("Qwen3-30B-A3B", 1): {"BF16"},
+    # Block-FP8 checkpoints as published, read as stored (bf16 activations).
+    ("Qwen3-30B-A3B-FP8", 1): {"BF16"},
+    ("DeepSeek-R1-FP8", 8): {"BF16"},
 }
 
 
@@ -121,6 +124,8 @@ def test_serving_limits_are_accepted_by_the_runtime(name: str, doc: dict[str, An
     args = parser.parse_args(container["args"][1:])
     environ = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     cfg = runtime_config.resolve(args, environ)
+    if "REASONING_PARSER" in environ:  # a thinking model's example: the runtime splits its thinking out
+        assert cfg.structured_output.reasoning_parser == environ["REASONING_PARSER"]
     serving = doc["spec"]["serving"]
     assert (cfg.limits.max_input_tokens, cfg.limits.max_total_tokens) == (serving["maxInputTokens"], serving["maxTotalTokens"])
     assert cfg.scheduling.max_batch_prefill_tokens == serving["maxBatchPrefillTokens"]

@@ -102,7 +102,8 @@ def small_llama(tmp_path_factory):
 @pytest.mark.parametrize("write", ["gptq4", "gptq8", "awq", "fp8_block"])
 def test_a_prequantized_checkpoint_counts_its_packed_bytes(tmp_path, small_llama, write):
     """GPTQ, AWQ and FP8 checkpoints stay packed in the runtime's memory: the estimate is their tensors'
-    bytes (within the g_idx and per-row scales it leaves out), a fraction of the dense model's."""
+    bytes (within the g_idx and per-row scales it leaves out; block scales as the runtime expands them to
+    rows), a fraction of the dense model's."""
     from tests.runtime.prequantized import write_awq, write_block_fp8, write_gptq
 
     dense = small_llama
@@ -115,7 +116,36 @@ def test_a_prequantized_checkpoint_counts_its_packed_bytes(tmp_path, small_llama
     model_dir = writers[write](Path(shutil.copytree(dense, tmp_path / "quantized")))
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         stored = sum(math.prod(f.get_slice(n).get_shape()) * f.get_tensor(n).element_size() for n in f.keys())
+        # Block scales are held one per weight row (and block of columns), as the runtime slices them.
+        stored += sum(4 * (math.prod(f.get_slice(n[:-len("_scale_inv")]).get_shape()) // 64 - math.prod(
+            f.get_slice(n).get_shape())) for n in f.keys() if n.endswith(".weight_scale_inv"))
     cfg = json.loads((model_dir / "config.json").read_text())
     estimate = model_memory(cfg, dtype_bytes=4).weight_bytes_per_shard
     assert abs(estimate - stored) / stored < 0.03, (estimate, stored)
     assert estimate < 0.6 * model_memory(json.loads((dense / "config.json").read_text()), dtype_bytes=4).weight_bytes_per_shard
+
+
+BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def test_block_fp8_moe_checkpoints_count_float8_experts_and_their_scales() -> None:
+    """DeepSeek-R1 and Qwen3-30B-A3B as published in block FP8: every expert and MLA projection one byte a
+    weight plus a float32 scale per row and 128 columns, as the runtime holds them. R1 fits one node of
+    eight 128 GB Gaudi 3 cards (examples/deepseek-r1-fp8.yaml); Qwen3-30B-A3B-FP8 one 96 GB Gaudi 2."""
+    import yaml
+
+    examples = Path(__file__).resolve().parents[2] / "examples"
+
+    def kv_budget(name: str) -> int:
+        return yaml.safe_load((examples / name).read_text())["spec"]["serving"]["maxBatchTotalTokens"]
+
+    r1 = model_memory({**DEEPSEEK_V3, "quantization_config": BLOCK_FP8}, 2, shards=8)
+    bf16 = model_memory(DEEPSEEK_V3, 2, shards=8)
+    assert 0.5 < r1.weight_bytes_per_shard / bf16.weight_bytes_per_shard < 0.53
+    assert r1.kv_bytes_per_token_per_shard == 61 * (512 + 64) * 2  # the latent, as in bf16
+    assert r1.weight_bytes_per_shard > 0.9 * 96e9  # eight Gaudi 2 cards would hold the weights and little else
+    # The example's KV budget and the weights leave a Gaudi 3 card room for graphs and activations.
+    assert r1.total_per_shard(kv_budget("deepseek-r1-fp8.yaml")) < 0.85 * 128e9
+    qwen = model_memory({**QWEN3_30B_A3B, "quantization_config": BLOCK_FP8}, 2, shards=1)
+    assert 31e9 < qwen.weight_bytes_per_shard < 33e9
+    assert qwen.total_per_shard(kv_budget("qwen3-30b-a3b-fp8.yaml")) < 0.85 * 96e9

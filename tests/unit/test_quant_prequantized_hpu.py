@@ -51,3 +51,44 @@ def test_fp8_checkpoint_runs_on_gaudi_fp8_matmuls(card, fmt, fake_hpu, monkeypat
     assert max(float(m.weight.float().abs().max()) for m in layers) <= limit
     # Activations are float8 on the card (the reference's are not): close, not equal.
     assert float(F.cosine_similarity(expected.flatten(), got.flatten(), dim=0)) >= 0.99
+
+
+@pytest.mark.parametrize("card,family,block", [("GAUDI2", "qwen3_moe", (16, 16)), ("GAUDI3", "deepseek_v3", (16, 16)),
+                                               ("GAUDI3", "qwen3_moe", (16, 32))])
+def test_fp8_experts_run_on_gaudi_blockwise_moe(card, family, block, fake_hpu, monkeypatch, tmp_path):
+    """Block-FP8 MoE checkpoints on Gaudi: the experts go to the fused MoE op's blockwise float8 variant as
+    stored (square blocks; Gaudi 2's range taken into account), one call per MoE layer; blocks the op cannot
+    take (not square) are dequantized at load for the plain op. The other layers run on FP8 matmuls."""
+    import habana_frameworks.torch as bridge
+
+    from gaudi_runtime.layers.moe import FusedMoE, use_experts_kernel
+
+    monkeypatch.setattr(hpu, "device_type", lambda: card)
+    monkeypatch.setattr(bridge, "FP8_LIMIT", 240.0 if card == "GAUDI2" else 448.0)
+    model_dir = write_block_fp8(make_tiny_model(tmp_path, family), block)
+    ids = torch.randint(3, 250, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference_model(model_dir)(ids).logits[0]
+    model = load_model(str(model_dir), torch.float32, "cpu")
+    cfg = resolve(None, {"MODEL_ID": str(model_dir), "DEVICE": "hpu", "NUM_SHARD": "1"})
+    model = quantize_loaded(model, cfg, "hpu", torch.float32)
+    torch_experts = logits(model, ids)  # the experts dequantized by torch, the rest as on the card
+    use_experts_kernel(model, hpu.mixture_of_experts)  # what the HPU backend's prepare_model sets
+    fake_hpu["fp8_gemm_v2"].clear()
+    got = logits(model, ids)
+    moe_layers = sum(isinstance(m, FusedMoE) for m in model.modules())
+    calls, plain = fake_hpu["mixture_of_experts_fp8"], fake_hpu["mixture_of_experts"]
+    if block[0] == block[1]:
+        assert len(calls) == moe_layers and not plain
+        hidden, (out, cols) = model.config.hidden_size, calls[0]["w12"][1]
+        assert calls[0]["w12"][0] == torch.float8_e4m3fn and calls[0]["block_size"] == block[0]
+        assert calls[0]["d_scale_w12"] == (-(-out // block[0]), cols // block[1]) and cols == hidden
+        assert calls[0]["experts"] == (0, model.model.layers[-1].mlp.num_experts - 1)
+    else:
+        assert not calls and len(plain) == moe_layers
+    assert fake_hpu["fp8_gemm_v2"]  # attention (MLA's projections too) and dense MLPs on FP8 matmuls
+    # The op computes what torch's dequantized experts compute (its output in bfloat16).
+    assert float(F.cosine_similarity(torch_experts.flatten(), got.flatten(), dim=0)) >= 0.9999
+    # Against transformers, the activations cast to float8 per tensor in every projection (MLA: five per
+    # layer) make it close, not equal.
+    assert float(F.cosine_similarity(expected.flatten(), got.flatten(), dim=0)) >= 0.95

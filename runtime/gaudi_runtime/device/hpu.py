@@ -117,14 +117,19 @@ def mixture_of_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                        w2: torch.Tensor) -> torch.Tensor:
     """``layers/moe.ExpertsKernel`` through Habana's fused MoE op (``torch.ops.hpu.mixture_of_experts``):
     the experts' gated SiLU MLPs and the weighted sum in one op whose shapes depend only on the token
-    count, so an HPU graph captures it. Each expert's ``w13`` rows are gate then up, the op's w12 layout."""
+    count, so an HPU graph captures it. Each expert's ``w13`` rows are gate then up, the op's w12 layout.
+    Float8 experts of a block-FP8 checkpoint (``quant/fp8_moe.Fp8ExpertStack``) go to the op's blockwise
+    variant as stored: float8 weights and their square block scales, dequantized inside the op."""
     import habana_frameworks.torch.core  # noqa: F401  (loading the bridge registers torch.ops.hpu)
 
-    num_experts = w13.shape[0]
-    return torch.ops.hpu.mixture_of_experts(
-        hidden_states=x, expert_routing_table=ids.to(torch.int64), router_weights=weights.to(x.dtype),
-        w12=list(w13.unbind(0)), w3=list(w2.unbind(0)), permuted_weights=True, activation="silu",
-        experts_min=0, experts_max=num_experts - 1)
+    common = dict(hidden_states=x, expert_routing_table=ids.to(torch.int64), router_weights=weights.to(x.dtype),
+                  permuted_weights=True, activation="silu", experts_min=0, experts_max=w13.shape[0] - 1)
+    scales = getattr(w13, "block_scales", None)
+    if scales is not None:
+        return torch.ops.hpu.mixture_of_experts.fp8_fused_weights_blockwise(
+            w12=list(w13.qweight.unbind(0)), w3=list(w2.qweight.unbind(0)), d_scale_w12=list(scales.unbind(0)),
+            d_scale_w3=list(w2.block_scales.unbind(0)), block_size=w13.block[0], **common).to(x.dtype)
+    return torch.ops.hpu.mixture_of_experts(w12=list(w13.unbind(0)), w3=list(w2.unbind(0)), **common)
 
 
 class HpuAttention(AttentionBackend):

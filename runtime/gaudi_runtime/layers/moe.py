@@ -39,7 +39,9 @@ from torch import nn
 from .linear import ReplicatedLinear, TPContext, divide, materialize
 
 # ``(x [T, H], weights [T, k] float32, ids [T, k], w13 [E, 2I, H], w2 [E, H, I]) -> [T, H]``: the experts'
-# weighted sum for each token (this rank's partial sum under tensor parallelism).
+# weighted sum for each token (this rank's partial sum under tensor parallelism). ``w13`` / ``w2`` are what
+# ``ExpertWeights.experts`` gives: the stacked tensor, or for a float8 checkpoint a stack that dequantizes
+# the experts it is indexed by (``quant/fp8_moe.py``), which a device kernel may read as stored.
 ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -122,6 +124,10 @@ class ExpertWeights(nn.Module):
                              f"{tuple(src.shape)}")
         dst.copy_(materialize(src))
 
+    def experts(self, dtype: torch.dtype) -> torch.Tensor:
+        """The stacked experts as the compute reads them (``[E, out, in]``, indexed by expert)."""
+        return self.weight
+
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                     w2: torch.Tensor, linear=F.linear) -> torch.Tensor:
@@ -182,7 +188,7 @@ class FusedMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
         if self.kernel is not None:
-            out = self.kernel(x, weights, ids, self.w13.weight, self.w2.weight)
+            out = self.kernel(x, weights, ids, self.w13.experts(x.dtype), self.w2.experts(x.dtype))
         elif x.shape[0] * self.top_k < self.num_experts:
             out = self._gathered(x, weights, ids)
         else:
@@ -196,7 +202,7 @@ class FusedMoE(nn.Module):
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         combine = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
         combine.scatter_(1, ids, weights)  # [T, E]: a token's weight for each expert, 0 if not routed
-        w13, w2 = self.w13.weight, self.w2.weight
+        w13, w2 = self.w13.experts(x.dtype), self.w2.experts(x.dtype)
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
             gate, up = F.linear(x, w13[e]).chunk(2, dim=-1)
@@ -205,8 +211,8 @@ class FusedMoE(nn.Module):
         return out
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        w13 = self.w13.weight[ids]  # [T, k, 2I, H]
-        w2 = self.w2.weight[ids]  # [T, k, H, I]
+        w13 = self.w13.experts(x.dtype)[ids]  # [T, k, 2I, H]
+        w2 = self.w2.experts(x.dtype)[ids]  # [T, k, H, I]
         gate_up = torch.matmul(w13, x[:, None, :, None]).squeeze(-1)  # [T, k, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         y = torch.matmul(w2, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T, k, H]

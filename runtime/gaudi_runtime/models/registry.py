@@ -168,6 +168,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, tp_rank
     model.quantization = prepare_quantized(model, cfg_dict, files)  # a pre-quantized checkpoint's layers
     with torch.no_grad():
         model.load_weights(iter_safetensors(files))
+        if model.quantization:
+            from ..quant.prequantized import finish_fp8_checkpoint
+
+            finish_fp8_checkpoint(model)  # what a float8 checkpoint's compute reads dense (MLA's kv_b_proj)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -30,27 +30,14 @@ from gaudi_runtime.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from gaudi_runtime.layers.mla import HeadsUpProjection
+from gaudi_runtime.layers.moe import ExpertWeights
 from gaudi_runtime.quant.checkpoint import CheckpointQuant, quantized_modules, read_header
-from gaudi_runtime.quant.fp8_linear import FP8, fp8_to
+from gaudi_runtime.quant.fp8_linear import FP8
+from gaudi_runtime.quant.fp8_moe import finish_loading, to_fp8_experts, to_fp8_heads_up, use_hpu_fp8_experts
+from gaudi_runtime.quant.fp8_scales import RowScales, dequantize
 
 log = logging.getLogger(__name__)
-
-class _RowScales:
-    """A checkpoint scale seen as one value per (weight row, column group): indexable like a tensor slice."""
-
-    def __init__(self, scale: torch.Tensor, rows_per_scale: int):
-        self.scale = scale.float().reshape(scale.shape[0] if scale.dim() else 1, -1)
-        self.rows_per_scale = rows_per_scale
-
-    def __getitem__(self, index: tuple[slice, slice]) -> torch.Tensor:
-        rows = torch.arange(index[0].start, index[0].stop) // self.rows_per_scale
-        if self.scale.shape[0] == 1:  # per tensor
-            rows = torch.zeros_like(rows)
-        cols = torch.arange(index[1].start, index[1].stop)
-        if self.scale.shape[1] == 1:  # one group per row: every column group (rank) reads it
-            cols = torch.zeros_like(cols)
-        return self.scale[rows][:, cols]
-
 
 class Fp8CheckpointMixin:
     """A linear layer holding a checkpoint's float8 weight and its row-expanded scales."""
@@ -67,14 +54,6 @@ class Fp8CheckpointMixin:
     def extra_repr(self) -> str:
         scale = getattr(self, self.scale_name)
         return f"fp8 checkpoint weight {tuple(self.weight.shape)}, scales {tuple(scale.shape)}"
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float8 ``[out, in]`` times ``[out, G]`` scales (each over ``in / G`` columns) in ``dtype``."""
-    out, cols = q.shape
-    groups = scale.shape[1]
-    w = fp8_to(q, torch.float32 if dtype == torch.float32 else dtype)
-    return (w.view(out, groups, cols // groups) * scale.to(w.dtype)[:, :, None]).view(out, cols).to(dtype)
 
 
 _CLASSES: dict[type, type] = {}
@@ -109,7 +88,7 @@ def _scale_loader(module: LinearBase, groups: int, rows_per_scale: int | None):
         per = rows_per_scale or 1
         if scale.dim() == 2 and scale.shape[1] not in (1, cols):
             raise ValueError(f"scale shape {tuple(scale.shape)} does not fit {cols} column groups")
-        module.weight_loader(param, LazyWeight(_RowScales(scale, per), (rows, cols)), *shard)
+        module.weight_loader(param, LazyWeight(RowScales(scale, per), (rows, cols)), *shard)
 
     return load
 
@@ -152,6 +131,8 @@ def _model_modules(model: nn.Module, ckpt_modules: set[str]) -> dict[str, set]:
     out: dict[str, set] = {}
     for ckpt in sorted(ckpt_modules):
         name = model.checkpoint_name(f"{ckpt}.weight")
+        if model.unused_weight(name):  # e.g. DeepSeek's multi-token-prediction layer: not loaded at all
+            continue
         shard = None
         for frag, (mine, shard_id) in mapping.items():
             if f".{frag}." in name:
@@ -181,13 +162,21 @@ def prepare_fp8_checkpoint(model: nn.Module, found: CheckpointQuant, files) -> i
     targets = _model_modules(model, quantized_modules(tensors, found))
     for name, shards in targets.items():
         module = modules.get(name)
-        if not isinstance(module, LinearBase):
+        if not isinstance(module, (LinearBase, ExpertWeights, HeadsUpProjection)):
             raise ConfigError(f"checkpoint module {name!r} is float8, which gaudi-serve reads only for linear "
-                              f"layers (not {type(module).__name__ if module is not None else 'a known module'})")
+                              "layers, MoE experts and MLA's kv_b_proj "
+                              f"(not {type(module).__name__ if module is not None else 'a known module'})")
         _check_fused(name, module, shards, model)
-        to_fp8_checkpoint(name, module, found, scale_name)
-    log.info("%d linear layers load float8 weights (%s)", len(targets), found.describe())
+        convert = (to_fp8_experts if isinstance(module, ExpertWeights) else
+                   to_fp8_heads_up if isinstance(module, HeadsUpProjection) else to_fp8_checkpoint)
+        convert(name, module, found, scale_name)
+    log.info("%d layers load float8 weights (%s)", len(targets), found.describe())
     return len(targets)
+
+
+def finish_fp8_checkpoint(model: nn.Module) -> None:
+    """After loading: what is kept dense for the compute that reads it (MLA's kv_b_proj) is dequantized."""
+    finish_loading(model)
 
 
 def _requantize_per_channel(q: torch.Tensor, scale: torch.Tensor, fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +204,10 @@ def use_hpu_fp8(model: nn.Module) -> int:
         in_scale = None if m.input_scale is None else m.input_scale.data * (448.0 / fmax)
         m.kernel = functools.partial(_hpu_kernel, m, in_scale, fmax)
     log.info("%d float8 checkpoint layers run on Gaudi's FP8 matmul (E4M3 range %g)", len(layers), fmax)
+    kept, dense = use_hpu_fp8_experts(model, fmax)
+    if kept or dense:
+        log.info("MoE experts: %d layers float8 on Gaudi's blockwise fused MoE, %d dequantized for the bf16 one",
+                 kept, dense)
     return len(layers)
 
 

@@ -11,7 +11,8 @@ import torch
 # between launching a step on the device and waiting for it (filling a grammar's token mask).
 # `block_softmax_adjustment`: each call of the op, as {"block_max": shape, "block_sums": shape,
 # "block_groups": shape, "batch_size": int}.
-# `mixture_of_experts`: each call of the op, as {"hidden_states": shape, "experts": (min, max), "activation": str}.
+# `mixture_of_experts`: each call of the op, as {"hidden_states": shape, "experts": (min, max), "activation": str};
+# `mixture_of_experts_fp8`: each call of its blockwise float8 variant (weights' dtype and shape, scales' shapes).
 RECORD = {"mark_step": 0, "captures": [], "replays": [], "wrapped": 0, "synchronize": 0, "recipe_compiles": 0,
           "recipe_hits": 0, "events": [], "block_softmax_adjustment": [], "mixture_of_experts": []}
 
@@ -19,7 +20,7 @@ RECORD = {"mark_step": 0, "captures": [], "replays": [], "wrapped": 0, "synchron
 def reset() -> None:
     RECORD.update(mark_step=0, captures=[], replays=[], wrapped=0, synchronize=0, recipe_compiles=0, recipe_hits=0,
                   events=[], block_softmax_adjustment=[], mixture_of_experts=[],
-                  fp8_gemm_v2=[])
+                  fp8_gemm_v2=[], mixture_of_experts_fp8=[])
 
 
 def block_softmax_adjustment(block_max: torch.Tensor, block_sums: torch.Tensor, block_groups: torch.Tensor,
@@ -51,6 +52,12 @@ def mixture_of_experts(hidden_states: torch.Tensor, expert_routing_table: torch.
     if fake is not None:
         fake.RECORD["mixture_of_experts"].append({"hidden_states": tuple(hidden_states.shape),
                                                   "experts": (experts_min, experts_max), "activation": activation})
+    return _experts(hidden_states, expert_routing_table, router_weights, w12, w3, permuted_weights, activation,
+                    experts_min, experts_max)
+
+
+def _experts(hidden_states, expert_routing_table, router_weights, w12, w3, permuted_weights, activation, experts_min,
+             experts_max) -> torch.Tensor:
     if not permuted_weights or activation != "silu" or expert_routing_table.dtype != torch.int64:
         raise RuntimeError("the fake takes permuted weights, silu and int64 routing only")
     out = torch.zeros_like(hidden_states)
@@ -61,6 +68,31 @@ def mixture_of_experts(hidden_states: torch.Tensor, expert_routing_table: torch.
     return out
 
 
+def mixture_of_experts_fp8_blockwise(hidden_states, expert_routing_table, router_weights, w12, w3, d_scale_w12,
+                                     d_scale_w3, block_size, permuted_weights, activation, experts_min, experts_max):
+    """The fused MoE's float8 variant (``mixture_of_experts.fp8_fused_weights_blockwise``): each expert's float8
+    weights times its ``[ceil(out / block), ceil(in / block)]`` scales, then the op above. Like the card,
+    refuses float8 weights beyond its E4M3 range (FP8_LIMIT)."""
+    fake = sys.modules.get("habana_frameworks.torch")
+    limit = fake.FP8_LIMIT if fake is not None else 448.0
+
+    def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if q.dtype != torch.float8_e4m3fn or q.float().abs().max() > limit:
+            raise RuntimeError(f"mixture_of_experts fp8: weights must be float8 within this card's range {limit}")
+        full = scale.float().repeat_interleave(block_size, 0).repeat_interleave(block_size, 1)
+        return q.float() * full[:q.shape[0], :q.shape[1]]
+
+    if fake is not None:
+        fake.RECORD["mixture_of_experts_fp8"].append({
+            "hidden_states": tuple(hidden_states.shape), "experts": (experts_min, experts_max),
+            "w12": (w12[0].dtype, tuple(w12[0].shape)), "d_scale_w12": tuple(d_scale_w12[0].shape),
+            "d_scale_w3": tuple(d_scale_w3[0].shape), "block_size": block_size})
+    return _experts(hidden_states.float(), expert_routing_table, router_weights.float(),
+                              [dequantized(q, s) for q, s in zip(w12, d_scale_w12)],
+                              [dequantized(q, s) for q, s in zip(w3, d_scale_w3)], permuted_weights, activation,
+                              experts_min, experts_max).to(torch.bfloat16)
+
+
 # Once per process: the ops outlive this module, which tests import afresh.
 if not hasattr(torch.ops.hpu, "mixture_of_experts"):
     torch.library.define("hpu::mixture_of_experts",
@@ -68,6 +100,13 @@ if not hasattr(torch.ops.hpu, "mixture_of_experts"):
                          "Tensor[] w3, bool permuted_weights, str activation, int experts_min, int experts_max) "
                          "-> Tensor")
     torch.library.impl("hpu::mixture_of_experts", "CPU", mixture_of_experts)
+if "fp8_fused_weights_blockwise" not in torch.ops.hpu.mixture_of_experts.overloads():
+    torch.library.define("hpu::mixture_of_experts.fp8_fused_weights_blockwise",
+                         "(Tensor hidden_states, Tensor expert_routing_table, Tensor router_weights, Tensor[] w12, "
+                         "Tensor[] w3, Tensor[] d_scale_w12, Tensor[] d_scale_w3, int block_size, "
+                         "bool permuted_weights, str activation, int experts_min, int experts_max) -> Tensor")
+    torch.library.impl("hpu::mixture_of_experts.fp8_fused_weights_blockwise", "CPU",
+                       lambda *a: mixture_of_experts_fp8_blockwise(*a))
 if not hasattr(torch.ops.hpu, "block_softmax_adjustment"):
     torch.library.define("hpu::block_softmax_adjustment",
                          "(Tensor block_max, Tensor block_sums, Tensor block_groups, int batch_size) -> Tensor")
@@ -113,3 +152,4 @@ def fp8_gemm_v2(a, trans_a, b, trans_b, d, out_dtype, a_scale_inv=None, b_scale_
 
 FP8_LIMIT = 448.0  # the card's E4M3 range: tests set 240 to stand for Gaudi 2
 RECORD["fp8_gemm_v2"] = []
+RECORD["mixture_of_experts_fp8"] = []
