@@ -124,8 +124,10 @@ class ExpertWeights(nn.Module):
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor) -> torch.Tensor:
-    """The experts' weighted sum with each routed expert applied once, to the tokens routed to it.
+                    w2: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+                    ) -> torch.Tensor:
+    """The experts' weighted sum with each routed expert applied once, to the tokens routed to it, each
+    token's experts added in ascending order; `linear(rows, weight)` multiplies (a device's own kernel).
 
     Reads the routing on the host (a sync), so its shapes depend on the routing: for eager devices only.
     """
@@ -140,8 +142,8 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
         if n == 0:
             continue
         rows = tokens[start:start + n]
-        gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e])
+        gate, up = linear(x[rows], w13[e]).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, w2[e])
         out.index_add_(0, rows, (y * pair_weights[start:start + n, None]).to(x.dtype))
         start += n
     return out
