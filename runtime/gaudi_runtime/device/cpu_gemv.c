@@ -1,6 +1,7 @@
 /* One activation row times a weight matrix on a CPU: y = x W^T (+ bias), with W [out, in] as loaded;
-   then two to eight float32 rows; and, at the end of the file, two to eight bfloat16 rows (with the
-   CPU's bfloat16 dot product where it has avx512_bf16, else widened to float32).
+   then two to eight float32 rows; two to eight bfloat16 rows (with the CPU's bfloat16 dot product where
+   it has avx512_bf16, else widened to float32); and, at the end of the file, any number of rows each
+   summed in one order fixed by the row alone (gemm_fixed, the batch-invariant mode's product).
 
    Decode at batch 1 multiplies one row by every weight matrix of the model, a product bound by how
    fast the weights stream from memory. oneDNN (over its reordered weights) and torch's float32 path

@@ -4,7 +4,8 @@ Decode at small batches multiplies a few rows by every weight matrix: a product 
 weights. oneDNN's matrix product over its reordered bfloat16 weights, and torch's float32 ``F.linear``, run
 it at a fraction of the memory's speed; the kernel streams each plain weight row once (docs/performance.md):
 one row in either dtype, up to ``max_rows_f32`` float32 rows and up to ``max_rows_bf16`` bfloat16 rows
-(with the CPU's bfloat16 dot product where it has avx512_bf16). It is compiled at first use
+(with the CPU's bfloat16 dot product where it has avx512_bf16); and, for --batch-invariant, any number of
+rows with each row's bits those it gets alone (``fixed``). It is compiled at first use
 (``cpu_kernels``); no compiler or a failed build: one warning, and every product runs on oneDNN.
 """
 
