@@ -70,6 +70,11 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
      "tokens per step by n-gram lookup over the prompt and the output so far, and verify them in one forward "
      "pass; greedy outputs and the sampling distribution stay those of plain decoding. Drafting backs off "
      "in large batches and for requests whose drafts keep being rejected (0: off)."),
+    ("--batch-invariant", None, _bool, False, "A request's greedy tokens do not depend on what else is in the "
+     "step, how its prompt was chunked, whether its prefix came from the prefix cache, or speculation: every "
+     "linear layer and attention runs a kernel that sums each row in one fixed order (CPU, bfloat16 or float32; "
+     "not with LoRA, quantized weights or a float8 KV cache). vLLM's VLLM_BATCH_INVARIANT=1 turns it on too. "
+     "Costs time per token (docs/performance.md)."),
     ("--prefix-caching", None, _bool, True, "Keep the KV blocks of prompts (and of generated text) to reuse for "
      "requests that start with the same tokens: a shared system prompt or a conversation's earlier turns are "
      "computed once."),
@@ -193,6 +198,7 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
     ("CPU_PAGED_ATTENTION", _bool, True, "CPU: decode attention reads the paged KV cache in place with a C kernel, "
      "compiled at start with the system compiler (CC, else cc) into $XDG_CACHE_HOME/gaudi-serve/kernels; "
      "false, or no compiler, or a float8 KV cache: each step gathers the blocks into a copy first."),
+    ("VLLM_BATCH_INVARIANT", _bool, False, "vLLM's name for --batch-invariant: 1 turns the mode on."),
     ("CPU_GEMV", _bool, True, "CPU: a product of one to eight activation rows (decode at small batches, a "
      "speculative step's few tokens) runs through a C kernel over the plain "
      "weights, compiled as CPU_PAGED_ATTENTION's is; each linear layer "
@@ -311,6 +317,7 @@ class DeviceConfig:
     cpu_gemv: bool = True
     cpu_layer_ops: bool = True
     cpu_lora: bool = True
+    batch_invariant: bool = False
     recipe_cache_dir: str | None = None
     recipe_cache_size_mb: int = 16384
     prof_waitstep: int = 0
@@ -427,7 +434,8 @@ PARTS: dict[str, type] = {
 # setting -> the part that declares it.
 PART_OF: dict[str, str] = {f.name: part for part, typ in PARTS.items() for f in dataclasses.fields(typ)}
 # Flags read but not kept under their own name: their value is folded into another setting by `_derive`.
-FOLDED_FLAGS: dict[str, str] = {"max_input_length": "max_input_tokens", "lora_modules": "lora_adapters"}
+FOLDED_FLAGS: dict[str, str] = {"max_input_length": "max_input_tokens", "lora_modules": "lora_adapters",
+                                "vllm_batch_invariant": "batch_invariant"}
 
 
 def _by_part(settings: dict[str, object]) -> dict[str, dict[str, object]]:
@@ -509,6 +517,7 @@ def _derive(v: dict[str, object], device_count: Callable[[str], int]) -> Config:
     v["cors_allow_origin"] = [o.strip() for o in origins.split(",") if o.strip()] if origins else []
     v["model_name"] = v["model_name"] or v["model_id"]
     _derive_adapters(v)
+    _derive_batch_invariant(v)
     v["log_level"] = str(v["log_level"]).lower()
     return Config.of(**v)
 
@@ -707,6 +716,23 @@ def _derive_adapters(v: dict[str, object]) -> None:
     if (adapters or v["allow_runtime_lora_updating"]) and v["quantize"]:
         raise ConfigError(f"--quantize {v['quantize']} cannot be combined with LoRA adapters yet (the adapters' "
                           "matmuls run in --dtype beside quantized layers that are not built)")
+
+
+def _derive_batch_invariant(v: dict[str, object]) -> None:
+    """--batch-invariant (or vLLM's VLLM_BATCH_INVARIANT): CPU kernels only, and only where every layer on the
+    path has a fixed-order kernel (docs/design.md, "Batch-invariant mode")."""
+    vllm = v.pop("vllm_batch_invariant")
+    v["batch_invariant"] = bool(v["batch_invariant"] or vllm)
+    if not v["batch_invariant"]:
+        return
+    refused = [("--device " + str(v["device"]), v["device"] in ("hpu", "cuda")),
+               ("--dtype float16", v["dtype"] == "float16"), ("--quantize", v["quantize"] is not None),
+               ("--kv-cache-dtype", v["kv_cache_dtype"] is not None),
+               ("LoRA adapters", bool(v["lora_adapters"]) or v["allow_runtime_lora_updating"])]
+    for what, bad in refused:
+        if bad:
+            raise ConfigError(f"--batch-invariant cannot be combined with {what}: it runs the CPU's fixed-order "
+                              "kernels, for bfloat16 and float32 dense weights")
 
 
 # Free adapter slots at start when adapters may be loaded while serving and --max-cpu-loras is not given.

@@ -6,7 +6,8 @@ No router, no gRPC: the shard's own step function over a KV cache filled with no
 numbers are the model's forward pass and nothing else (docs/performance.md). Variants (decode
 attention: ``paged`` reads the cache in place with the C kernel, ``sdpa`` and ``grouped`` run over
 the gathered blocks; linear layers as the CPU backend sets them up, one-row products through the C
-kernel, or ``no-gemv`` without it, or ``torch-linear`` F.linear for every product; ``plain``: the gather
+kernel, or ``no-gemv`` without it, or ``torch-linear`` F.linear for every product; ``batch-invariant``: every
+product through the fixed-order kernel, as --batch-invariant runs them; ``plain``: the gather
 and F.linear; norms, rotary and cache writes through one C call each, ``torch-layer-ops`` in torch) are
 interleaved, repetition by repetition, so that a noisy machine hurts them alike; the minimum
 and the median of the repetitions are printed. ``--profile`` adds torch.profiler's top
@@ -22,9 +23,9 @@ import time
 import torch
 
 from gaudi_runtime.buckets import ceil_div
-from gaudi_runtime.device import cpu_layer_ops, cpu_paged_attention
+from gaudi_runtime.device import cpu_gemv, cpu_layer_ops, cpu_paged_attention
 from gaudi_runtime.device.cpu_attention import CpuAttention
-from gaudi_runtime.device.cpu_gemm import prepack_linears
+from gaudi_runtime.device.cpu_gemm import fixed_order_linears, prepack_linears
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers.attention import AttentionMetadata, use_attention
 from gaudi_runtime.layers.attention_backend import AttentionBackend
@@ -36,12 +37,13 @@ from gaudi_runtime.models.registry import load_model
 BLOCK = 16
 # name: (attention: "paged" reads the cache in place, "grouped" the CPU's decode over the gathered blocks,
 # "sdpa" torch SDPA over them; linear layers' kernels: "gemv" as the CPU backend sets them up, "no-gemv"
-# without the one-row kernel, "torch" F.linear; norms, rotary and cache writes through the layer operations
+# without the one-row kernel, "fixed" the batch-invariant mode's, "torch" F.linear; norms, rotary and cache writes through the layer operations
 # kernel)
 VARIANTS = {"paged": ("paged", "gemv", True),
             "torch-layer-ops": ("paged", "gemv", False),
             "no-gemv": ("paged", "no-gemv", True),
             "torch-linear": ("paged", "torch", True),
+            "batch-invariant": ("paged", "fixed", True),
             "sdpa": ("sdpa", "gemv", True),
             "grouped": ("grouped", "gemv", True),
             "plain": ("grouped", "torch", False)}
@@ -69,6 +71,10 @@ def linear_kernels(model):
     kernels = {"no-gemv": [m.kernel for m in layers]}
     prepack_linears(model, release=False)
     kernels["gemv"] = [m.kernel for m in layers]
+    gemv = cpu_gemv.kernel()
+    if gemv is not None:
+        fixed_order_linears(model, gemv)
+        kernels["fixed"] = [m.kernel for m in layers]
     kernels["torch"] = [None for _ in layers]
 
     def use_linears(name: str) -> None:

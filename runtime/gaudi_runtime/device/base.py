@@ -35,11 +35,15 @@ class Backend:
         """(free, total) bytes of device memory, or None when unknown."""
         return None
 
-    def attention(self, use_flash: bool = True, recompute: bool = False, cpu_paged: bool = True) -> AttentionBackend:
+    def attention(self, use_flash: bool = True, recompute: bool = False, cpu_paged: bool = True,
+                  batch_invariant: bool = False) -> AttentionBackend:
         """The attention kernels for a model on this device, chosen once per model (the runner sets them on
         its layers): torch SDPA here, or the explicit math with USE_FLASH_ATTENTION=false (`use_flash`).
         FLASH_ATTENTION_RECOMPUTE (`recompute`) means something only to Habana's FusedSDPA, and
-        CPU_PAGED_ATTENTION (`cpu_paged`) only to the CPU's."""
+        CPU_PAGED_ATTENTION (`cpu_paged`) only to the CPU's; --batch-invariant (`batch_invariant`) has the CPU's
+        fixed-order kernels only."""
+        if batch_invariant:
+            raise ValueError(f"--batch-invariant: the fixed-order kernels are the CPU's; device {self.name!r} has none")
         return AttentionBackend() if use_flash else MathAttention()
 
     def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:

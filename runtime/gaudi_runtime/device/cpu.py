@@ -10,12 +10,14 @@ import torch.nn.functional as F
 
 from gaudi_runtime.device import cpu_gemv, cpu_paged_attention
 from gaudi_runtime.device.base import Backend
-from gaudi_runtime.device.cpu_attention import CpuAttention
-from gaudi_runtime.device.cpu_gemm import native_bf16, prepack_linears
+from gaudi_runtime.device.cpu_attention import CpuAttention, InvariantCpuAttention
+from gaudi_runtime.device.cpu_gemm import fixed_order_linears, native_bf16, prepack_linears
 from gaudi_runtime.device.cpu_gptq import use_gptq_kernel
-from gaudi_runtime.device.cpu_layer_ops import use_layer_ops
+from gaudi_runtime.device.cpu_layer_ops import kernel as layer_ops_kernel
+from gaudi_runtime.device.cpu_layer_ops import set_layer_ops, use_layer_ops
 from gaudi_runtime.device.cpu_lora import use_lora_kernel
 from gaudi_runtime.device.host_allocator import tune_host_allocator
+from gaudi_runtime.layers.attention import Attention
 from gaudi_runtime.layers.attention_backend import AttentionBackend
 from gaudi_runtime.layers.moe import grouped_experts, use_experts_kernel
 
@@ -35,15 +37,22 @@ class CpuBackend(Backend):
         except (ValueError, OSError):
             return None
 
-    def attention(self, use_flash: bool = True, recompute: bool = False, cpu_paged: bool = True) -> AttentionBackend:
+    def attention(self, use_flash: bool = True, recompute: bool = False, cpu_paged: bool = True,
+                  batch_invariant: bool = False) -> AttentionBackend:
         """Decode reads the paged cache in place with the C kernel (`cpu_paged`; compiled here, so a missing
         compiler is found and warned about at start), else over the gathered blocks with
-        `grouped_decode_attention`; the matmul prefills where this CPU multiplies bfloat16 in hardware."""
+        `grouped_decode_attention`; the matmul prefills where this CPU multiplies bfloat16 in hardware.
+        `batch_invariant`: that kernel for every query token, prefill's too (`InvariantCpuAttention`)."""
+        if batch_invariant:
+            return InvariantCpuAttention(_required(cpu_paged_attention.kernel(), "paged attention"))
         if not use_flash:
             return super().attention(use_flash, recompute, cpu_paged)
         return CpuAttention(cpu_paged_attention.kernel() if cpu_paged else None, native_bf16())
 
     def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
+        if cfg is not None and cfg.batch_invariant:
+            _fixed_order(model)
+            return
         prepack_linears(model, few_rows=cfg is None or cfg.cpu_gemv)
         use_gptq_kernel(model)
         if cfg is None or cfg.cpu_layer_ops:
@@ -52,6 +61,28 @@ class CpuBackend(Backend):
             use_lora_kernel(model)
         # Eager: each expert runs on its own tokens only, a decode step's few rows through the C kernel.
         use_experts_kernel(model, experts_kernel(cpu_gemv.kernel() if cfg is None or cfg.cpu_gemv else None))
+
+
+def _required(kernel, what: str):
+    if kernel is None:
+        raise RuntimeError(f"--batch-invariant needs the CPU's {what} kernel, which could not be built here (see the "
+                           "warning above)")
+    return kernel
+
+
+def _fixed_order(model: torch.nn.Module) -> None:
+    """The batch-invariant mode's kernels, installed once: fixed-order linear layers and experts, and the
+    per-row C norm (docs/design.md, "Batch-invariant mode")."""
+    for m in model.modules():
+        if isinstance(m, Attention) and (m.head_dim % cpu_paged_attention.HEAD_SIZE_MULTIPLE
+                                         or m.head_dim > cpu_paged_attention.MAX_HEAD_SIZE):
+            raise RuntimeError(f"--batch-invariant: head size {m.head_dim} is not one the paged attention kernel "
+                               f"takes (a multiple of {cpu_paged_attention.HEAD_SIZE_MULTIPLE}, at most "
+                               f"{cpu_paged_attention.MAX_HEAD_SIZE})")
+    gemv = _required(cpu_gemv.kernel(), "few-row product")
+    fixed_order_linears(model, gemv)
+    set_layer_ops(model, _required(layer_ops_kernel(), "layer operations"))
+    use_experts_kernel(model, functools.partial(grouped_experts, linear=lambda x, w: gemv.fixed(x, w, None)))
 
 
 def experts_kernel(gemv):
@@ -68,4 +99,3 @@ def experts_kernel(gemv):
         return F.linear(rows, weight)
 
     return functools.partial(grouped_experts, linear=linear)
-

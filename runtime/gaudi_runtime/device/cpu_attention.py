@@ -150,3 +150,14 @@ class CpuAttention(AttentionBackend):
         if bf16_matmuls:
             self.context_prefill = grouped_context_attention
             self.causal_prefill = chunked_causal_attention
+
+
+class InvariantCpuAttention(CpuAttention):
+    """The batch-invariant mode's attention: the paged C kernel (`paged`) for every query token, decode's and
+    prefill's alike. It sums each query's positions in one order, by position alone (not by block, batch or
+    thread), so a token's attention does not depend on how it reached the step."""
+
+    def __init__(self, paged):
+        super().__init__(paged)
+        self.every_query = paged
+        self.name = "paged C kernel for every query (batch-invariant)"

@@ -119,3 +119,24 @@ def prepack_linears(model: nn.Module, release: bool = True, few_rows: bool = Tru
         log.info("cpu: few-row products of %d linear layers run through the C kernel (bf16 rows: up to %d)",
                  few_row_layers + len(others), gemv.max_rows_bf16)
     return len(layers)
+
+
+def _fixed_linear(gemv: cpu_gemv.GemvKernel, weight: torch.Tensor, x: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    return gemv.fixed(x, weight, bias)
+
+
+def fixed_order_linears(model: nn.Module, gemv: cpu_gemv.GemvKernel) -> int:
+    """The batch-invariant mode's linear layers: every bf16 and float32 linear layer and LM head multiplies
+    through `gemv`'s fixed-order kernel, whatever the row count (oneDNN's blocking and the few-row kernel's
+    accumulators depend on it); returns how many. Raises RuntimeError for a layer whose weight the kernel
+    does not take: the mode could not then hold its promise."""
+    layers = [m for dtype in PACKED_DTYPES for m in _linears(model, dtype)]
+    for m in layers:
+        w = m.weight.detach()
+        if not cpu_gemv.takes(w, m._parameters.get("bias")):
+            raise RuntimeError(f"--batch-invariant: a {type(m).__name__}'s weight is not one the fixed-order kernel "
+                               "takes (contiguous [out, in] with a bias of its dtype)")
+        m.kernel = functools.partial(_fixed_linear, gemv, w)
+    log.info("cpu: batch-invariant: %d linear layers multiply each row in one fixed order", len(layers))
+    return len(layers)

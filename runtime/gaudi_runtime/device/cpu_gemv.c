@@ -1,6 +1,7 @@
 /* One activation row times a weight matrix on a CPU: y = x W^T (+ bias), with W [out, in] as loaded;
-   then two to eight float32 rows; and, at the end of the file, two to eight bfloat16 rows (with the
-   CPU's bfloat16 dot product where it has avx512_bf16, else widened to float32).
+   then two to eight float32 rows; two to eight bfloat16 rows (with the CPU's bfloat16 dot product where
+   it has avx512_bf16, else widened to float32); and, at the end of the file, any number of rows each
+   summed in one order fixed by the row alone (gemm_fixed, the batch-invariant mode's product).
 
    Decode at batch 1 multiplies one row by every weight matrix of the model, a product bound by how
    fast the weights stream from memory. oneDNN (over its reordered weights) and torch's float32 path
@@ -118,11 +119,11 @@ static int threads_for(int threads, int64_t in, int64_t out) {
 
 /* The rows of x [rows, in] widened to float32 in step order (row m's steps from m * (in / STEP) * STEP),
    read once per weight row by the loops below; NULL when there is no memory. */
-static float *widen_rows(const void *x, int rows, int64_t in, const int bf16) {
+static float *widen_rows(const void *x, int64_t rows, int64_t in, const int bf16) {
     const int64_t steps = in / STEP;
     float *xs = malloc((size_t)rows * (size_t)(steps > 0 ? steps : 1) * STEP * sizeof(float));
     if (!xs) return NULL;
-    for (int m = 0; m < rows; m++) {
+    for (int64_t m = 0; m < rows; m++) {
         const void *row = (const char *)x + (size_t)m * (size_t)in * (bf16 ? 2 : 4);
         for (int64_t s = 0; s < steps; s++) {
             f32xL a, b;
@@ -330,3 +331,82 @@ int gemm_rows_bf16(uint16_t *y, const uint16_t *x, const uint16_t *w, const uint
 
 /* How many rows gemm_rows_bf16 takes. */
 int max_rows_bf16(void) { return MAX_ROWS; }
+
+/* ---- any number of rows, each in one fixed order: the batch-invariant mode ------------------------
+   y[m, o] for every row m of x [rows, in], each summed by `rows_out` (bfloat16) or `rows_out_f32` as a
+   group of up to eight rows sums it: a row's arithmetic is the same whatever the group's size and
+   wherever the row sits in the batch, so a row's output depends on that row alone. Rows are taken a
+   block at a time (their widened copy stays in the outer caches), each block's outputs split over the
+   threads, each output by one thread: nothing depends on the thread count either. */
+
+enum { FIXED_ROW_BLOCK = 64 };
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define FIXED_BF16(R) rows_out(y + (size_t)m * out, x + (size_t)m * in, w, bias, in, out, o, R)
+#else
+#define FIXED_BF16(R) rows_out(y + (size_t)m * out, xs + (size_t)m * steps * STEP, x + (size_t)m * in, w, bias, \
+                               in, out, o, R)
+#endif
+
+/* Output o of the n (1 .. MAX_ROWS) rows from row m; each count gets its own unrolled copy. */
+ALWAYS_INLINE void fixed_group_bf16(uint16_t *y, const float *xs, const uint16_t *x, const uint16_t *w,
+                                    const uint16_t *bias, int64_t in, int64_t out, int64_t o, int64_t m, int n) {
+    const int64_t steps = in / STEP;
+    (void)xs; (void)steps;
+    switch (n) {
+        case 1: FIXED_BF16(1); break;
+        case 2: FIXED_BF16(2); break;
+        case 3: FIXED_BF16(3); break;
+        case 4: FIXED_BF16(4); break;
+        case 5: FIXED_BF16(5); break;
+        case 6: FIXED_BF16(6); break;
+        case 7: FIXED_BF16(7); break;
+        default: FIXED_BF16(8); break;
+    }
+}
+
+ALWAYS_INLINE void fixed_group_f32(float *y, const float *x, const float *w, const float *bias, int64_t in,
+                                   int64_t out, int64_t o, int64_t m, int n) {
+    float *ym = y + (size_t)m * out;
+    const float *xm = x + (size_t)m * in;
+    switch (n) {
+        case 1: rows_out_f32(ym, xm, w, bias, in, out, o, 1); break;
+        case 2: rows_out_f32(ym, xm, w, bias, in, out, o, 2); break;
+        case 3: rows_out_f32(ym, xm, w, bias, in, out, o, 3); break;
+        case 4: rows_out_f32(ym, xm, w, bias, in, out, o, 4); break;
+        case 5: rows_out_f32(ym, xm, w, bias, in, out, o, 5); break;
+        case 6: rows_out_f32(ym, xm, w, bias, in, out, o, 6); break;
+        case 7: rows_out_f32(ym, xm, w, bias, in, out, o, 7); break;
+        default: rows_out_f32(ym, xm, w, bias, in, out, o, 8); break;
+    }
+}
+
+/* x [rows, in], w [out, in], bias [out] or NULL, y [rows, out]: all float32 or all bfloat16 (dtype),
+   contiguous, rows >= 1. Returns 0, or -2 when there is no memory for the widened rows. */
+int gemm_fixed(void *y, const void *x, const void *w, const void *bias, int64_t in, int64_t out, int64_t rows,
+               int dtype, int threads) {
+    const int bf16 = dtype == DTYPE_BFLOAT16;
+    float *xs = NULL;
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+    if (bf16 && rows > 0 && !(xs = widen_rows(x, rows, in, 1))) return -2;
+#endif
+    threads = threads_for(threads, in, out);
+    for (int64_t r0 = 0; r0 < rows; r0 += FIXED_ROW_BLOCK) {
+        const int64_t r1 = r0 + FIXED_ROW_BLOCK < rows ? r0 + FIXED_ROW_BLOCK : rows;
+        if (bf16) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+            for (int64_t o = 0; o < out; o++)
+                for (int64_t m = r0; m < r1; m += MAX_ROWS)
+                    fixed_group_bf16((uint16_t *)y, xs, (const uint16_t *)x, (const uint16_t *)w,
+                                     (const uint16_t *)bias, in, out, o, m, r1 - m < MAX_ROWS ? (int)(r1 - m) : MAX_ROWS);
+        } else {
+#pragma omp parallel for schedule(static) num_threads(threads)
+            for (int64_t o = 0; o < out; o++)
+                for (int64_t m = r0; m < r1; m += MAX_ROWS_F32)
+                    fixed_group_f32((float *)y, (const float *)x, (const float *)w, (const float *)bias, in, out, o, m,
+                                    r1 - m < MAX_ROWS_F32 ? (int)(r1 - m) : MAX_ROWS_F32);
+        }
+    }
+    free(xs);
+    return 0;
+}

@@ -4,7 +4,8 @@ Decode at small batches multiplies a few rows by every weight matrix: a product 
 weights. oneDNN's matrix product over its reordered bfloat16 weights, and torch's float32 ``F.linear``, run
 it at a fraction of the memory's speed; the kernel streams each plain weight row once (docs/performance.md):
 one row in either dtype, up to ``max_rows_f32`` float32 rows and up to ``max_rows_bf16`` bfloat16 rows
-(with the CPU's bfloat16 dot product where it has avx512_bf16). It is compiled at first use
+(with the CPU's bfloat16 dot product where it has avx512_bf16); and, for --batch-invariant, any number of
+rows with each row's bits those it gets alone (``fixed``). It is compiled at first use
 (``cpu_kernels``); no compiler or a failed build: one warning, and every product runs on oneDNN.
 """
 
@@ -49,6 +50,10 @@ class GemvKernel:
         rows_f32.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int] * 2
         rows_f32.restype = ctypes.c_int
         self._rows_f32 = rows_f32
+        fixed = lib.gemm_fixed
+        fixed.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int] * 2
+        fixed.restype = ctypes.c_int
+        self._fixed = fixed
         self.max_rows_bf16 = int(lib.max_rows_bf16())
         self.max_rows_f32 = int(lib.max_rows_f32())
 
@@ -81,6 +86,20 @@ class GemvKernel:
             if err == -2:
                 raise MemoryError("gemv: no memory for the widened activation rows")
             raise ValueError(f"gemv: {rows} rows are not ones this kernel takes here")
+        return y
+
+    def fixed(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for any number of rows (any leading shape), each row summed in one order
+        whatever the rest of `x` is (the batch-invariant mode): the bits of a row alone. Everything in one
+        dtype of DTYPES on the CPU, `weight` contiguous ``[out, in]``."""
+        out_features, in_features = weight.shape
+        x = x.contiguous()
+        y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+        rows = x.numel() // in_features
+        if rows and self._fixed(y.data_ptr(), x.data_ptr(), weight.data_ptr(),
+                                0 if bias is None else bias.data_ptr(), in_features, out_features, rows,
+                                DTYPES[x.dtype], torch.get_num_threads()) != 0:
+            raise MemoryError("gemm: no memory for the widened activation rows")
         return y
 
 

@@ -180,9 +180,10 @@ class HpuBackend(Backend):
         self.graphs_enabled = graphs
         self._uploads: dict[tuple, torch.Tensor] = {}
 
-    def attention(self, use_flash: bool = True, recompute: bool = False, cpu_paged: bool = True) -> AttentionBackend:
-        if not use_flash:  # the math keeps the gathered decode: no flat layout
-            return super().attention(use_flash, recompute, cpu_paged)
+    def attention(self, use_flash: bool = True, recompute: bool = False, cpu_paged: bool = True,
+                  batch_invariant: bool = False) -> AttentionBackend:
+        if batch_invariant or not use_flash:  # the math keeps the gathered decode: no flat layout
+            return super().attention(use_flash, recompute, cpu_paged, batch_invariant)
         return HpuAttention(recompute)
 
     def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:

@@ -103,6 +103,25 @@ class AttentionMetadata:
         return self.window_cache[key]
 
 
+def query_tables(meta: AttentionMetadata, s: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query token of a prefill ``[B, S]`` as a decode row: its row's block table ``[B * S, blocks]``
+    (the cached blocks, then the blocks its new tokens' slots name) and its context length ``[B * S]`` (its
+    position + 1). A padding token (slot in block 0) reads position 0 only."""
+    slots = meta.slots
+    b, dev = slots.shape[0], slots.device
+    start = meta.context_lens if meta.block_tables is not None else torch.zeros(b, dtype=torch.long, device=dev)
+    pos = start[:, None] + torch.arange(s, device=dev)[None, :]
+    real = slots >= block_size
+    width = max(1, (int(pos.max()) + block_size) // block_size)
+    tables = torch.zeros(b, width + 1, dtype=torch.long, device=dev)  # the last column takes padding's writes
+    if meta.block_tables is not None:
+        cols = min(width, meta.block_tables.shape[1])
+        tables[:, :cols] = meta.block_tables[:, :cols]
+    tables.scatter_(1, torch.where(real, pos // block_size, width), slots // block_size)
+    lens = torch.where(real, pos + 1, 1).reshape(-1)
+    return tables[:, :width].repeat_interleave(s, 0), lens
+
+
 def fp8_round_trip(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
     """``x`` as a float8 cache stores it and attention reads it back (`write_kv`, then ``* scale``)."""
     limit = torch.finfo(cache_dtype).max
@@ -168,7 +187,9 @@ class Attention(nn.Module):
         b, s = q.shape[:2]
         if kv_cache is not None:
             self._write_cache(kv_cache, k, v, meta.slots)
-        if meta.is_prefill:
+        if meta.is_prefill and self.backend.every_query is not None and kv_cache is not None:
+            out = self._every_query(q, kv_cache[0], kv_cache[1], meta)
+        elif meta.is_prefill:
             if kv_cache is not None and kv_cache[0].dtype in FP8_KV_DTYPES:
                 k = fp8_round_trip(k, kv_cache[0].dtype, self.k_scale)
                 v = fp8_round_trip(v, kv_cache[1].dtype, self.v_scale)
@@ -183,6 +204,23 @@ class Attention(nn.Module):
                 raise ValueError("decode needs a KV cache")
             out = self._decode(q, kv_cache[0], kv_cache[1], meta)
         return out.reshape(b, s, self.num_heads * self.head_dim)
+
+    def _every_query(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata) -> torch.Tensor:
+        """A prefill's queries ``[B, S, Hq, D]`` each through the backend's `every_query` as a decode row over
+        its row's positions up to its own (the cache holds this step's K/V already)."""
+        b, s = q.shape[:2]
+        tables, lens = meta.windowed(("queries",), lambda: query_tables(meta, s, k_cache.shape[1]))
+        band = {}
+        if self.banded:
+            band = {"softcap": self.softcap, "starts": None if self.window is None else meta.windowed(
+                ("query_starts", self.window), lambda: aw.window_starts(lens, self.window))}
+        out = self.backend.every_query(q.reshape(b * s, 1, self.num_heads, self.head_dim), k_cache, v_cache, tables,
+                                       lens, self.scale, **band)
+        if out is None:
+            raise ValueError(f"attention {self.backend.name!r} does not take this layer's head size "
+                             f"{self.head_dim} or its {k_cache.dtype} cache")
+        return out.view(b, s, self.num_heads, self.head_dim)
 
     def _write_cache(self, kv_cache: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                      slots: torch.Tensor) -> None:

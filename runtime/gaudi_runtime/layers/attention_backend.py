@@ -36,6 +36,11 @@ class AttentionBackend:
     # flat layout of `flat_paged_attention`: decode steps whose metadata carries it (the runner builds it
     # where this is offered and the device backend asks for it). A soft-capped layer passes ``softcap=``.
     flat_decode: Callable[..., torch.Tensor] | None = None
+    # `paged_decode`'s signature, run for every query token of a prefill (a prompt, a chunk, the tokens after
+    # cached blocks, a speculative verify pass) as a decode row over its own first positions, after the step's
+    # K/V are written: a query then computes exactly as a decode step's does, whatever else is in the step
+    # (the batch-invariant mode). None: prefills take the kernels above.
+    every_query: Callable[..., torch.Tensor | None] | None = None
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                 is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:

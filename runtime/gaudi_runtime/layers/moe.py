@@ -130,9 +130,10 @@ class ExpertWeights(nn.Module):
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor, linear=F.linear) -> torch.Tensor:
-    """The experts' weighted sum with each routed expert applied once, to the tokens routed to it;
-    `linear(rows, weight)` multiplies an expert's few rows (a device's few-row kernel, or F.linear).
+                    w2: torch.Tensor, linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+                    ) -> torch.Tensor:
+    """The experts' weighted sum with each routed expert applied once, to the tokens routed to it, each
+    token's experts added in ascending order; `linear(rows, weight)` multiplies (a device's own kernel).
 
     Reads the routing on the host (a sync), so its shapes depend on the routing: for eager devices only.
     """

@@ -181,7 +181,8 @@ class BatchingEngine:
 
     def info(self) -> dict:
         info = {"state": self.state, "unwarmed_shapes": self.metrics.unwarmed_shapes,
-                "prefix_caching": self.cfg.scheduling.prefix_caching}
+                "prefix_caching": self.cfg.scheduling.prefix_caching,
+                "batch_invariant": self.cfg.device.batch_invariant}
         if self.shard_info is not None:
             s = self.shard_info
             info.update({

@@ -68,7 +68,8 @@ class ModelRunner:
         self.dtype = getattr(torch, cfg.model.dtype)
         t0 = time.perf_counter()
         dev = cfg.device
-        attention = backend.attention(dev.use_flash_attention, dev.flash_attention_recompute, dev.cpu_paged_attention)
+        attention = backend.attention(dev.use_flash_attention, dev.flash_attention_recompute, dev.cpu_paged_attention,
+                                      dev.batch_invariant)
         rope = (cfg.model.rope_scaling, cfg.model.rope_factor) if cfg.model.rope_scaling else None  # --rope-scaling
         self.model = load_model(model_dir, self.dtype, device, rank, world_size, process_group, rope=rope)
         self.model_dir = model_dir
@@ -82,8 +83,7 @@ class ModelRunner:
         # Decode over the flat layout of the blocks in use (HPU, unless the math fallback keeps the gather).
         self.flat_decode = backend.flat_decode and attention.flat_decode is not None
         log.info("attention: %s (FLASH_ATTENTION_RECOMPUTE=%s)", self.attention_name, dev.flash_attention_recompute)
-        m = self.model
-        self.rank, self.world_size = rank, world_size
+        m, self.rank, self.world_size = self.model, rank, world_size
         self.weight_bytes = weight_bytes(m)
         backend.prepare_model(m, cfg.device)
         token_shapes = model_token_shapes(m)  # what one token costs per layer: the model says (latent for MLA)

@@ -94,6 +94,10 @@ SHAPES = {
                  num_key_value_heads=2),
     "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4),
+    # Rows wide enough (several of the kernels' steps per dot product) that a product's blocking, which depends
+    # on the batch, changes a row's bits: the batch-invariant mode's test needs the default mode to differ.
+    "wide": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4),
     # A forward pass that costs almost nothing, so that tokens per second measure the engine around
     # it (bench/compare_vllm.sh's overhead workload). Head size 32: vLLM's CPU attention refuses 16.
     "overhead": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
