@@ -24,6 +24,7 @@ import torch
 
 from gaudi_runtime.buckets import ceil_div
 from gaudi_runtime.device import cpu_gemv, cpu_layer_ops, cpu_paged_attention
+from gaudi_runtime.device.cpu import experts_kernel
 from gaudi_runtime.device.cpu_attention import CpuAttention
 from gaudi_runtime.device.cpu_gemm import fixed_order_linears, prepack_linears
 from gaudi_runtime.device.host_allocator import tune_host_allocator
@@ -32,6 +33,7 @@ from gaudi_runtime.layers.attention_backend import AttentionBackend
 from gaudi_runtime.layers.embedding import ParallelLMHead
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
 from gaudi_runtime.layers.linear import LinearBase
+from gaudi_runtime.layers.moe import use_experts_kernel
 from gaudi_runtime.models.registry import load_model
 
 BLOCK = 16
@@ -108,6 +110,7 @@ def main() -> None:
     model = load_model(args.model_id, getattr(torch, args.dtype), torch.device("cpu"))
     use_linears = linear_kernels(model)
     use_ops = layer_ops(model)
+    use_experts_kernel(model, experts_kernel(cpu_gemv.kernel()))  # a MoE model's experts as the CPU backend runs them
     blocks = 1 + max(args.batch) * ceil_div(args.context, BLOCK)
     kv = allocate_kv_cache(model.num_layers, blocks, BLOCK, model.num_kv_heads, model.head_dim,
                            getattr(torch, args.dtype), torch.device("cpu"))
