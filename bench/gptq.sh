@@ -9,6 +9,7 @@
 #   bench/gptq.sh                                  # one run: bf16, then int4
 #   RUNS=2 bench/gptq.sh                           # the second run serves int4 first (alternating order)
 #   VLLM=1 bench/gptq.sh                           # then vLLM's CPU build on the GPTQ checkpoint at c=1
+#   ENGINES=int4 CONCURRENCY=1 bench/gptq.sh       # a part of it (defaults "bf16 int4" and "1 16")
 #   OURS_BIN=/path/to/venv/bin bench/gptq.sh       # a venv with gaudi-serve (default: the repo's .venv)
 #
 # The checkpoint is written by tests/runtime/prequantized.write_gptq (AutoGPTQ's on-disk layout,
@@ -22,6 +23,8 @@ cache=${XDG_CACHE_HOME:-$HOME/.cache}/gaudi-serve-bench
 model=${MODEL:-$cache/model-gptq-bf16}
 qmodel=${QMODEL:-$cache/model-gptq-int4-g128}
 runs=${RUNS:-1}
+engines=${ENGINES:-bf16 int4}
+concurrency=${CONCURRENCY:-1 16}
 c1_requests=${C1_REQUESTS:-4}
 c16_requests=${C16_REQUESTS:-32}
 ours=${OURS_BIN:-$root/.venv/bin}
@@ -66,8 +69,9 @@ serve_and_load() {  # $1: label (bf16 / int4); $2: model directory
   server=$!
   wait_ready /health "$log/$1-$run-server.log"
   grep -o '"quantization":"[^"]*"' <(curl -sf "$url/info") >&2 || true
-  load "$1" "$2" 1 "$c1_requests"
-  load "$1" "$2" 16 "$c16_requests"
+  for c in $concurrency; do
+    if [ "$c" = 1 ]; then load "$1" "$2" 1 "$c1_requests"; else load "$1" "$2" "$c" "$c16_requests"; fi
+  done
   stop_server
 }
 
@@ -78,7 +82,8 @@ load() {  # $1: label; $2: model directory (tokenizer); $3: concurrency; $4: req
 }
 
 for run in $(seq 1 "$runs"); do
-  if [ $((run % 2)) = 1 ]; then order="bf16 int4"; else order="int4 bf16"; fi
+  order=$engines
+  [ $((run % 2)) = 1 ] || order=$(printf '%s\n' $engines | tac | xargs)
   for label in $order; do
     if [ "$label" = bf16 ]; then serve_and_load bf16 "$model"; else serve_and_load int4 "$qmodel"; fi
   done
