@@ -7,8 +7,10 @@
 - block FP8 (transformers' FineGrainedFP8, DeepSeek's layout): ``weight`` float8 and ``weight_scale_inv``
   ``[out / rows, in / cols]``, multiplied in: ``w = q * scale_inv`` block by block.
 
+GPTQ (AutoGPTQ / gptqmodel `gptq` format) and AWQ (AutoAWQ GEMM) checkpoints likewise, round-to-nearest.
+
 The references dequantize them with the libraries' own code (transformers with compressed-tensors
-installed, or transformers' FineGrainedFP8 dequantization), never ours.
+installed, or transformers' FineGrainedFP8 dequantization; gptqmodel for GPTQ and AWQ), never ours.
 """
 
 from __future__ import annotations
@@ -140,7 +142,15 @@ def gptq_quantize(w: torch.Tensor, bits: int, group: int, desc_act: bool, sym: b
     scales = scales.half()
     q = torch.clamp(torch.round(wt / scales[g_idx].float()) + zeros[g_idx], 0, maxq).to(torch.int32)
     return {"q": q, "zeros": zeros, "qweight": pack_rows(q, bits),
-            "qzeros": pack_rows((zeros - 1).t(), bits).t().contiguous(), "scales": scales, "g_idx": g_idx}
+            "qzeros": gptq_v1_zeros(pack_rows(zeros.t(), bits).t(), bits), "scales": scales, "g_idx": g_idx}
+
+
+def gptq_v1_zeros(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed zeros as the `gptq` (v1) format stores them: each word minus one in every field, borrows
+    included (gptqmodel's conversion to the format it saves)."""
+    ones = sum(1 << k for k in range(0, 32, bits))
+    word = (packed.to(torch.int64) - ones) & 0xFFFFFFFF
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32).contiguous()
 
 
 def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -153,41 +163,17 @@ def pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)  # the same 32 bits, as int32
 
 
-def gptq_reference_weight(t: dict, bits: int) -> torch.Tensor:
-    """The dense ``[out, in]`` weight, from the format's documentation (AutoGPTQ's QuantLinear): an input
-    row i is bits ``bits*(i % p)`` of ``qweight[i // p]``; zero j of a group is bits ``bits*(j % p)`` of
-    ``qzeros[g, j // p]``, plus one; ``w = scale * (q - zero)``."""
-    qweight, qzeros, scales, g_idx = t["qweight"].long() & 0xFFFFFFFF, t["qzeros"].long() & 0xFFFFFFFF, \
-        t["scales"].float(), t["g_idx"].long()
-    per, mask = 32 // bits, (1 << bits) - 1
-    cols, out = qweight.shape[0] * per, qweight.shape[1]
-    i = torch.arange(cols)
-    q = (qweight[i // per] >> (bits * (i % per))[:, None]) & mask  # [in, out]
-    j = torch.arange(out)
-    z = ((qzeros[:, j // per] >> (bits * (j % per))[None, :]) & mask) + 1  # [groups, out]
-    return (scales[g_idx] * (q - z[g_idx]).float()).t()
-
-
-def write_gptq(model_dir: Path, reference_dir: Path, bits: int = 4, group: int = 16, desc_act: bool = False,
-               sym: bool = True) -> Path:
-    """Rewrite a tiny model as a GPTQ checkpoint, and write `reference_dir`: the same model with the weights
-    `gptq_reference_weight` gives, dense (for transformers to run as the reference)."""
-    import shutil
-
-    shutil.copytree(model_dir, reference_dir)
-    dense = load_file(reference_dir / "model.safetensors")
+def write_gptq(model_dir: Path, bits: int = 4, group: int = 16, desc_act: bool = False, sym: bool = True) -> Path:
+    """Rewrite a tiny model as a GPTQ checkpoint (AutoGPTQ's v1 layout: zero points stored minus one)."""
     seeds = iter(range(10_000))
 
     def quantize(module: str, w: torch.Tensor) -> dict:
         t = gptq_quantize(w, bits, group, desc_act, sym, seed=next(seeds))
-        dense[f"{module}.weight"] = gptq_reference_weight(t, bits).to(w.dtype).contiguous()
         return {k: t[k] for k in ("qweight", "qzeros", "scales", "g_idx")}
 
     config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym,
               "checkpoint_format": "gptq", "damp_percent": 0.01, "true_sequential": True}
-    _rewrite(model_dir, quantize, config)
-    save_file(dense, reference_dir / "model.safetensors", metadata={"format": "pt"})
-    return model_dir
+    return _rewrite(model_dir, quantize, config)
 
 
 # -- AWQ (AutoAWQ's GEMM format) -------------------------------------------------------------------------
@@ -204,37 +190,22 @@ def pack_awq(values: torch.Tensor) -> torch.Tensor:
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 
 
-def awq_reference_weight(t: dict, group: int) -> torch.Tensor:
-    """The dense ``[out, in]`` weight, from AutoAWQ's documentation of its GEMM layout: output column
-    ``8c + ORDER[i]`` is nibble i of word c (of ``qweight[in]`` and ``qzeros[group]``); ``w = (q - z) * s``
-    with input row i in group ``i // group``."""
-    def unpack_cols(packed: torch.Tensor) -> torch.Tensor:
-        words = packed.long() & 0xFFFFFFFF
-        out = torch.empty(words.shape[0], words.shape[1] * 8, dtype=torch.long)
-        for i, col in enumerate(AWQ_PACK_ORDER):
-            out[:, col::8] = (words >> (4 * i)) & 0xF
-        return out
-
-    q, z = unpack_cols(t["qweight"]), unpack_cols(t["qzeros"])  # [in, out], [groups, out]
-    g = torch.arange(q.shape[0]) // group
-    return ((q - z[g]).float() * t["scales"].float()[g]).t()
-
-
-def write_awq(model_dir: Path, reference_dir: Path, group: int = 16) -> Path:
-    """Rewrite a tiny model as an AutoAWQ GEMM checkpoint (4 bit, zero points), and `reference_dir` with the
-    dense weights `awq_reference_weight` gives."""
-    import shutil
-
-    shutil.copytree(model_dir, reference_dir)
-    dense = load_file(reference_dir / "model.safetensors")
-
+def write_awq(model_dir: Path, group: int = 16) -> Path:
+    """Rewrite a tiny model as an AutoAWQ GEMM checkpoint (4 bit, zero points)."""
     def quantize(module: str, w: torch.Tensor) -> dict:
         t = gptq_quantize(w, 4, group, desc_act=False, sym=False)
-        found = {"qweight": pack_awq(t["q"]), "qzeros": pack_awq(t["zeros"]), "scales": t["scales"]}
-        dense[f"{module}.weight"] = awq_reference_weight(found, w.shape[1] if group == -1 else group).to(w.dtype).contiguous()
-        return found
+        return {"qweight": pack_awq(t["q"]), "qzeros": pack_awq(t["zeros"]), "scales": t["scales"]}
 
     config = {"quant_method": "awq", "bits": 4, "group_size": group, "version": "gemm", "zero_point": True}
-    _rewrite(model_dir, quantize, config)
-    save_file(dense, reference_dir / "model.safetensors", metadata={"format": "pt"})
-    return model_dir
+    return _rewrite(model_dir, quantize, config)
+
+
+def gptqmodel_dense_copies(pairs: list[tuple[Path, Path]], timeout: float = 600) -> None:
+    """For each (quantized dir, out dir): `out` is the checkpoint dequantized by `gptqmodel`, dense, for
+    transformers to run as the reference (tests/runtime/gptqmodel_reference.py; one process for all)."""
+    import subprocess
+    import sys
+
+    args = [str(p) for pair in pairs for p in pair]
+    subprocess.run([sys.executable, "-m", "tests.runtime.gptqmodel_reference", *args], check=True, timeout=timeout,
+                   cwd=Path(__file__).resolve().parents[2], stdout=subprocess.DEVNULL)

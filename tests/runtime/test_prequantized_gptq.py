@@ -1,11 +1,12 @@
 """GPTQ and AWQ checkpoints (AutoGPTQ's and AutoAWQ's GEMM on-disk formats, built in the test) served by
 `gaudi-serve launch`.
 
-The reference is `transformers` running the same model with the dense weights a dequantization written
-from the format's documentation gives (`tests/runtime/prequantized.gptq_reference_weight`, checked
-against hand-packed words in tests/unit/test_quant_checkpoint.py), not ours: 16/16 greedy tokens on a
-tiny Llama and a tiny Gemma, GPTQ 4 and 8 bit with and without desc_act, symmetric and not, and AWQ
-4 bit, 1 and 2 shards.
+The reference is `gptqmodel`'s own dequantization of each checkpoint as written on disk (its GPTQ
+`TorchLinear`, its AWQ GEMM unpacking: tests/runtime/gptqmodel_reference.py), run dense by `transformers`
+in float32, never ours: 16/16 greedy tokens on a tiny Llama and a tiny Gemma, GPTQ 4 and 8 bit with and
+without desc_act, symmetric and not, and AWQ 4 bit, 1 and 2 shards. The checkpoints are written by the
+test in the libraries' exact on-disk layout (round-to-nearest integers; GPTQ's error correction only
+changes which integers are stored): quantizing with the library itself costs about a minute a model.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.runtime.family_parity import PROMPTS, served_ids_and_info
-from tests.runtime.prequantized import write_awq, write_gptq
+from tests.runtime.prequantized import gptqmodel_dense_copies, write_awq, write_gptq
 
 pytestmark = pytest.mark.slow
 
@@ -39,17 +40,29 @@ def reference_ids(model_dir, prompts: list[str]) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("family,bits,group,desc_act,sym,shards", CASES,
-                         ids=[f"{f}-{f'int{b}' if b else 'awq'}-g{g}{'-desc' if d else ''}{'-sym' if s else '-asym'}"
-                              f"-{n}shards" for f, b, g, d, s, n in CASES])
-def test_served_greedy_tokens_match_the_reference(family, bits, group, desc_act, sym, shards, tmp_path):
-    model = make_tiny_model(tmp_path / "model", family)
-    if bits:
-        model_dir = write_gptq(model, tmp_path / "dense", bits, group, desc_act, sym)
-    else:
-        model_dir = write_awq(model, tmp_path / "dense", group)
+IDS = [f"{f}-{f'int{b}' if b else 'awq'}-g{g}{'-desc' if d else ''}{'-sym' if s else '-asym'}-{n}shards"
+       for f, b, g, d, s, n in CASES]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    """Every case's checkpoint and its reference copy, dequantized by gptqmodel in one process."""
+    root = tmp_path_factory.mktemp("prequantized")
+    found = {}
+    for case_id, (family, bits, group, desc_act, sym, _) in zip(IDS, CASES):
+        model = make_tiny_model(root / case_id / "model", family)
+        found[case_id] = (write_gptq(model, bits, group, desc_act, sym) if bits else write_awq(model, group),
+                          root / case_id / "reference")
+    gptqmodel_dense_copies(list(found.values()))
+    return found
+
+
+@pytest.mark.parametrize("family,bits,group,desc_act,sym,shards", CASES, ids=IDS)
+def test_served_greedy_tokens_match_the_reference(family, bits, group, desc_act, sym, shards, checkpoints,
+                                                   request, tmp_path):
+    model_dir, reference_dir = checkpoints[request.node.callspec.id]
     prompts = PROMPTS[:3]
-    expected = reference_ids(tmp_path / "dense", prompts)
+    expected = reference_ids(reference_dir, prompts)
     got, code, info = served_ids_and_info(model_dir, tmp_path / "run", shards, prompts, NEW_TOKENS)
     assert got == expected
     assert all(len(ids) == NEW_TOKENS for ids in got)

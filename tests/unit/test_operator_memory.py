@@ -107,9 +107,9 @@ def test_a_prequantized_checkpoint_counts_its_packed_bytes(tmp_path, small_llama
     from tests.runtime.prequantized import write_awq, write_block_fp8, write_gptq
 
     dense = small_llama
-    writers = {"gptq4": lambda d: write_gptq(d, tmp_path / "ref", bits=4, group=64),
-               "gptq8": lambda d: write_gptq(d, tmp_path / "ref", bits=8, group=64),
-               "awq": lambda d: write_awq(d, tmp_path / "ref", group=64),
+    writers = {"gptq4": lambda d: write_gptq(d, bits=4, group=64),
+               "gptq8": lambda d: write_gptq(d, bits=8, group=64),
+               "awq": lambda d: write_awq(d, group=64),
                "fp8_block": lambda d: write_block_fp8(d, block=(64, 64))}
     import shutil
 

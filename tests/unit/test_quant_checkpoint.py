@@ -134,16 +134,29 @@ def test_gptq_packing_matches_hand_packed_words():
     as 7 (0x77777777) and means 8."""
     import torch
 
-    from gaudi_runtime.quant.gptq import unpack
-    from tests.runtime.prequantized import gptq_reference_weight, pack_rows
+    from gaudi_runtime.quant.gptq import gptq_zeros, unpack
+    from tests.runtime.prequantized import pack_rows
 
     word = torch.tensor([[0x87654321 - 2**32]], dtype=torch.int32)
     assert unpack(word, 4).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
     assert unpack(torch.tensor([0x04030201], dtype=torch.int32), 8).tolist() == [1, 2, 3, 4]
     assert pack_rows(torch.arange(1, 9).reshape(8, 1), 4).tolist() == [[0x87654321 - 2**32]]
-    t = {"qweight": word.reshape(1, 1), "qzeros": torch.tensor([[0x77777777]], dtype=torch.int32),
-         "scales": torch.tensor([[0.5]], dtype=torch.float16), "g_idx": torch.zeros(8, dtype=torch.int32)}
-    assert gptq_reference_weight(t, 4).tolist() == [[0.5 * (v - 8) for v in range(1, 9)]]
+    assert gptq_zeros(4)(torch.tensor([[0x77777777]], dtype=torch.int32)).tolist() == [[8] * 8]
+
+
+def test_a_gptq_zero_of_zero_borrows_from_the_field_above():
+    """Asymmetric zeros 0..7 packed are 0x76543210; the `gptq` format stores that minus 0x11111111 as one
+    number (0x654320FF: field 0 wraps to 15 and field 1 lends it one), and reading adds it back whole, as
+    gptqmodel does. One per field instead would read 16, 0, 2, ..."""
+    import torch
+
+    from gaudi_runtime.quant.gptq import gptq_zeros
+    from tests.runtime.prequantized import gptq_v1_zeros
+
+    stored = gptq_v1_zeros(torch.tensor([[0x76543210]], dtype=torch.int32), 4)
+    assert stored.tolist() == [[0x654320FF]]
+    assert gptq_zeros(4)(stored).tolist() == [list(range(8))]
+    assert gptq_zeros(8)(gptq_v1_zeros(torch.tensor([[0x03020100]], dtype=torch.int32), 8)).tolist() == [[0, 1, 2, 3]]
 
 
 def test_awq_packing_matches_a_hand_packed_word():
@@ -152,14 +165,12 @@ def test_awq_packing_matches_a_hand_packed_word():
     import torch
 
     from gaudi_runtime.quant.gptq import pack, unpack_awq
-    from tests.runtime.prequantized import awq_reference_weight, pack_awq
+    from tests.runtime.prequantized import pack_awq
 
     word = torch.tensor([[0x87654321 - 2**32]], dtype=torch.int32)
     assert unpack_awq(word).tolist() == [[1, 5, 2, 6, 3, 7, 4, 8]]
     assert pack_awq(torch.tensor([[1, 5, 2, 6, 3, 7, 4, 8]])).tolist() == word.tolist()
     assert pack(torch.arange(1, 9).reshape(1, 8), 4).tolist() == word.tolist()
-    t = {"qweight": word, "qzeros": pack_awq(torch.full((1, 8), 2)), "scales": torch.ones(1, 8, dtype=torch.float16)}
-    assert awq_reference_weight(t, 1).flatten().tolist() == [-1.0, 3.0, 0.0, 4.0, 1.0, 5.0, 2.0, 6.0]
 
 
 def test_missing_gptq_tensor_is_named(tmp_path):
@@ -168,7 +179,7 @@ def test_missing_gptq_tensor_is_named(tmp_path):
     model_dir = make_tiny_model(tmp_path / "m", "llama")
     from tests.runtime.prequantized import write_gptq
 
-    write_gptq(model_dir, tmp_path / "dense")
+    write_gptq(model_dir)
     tensors = load_file(model_dir / "model.safetensors")
     del tensors["model.layers.0.self_attn.k_proj.scales"]
     save_file(tensors, model_dir / "model.safetensors")

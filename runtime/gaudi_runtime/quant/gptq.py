@@ -110,9 +110,16 @@ def _materialize(loaded) -> torch.Tensor:
 
 
 def gptq_zeros(bits: int):
-    """GPTQ's zeros: packed along the output, stored one below (a zero of 0 wraps to the largest value and
-    reads back as 2^bits, as AutoGPTQ reads it)."""
-    return lambda t: unpack(t, bits).to(torch.int16) + 1
+    """GPTQ's zeros: packed along the output, each word stored as the packed zeros minus one in every field,
+    borrows included (how gptqmodel, which makes these checkpoints, writes its `gptq` format); read as it
+    reads them, one added to every field of the whole word with its carries. The same as one more per field
+    unless a zero is 0: its field holds all ones and the field above one less."""
+    ones = sum(1 << k for k in range(0, 32, bits))
+
+    def read(t: torch.Tensor) -> torch.Tensor:
+        word = (t.to(torch.int64) + ones) & 0xFFFFFFFF
+        return unpack(torch.where(word >= 2**31, word - 2**32, word).to(torch.int32), bits).to(torch.int16)
+    return read
 
 
 def _group_loader(m: LinearBase, convert=None):
