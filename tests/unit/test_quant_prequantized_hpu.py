@@ -24,23 +24,33 @@ def logits(model, ids):
         return model.compute_logits(model(ids, torch.arange(s)[None], None, meta)[0])
 
 
-@pytest.mark.parametrize("card,fmt", [("GAUDI2", "block"), ("GAUDI2", "ct-static"), ("GAUDI3", "ct-channel")])
-def test_fp8_checkpoint_runs_on_gaudi_fp8_matmuls(card, fmt, fake_hpu, monkeypatch, tmp_path):
-    import habana_frameworks.torch as bridge
-
+def on_card(monkeypatch, bridge, card: str) -> None:
+    """The recording fake as Gaudi `card`: its device type, and the float8 range it refuses beyond."""
     monkeypatch.setattr(hpu, "device_type", lambda: card)
-    monkeypatch.setattr(bridge, "FP8_LIMIT", 240.0 if card == "GAUDI2" else 448.0)  # the card refuses more
-    model_dir = make_tiny_model(tmp_path, "llama")
-    if fmt == "block":
-        write_block_fp8(model_dir)
-    else:
-        write_compressed_tensors_fp8(model_dir, "channel", static=fmt.endswith("static"))
+    monkeypatch.setattr(bridge, "FP8_LIMIT", 240.0 if card == "GAUDI2" else 448.0)
+
+
+def loaded_for_hpu(model_dir):
+    """(prompt ids, the reference's logits for them, the checkpoint loaded as the HPU shard loads it)."""
     ids = torch.randint(3, 250, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference_model(model_dir)(ids).logits[0]
     model = load_model(str(model_dir), torch.float32, "cpu")
     cfg = resolve(None, {"MODEL_ID": str(model_dir), "DEVICE": "hpu", "NUM_SHARD": "1"})
-    model = quantize_loaded(model, cfg, "hpu", torch.float32)
+    return ids, expected, quantize_loaded(model, cfg, "hpu", torch.float32)
+
+
+@pytest.mark.parametrize("card,fmt", [("GAUDI2", "block"), ("GAUDI2", "ct-static"), ("GAUDI3", "ct-channel")])
+def test_fp8_checkpoint_runs_on_gaudi_fp8_matmuls(card, fmt, fake_hpu, monkeypatch, tmp_path):
+    import habana_frameworks.torch as bridge
+
+    on_card(monkeypatch, bridge, card)  # the card refuses more
+    model_dir = make_tiny_model(tmp_path, "llama")
+    if fmt == "block":
+        write_block_fp8(model_dir)
+    else:
+        write_compressed_tensors_fp8(model_dir, "channel", static=fmt.endswith("static"))
+    ids, expected, model = loaded_for_hpu(model_dir)
     layers = [m for m in model.modules() if is_fp8_checkpoint_layer(m)]
     got = logits(model, ids)
     assert "Gaudi FP8 matmuls" in model.quantization
@@ -63,15 +73,9 @@ def test_fp8_experts_run_on_gaudi_blockwise_moe(card, family, block, fake_hpu, m
 
     from gaudi_runtime.layers.moe import FusedMoE, use_experts_kernel
 
-    monkeypatch.setattr(hpu, "device_type", lambda: card)
-    monkeypatch.setattr(bridge, "FP8_LIMIT", 240.0 if card == "GAUDI2" else 448.0)
+    on_card(monkeypatch, bridge, card)
     model_dir = write_block_fp8(make_tiny_model(tmp_path, family), block)
-    ids = torch.randint(3, 250, (1, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = reference_model(model_dir)(ids).logits[0]
-    model = load_model(str(model_dir), torch.float32, "cpu")
-    cfg = resolve(None, {"MODEL_ID": str(model_dir), "DEVICE": "hpu", "NUM_SHARD": "1"})
-    model = quantize_loaded(model, cfg, "hpu", torch.float32)
+    ids, expected, model = loaded_for_hpu(model_dir)
     torch_experts = logits(model, ids)  # the experts dequantized by torch, the rest as on the card
     use_experts_kernel(model, hpu.mixture_of_experts)  # what the HPU backend's prepare_model sets
     fake_hpu["fp8_gemm_v2"].clear()
