@@ -153,3 +153,51 @@ def test_the_cpu_experts_path_with_the_few_row_kernel_gives_transformers_output(
         got = moe(x.to(dtype)).float()
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     torch.testing.assert_close(got, want, **tol)
+
+
+def _moe_kernel():
+    from gaudi_runtime.device import cpu_moe
+
+    kernel = cpu_moe.kernel()
+    if kernel is None:
+        pytest.fail("the experts kernel did not build here: is there a C compiler (cc or $CC)?")
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_tokens", [1, 5, 32, 40])
+def test_the_cpu_experts_in_one_call_give_transformers_output(reference, dtype, n_tokens):
+    """The CPU backend's experts path, with the one-call kernel for steps of few rows per expert (and
+    grouped_experts past them: 40 tokens here), gives transformers' block output."""
+    from gaudi_runtime.device import cpu_gemv
+    from gaudi_runtime.device.cpu import experts_kernel
+
+    moe = loaded(reference)
+    moe.kernel = experts_kernel(cpu_gemv.kernel(), _moe_kernel())
+    x = tokens(n_tokens, seed=11)
+    with torch.no_grad():
+        want = reference(x)
+        moe.to(dtype)
+        got = moe(x.to(dtype)).float()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tokens_experts_in_one_call_do_not_depend_on_the_rest_of_the_step(reference, dtype):
+    """A token's output from the one-call kernel has the same bits alone as among other tokens routed to
+    the same experts; and equals the per-expert torch path within the dtype's rounding."""
+    from gaudi_runtime.layers.moe import grouped_experts
+
+    kernel = _moe_kernel()
+    moe = loaded(reference).to(dtype)
+    x = tokens(7, seed=5).reshape(-1, H).to(dtype)
+    with torch.no_grad():
+        weights, ids = moe.route(x)
+        w13, w2 = moe.w13.experts(dtype), moe.w2.experts(dtype)
+        together = kernel(x, weights, ids, w13, w2)
+        alone = torch.cat([kernel(x[i:i + 1], weights[i:i + 1], ids[i:i + 1], w13, w2) for i in range(7)])
+        torch_path = grouped_experts(x, weights, ids, w13, w2)
+    assert torch.equal(together, alone)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+    torch.testing.assert_close(together.float(), torch_path.float(), **tol)

@@ -23,7 +23,7 @@ import time
 import torch
 
 from gaudi_runtime.buckets import ceil_div
-from gaudi_runtime.device import cpu_gemv, cpu_layer_ops, cpu_paged_attention
+from gaudi_runtime.device import cpu_gemv, cpu_layer_ops, cpu_moe, cpu_paged_attention
 from gaudi_runtime.device.cpu import experts_kernel
 from gaudi_runtime.device.cpu_attention import CpuAttention
 from gaudi_runtime.device.cpu_gemm import fixed_order_linears, prepack_linears
@@ -110,7 +110,7 @@ def main() -> None:
     model = load_model(args.model_id, getattr(torch, args.dtype), torch.device("cpu"))
     use_linears = linear_kernels(model)
     use_ops = layer_ops(model)
-    use_experts_kernel(model, experts_kernel(cpu_gemv.kernel()))  # a MoE model's experts as the CPU backend runs them
+    use_experts_kernel(model, experts_kernel(cpu_gemv.kernel(), cpu_moe.kernel()))  # a MoE model's experts as the CPU backend runs them
     blocks = 1 + max(args.batch) * ceil_div(args.context, BLOCK)
     kv = allocate_kv_cache(model.num_layers, blocks, BLOCK, model.num_kv_heads, model.head_dim,
                            getattr(torch, args.dtype), torch.device("cpu"))

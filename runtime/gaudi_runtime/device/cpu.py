@@ -8,7 +8,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from gaudi_runtime.device import cpu_gemv, cpu_paged_attention
+from gaudi_runtime.device import cpu_gemv, cpu_moe, cpu_paged_attention
 from gaudi_runtime.device.base import Backend
 from gaudi_runtime.device.cpu_attention import CpuAttention, InvariantCpuAttention
 from gaudi_runtime.device.cpu_gemm import fixed_order_linears, native_bf16, prepack_linears
@@ -59,8 +59,9 @@ class CpuBackend(Backend):
             use_layer_ops(model)
         if cfg is None or cfg.cpu_lora:
             use_lora_kernel(model)
-        # Eager: each expert runs on its own tokens only, a decode step's few rows through the C kernel.
-        use_experts_kernel(model, experts_kernel(cpu_gemv.kernel() if cfg is None or cfg.cpu_gemv else None))
+        # Eager: each expert runs on its own tokens only; a decode step's experts in one C call.
+        use_experts_kernel(model, experts_kernel(cpu_gemv.kernel() if cfg is None or cfg.cpu_gemv else None,
+                                                 cpu_moe.kernel() if cfg is None or cfg.cpu_moe else None))
 
 
 def _required(kernel, what: str):
@@ -85,17 +86,29 @@ def _fixed_order(model: torch.nn.Module) -> None:
     use_experts_kernel(model, functools.partial(grouped_experts, linear=lambda x, w: gemv.fixed(x, w, None)))
 
 
-def experts_kernel(gemv):
-    """The MoE experts' CPU path: `grouped_experts`, an expert's few bfloat16 rows multiplied by the few-row
-    C kernel (`gemv`; None: F.linear throughout), which reads each expert's weight once where oneDNN's bf16
-    product of two or three rows runs far below the memory's speed (float32 keeps F.linear: MKL's is as fast)."""
-    if gemv is None:
-        return grouped_experts
+def experts_kernel(gemv, moe=None):
+    """The MoE experts' CPU path: a step whose experts average a few rows through `moe` (``cpu_moe``: every
+    routed expert in one C call), else `grouped_experts`, an expert's few bfloat16 rows multiplied by the
+    few-row C kernel (`gemv`), which reads each expert's weight once where oneDNN's bf16 product of two or
+    three rows runs far below the memory's speed (float32 keeps F.linear: MKL's is as fast). None: that
+    kernel is not used."""
+    grouped = grouped_experts if gemv is None else functools.partial(grouped_experts, linear=_few_rows_linear(gemv))
+    if moe is None:
+        return grouped
 
+    def experts(x, weights, ids, w13, w2):
+        if moe.takes(x, ids, w13, w2):
+            return moe(x, weights, ids, w13, w2)
+        return grouped(x, weights, ids, w13, w2)
+
+    return experts
+
+
+def _few_rows_linear(gemv):
     def linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         few = weight.dtype == torch.bfloat16 and rows.dtype == weight.dtype and weight.is_contiguous()
         if few and gemv.takes_rows(rows.shape[0], rows.dtype):
             return gemv.multiply(rows, rows.shape[0], weight, None)
         return F.linear(rows, weight)
 
-    return functools.partial(grouped_experts, linear=linear)
+    return linear
