@@ -2,7 +2,7 @@
 
 RMSNorm with its residual add, rotary embedding of q and k, and the paged cache's writes are five to
 fifteen torch operators each on a few thousand values; at decode batch sizes their fixed costs are a
-large part of a step (docs/performance.md). ``CpuBackend.prepare_model`` gives the model's RMSNorm,
+large part of a step (docs/performance.md). ``CpuBackend.layer_kernels`` gives the model's RMSNorm,
 RotaryEmbedding and Attention modules these calls (``CPU_LAYER_OPS``); each returns None (or False) for
 tensors it does not take, and the module then runs its torch code. Results are torch's bits, except
 RMSNorm's where its sum of squares, taken in another order, rounds differently. Built at first use
