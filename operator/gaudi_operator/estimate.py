@@ -50,5 +50,4 @@ def expected_warmup_shapes(spec: InferenceServiceSpec) -> int | None:
         return None
     if not cfg.device.warmup_enabled:
         return 0
-    flat = buckets.flat_decode_on(cfg.device.device, cfg.device.use_flash_attention)
-    return buckets.warmup_shape_count(cfg, flat)
+    return buckets.warmup_shape_count(cfg, cfg.device.decodes_flat)

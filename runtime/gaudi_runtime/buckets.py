@@ -199,12 +199,6 @@ def verify_buckets(cfg: Config) -> list[tuple[int, int, int]]:
     return [(b, cfg.scheduling.speculate + 1, w) for b in batches for w in widths]
 
 
-def flat_decode_on(device: str, use_flash_attention: bool) -> bool:
-    """Whether decode runs over the flat layout of the blocks in use: on HPU with fused attention
-    (`layers/attention.py`'s `select_attention`); elsewhere, and with the explicit math, over block tables."""
-    return device == "hpu" and use_flash_attention
-
-
 def warmup_plan(cfg: Config, flat_decode: bool) -> list[tuple[str, list[tuple[int, ...]]]]:
     """The shapes warmup runs, phase by phase: what the shards warm and what the operator expects (one
     implementation, pure, no torch, so the operator image imports it without the runtime's dependencies)."""

@@ -331,6 +331,18 @@ class DeviceConfig:
     prof_ranks: list[int] = field(default_factory=lambda: [0])
     prof_record_shapes: bool = False
 
+    @property
+    def may_be_gaudi(self) -> bool:
+        """Whether the shards may run on Gaudi cards (chosen, or found by --device auto)."""
+        return self.device in ("auto", "hpu")
+
+    @property
+    def decodes_flat(self) -> bool:
+        """Whether decode runs over the flat layout of the blocks in use (``layers/flat_paged_attention.py``):
+        on Gaudi with fused attention; elsewhere, and with the explicit math, over block tables. Read where
+        no backend is at hand (the operator's warmup count); the shards ask their backend."""
+        return self.device == "hpu" and self.use_flash_attention
+
 
 @dataclass(frozen=True)
 class StructuredOutputConfig:

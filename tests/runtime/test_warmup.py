@@ -67,7 +67,7 @@ def test_hpu_graphs_capture_each_bucket_once_and_only_replay_while_serving(fake_
                                            buckets.decode_flat_buckets(cfg)))  # HPU decodes over flat blocks
     assert progress[-1] == (total, total, "done")
     # The count the operator shows (gaudi_operator/estimate.py) is the one the shards warm up.
-    assert total == buckets.warmup_shape_count(cfg, buckets.flat_decode_on("hpu", cfg.device.use_flash_attention))
+    assert total == buckets.warmup_shape_count(cfg, cfg.replace(device="hpu").device.decodes_flat)
     captured = fake_hpu["captures"]
     assert len(captured) == total == len(set(captured))  # one capture per bucket
     assert {k[0] for k in captured} == {"prefill", "prefill_context", "decode"}

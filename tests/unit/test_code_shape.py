@@ -121,6 +121,95 @@ def test_models_do_not_import_the_router():
     assert not offenders
 
 
+DEVICE_NAMES = {"hpu", "cuda", "cpu"}
+# Where the device's name may be compared: the backends themselves, and the configuration that names them.
+DEVICE_NAME_READERS = ("gaudi_runtime.device", "gaudi_runtime.config")
+
+
+def _names_a_device(node: ast.expr) -> bool:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_device(e) for e in node.elts)
+    return isinstance(node, ast.Constant) and node.value in DEVICE_NAMES
+
+
+def _device_name_compares(tree: ast.AST) -> list[int]:
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and any(_names_a_device(e) for e in (node.left, *node.comparators))]
+
+
+def test_device_names_are_compared_only_by_the_backends_and_the_config():
+    """Outside ``device/`` and ``config.py`` code asks the backend for a fact (``Backend.computes_on_host``,
+    ``flat_decode``, ``native_fp8_checkpoints``, ...; docs/design.md, "Device facts") rather than comparing
+    the device's name: a new device then states its facts in one place instead of being added to every
+    comparison."""
+    found = [f"{module}:{line}" for module, path, _ in _sources()
+             if not any(module == r or module.startswith(r + ".") for r in DEVICE_NAME_READERS)
+             for line in _device_name_compares(ast.parse(path.read_text()))]
+    assert not found, f"device names compared outside device/ and config.py (ask the backend): {found}"
+
+
+KERNEL_HOOKS = {"kernel", "cache_writer"}
+KERNEL_INSTALLER = "gaudi_runtime.layers.kernels"
+
+
+def _store_targets(node: ast.AST) -> list[ast.expr]:
+    if isinstance(node, ast.Assign):
+        targets = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    else:
+        return []
+    flat = []
+    while targets:
+        t = targets.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            targets += t.elts
+        else:
+            flat.append(t)
+    return flat
+
+
+def _hook_writes(tree: ast.AST, dynamic_names: bool) -> list[int]:
+    """Lines that set a layer's kernel hook: ``x.kernel = ...``, ``setattr(x, "kernel", ...)``, and with
+    `dynamic_names` any ``setattr`` whose attribute is chosen at run time (it may be a hook)."""
+    lines = []
+    for node in ast.walk(tree):
+        lines += [t.lineno for t in _store_targets(node) if isinstance(t, ast.Attribute) and t.attr in KERNEL_HOOKS]
+        if not isinstance(node, ast.Call) or len(node.args) < 2:
+            continue
+        func = node.func
+        if (isinstance(func, ast.Name) and func.id == "setattr") or (
+                isinstance(func, ast.Attribute) and func.attr == "__setattr__"):
+            name = node.args[1]
+            if (isinstance(name, ast.Constant) and name.value in KERNEL_HOOKS) or (
+                    dynamic_names and not isinstance(name, ast.Constant)):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_kernels_are_installed_in_one_place():
+    """A layer's kernel hooks (``kernel``, ``cache_writer``) are set only by ``layers/kernels.install_kernels``,
+    from the `LayerKernels` a device backend builds: one typed seam, as the attention backend is, not
+    attributes set wherever a device's code finds a module of the right type."""
+    found = []
+    for module, path, _ in _sources():
+        if module == KERNEL_INSTALLER:
+            continue
+        kernel_side = module.startswith(("gaudi_runtime.device", "gaudi_runtime.layers", "gaudi_runtime.quant"))
+        found += [f"{module}:{line}" for line in _hook_writes(ast.parse(path.read_text()), kernel_side)]
+    assert not found, f"kernel hooks set outside layers/kernels.install_kernels: {found}"
+
+
+def test_the_seam_checks_catch_what_they_look_for():
+    compares = ast.parse('if backend.name == "hpu": pass\nok = x.device.type in ("cpu", "meta")\n'
+                         'fine = name == "hpus"\n')
+    assert _device_name_compares(compares) == [1, 2]
+    writes = ast.parse('m.kernel = k\nm.lora.kernel, y = k, 1\nsetattr(m, "cache_writer", w)\n'
+                       'setattr(m, attribute, k)\nm.kernels = k\nkernel = None\n')
+    assert sorted(_hook_writes(writes, dynamic_names=False)) == [1, 2, 3]
+    assert sorted(_hook_writes(writes, dynamic_names=True)) == [1, 2, 3, 4]
+
+
 def test_the_router_process_loads_neither_torch_nor_model_code(tmp_path):
     """The router only speaks HTTP and the shards' proto: importing its entry module and loading
     a tokenizer must not pull torch (seconds at every start) or the shard side into the process."""

@@ -15,14 +15,14 @@ def cfg(tmp_path, **env):
 
 
 def test_off_by_default_and_for_ranks_not_listed(tmp_path):
-    assert make_profiler(cfg(tmp_path), rank=0, device="cpu") is None
-    assert make_profiler(cfg(tmp_path, PROF_STEP=2, PROF_RANKS="1,2"), rank=0, device="cpu") is None
-    assert make_profiler(cfg(tmp_path, PROF_STEP=2, PROF_RANKS="1,2"), rank=2, device="cpu") is not None
+    assert make_profiler(cfg(tmp_path), rank=0, device_activity=None) is None
+    assert make_profiler(cfg(tmp_path, PROF_STEP=2, PROF_RANKS="1,2"), rank=0, device_activity=None) is None
+    assert make_profiler(cfg(tmp_path, PROF_STEP=2, PROF_RANKS="1,2"), rank=2, device_activity=None) is not None
 
 
 def test_records_the_active_steps_into_a_chrome_trace(tmp_path):
     prof = make_profiler(cfg(tmp_path, PROF_WAITSTEP=1, PROF_WARMUPSTEP=1, PROF_STEP=2, PROF_RECORD_SHAPES=1),
-                         rank=0, device="cpu")
+                         rank=0, device_activity=None)
     x = torch.randn(16, 16)
     for step in range(6):  # more steps than wait + warmup + active: the profiler stops by itself
         with torch.profiler.record_function(f"decode_step_{step}"):
@@ -44,7 +44,11 @@ def test_records_the_active_steps_into_a_chrome_trace(tmp_path):
 
 
 def test_device_activities():
+    from gaudi_runtime.device.cpu import CpuBackend
+    from gaudi_runtime.device.cuda import CudaBackend
+    from gaudi_runtime.device.hpu import HpuBackend
+
     kinds = torch.profiler.ProfilerActivity
-    assert activities("cpu") == [kinds.CPU]
-    assert activities("cuda") == [kinds.CPU, kinds.CUDA]
-    assert activities("hpu")[0] == kinds.CPU  # plus HPU where the installed torch knows it
+    assert activities(CpuBackend.profiler_activity) == [kinds.CPU]
+    assert activities(CudaBackend.profiler_activity) == [kinds.CPU, kinds.CUDA]
+    assert activities(HpuBackend.profiler_activity)[0] == kinds.CPU  # plus HPU where the installed torch knows it

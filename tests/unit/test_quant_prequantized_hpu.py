@@ -37,7 +37,8 @@ def loaded_for_hpu(model_dir):
         expected = reference_model(model_dir)(ids).logits[0]
     model = load_model(str(model_dir), torch.float32, "cpu")
     cfg = resolve(None, {"MODEL_ID": str(model_dir), "DEVICE": "hpu", "NUM_SHARD": "1"})
-    return ids, expected, quantize_loaded(model, cfg, "hpu", torch.float32)
+    backend = hpu.HpuBackend(torch_device=torch.device("cpu"))
+    return ids, expected, quantize_loaded(model, cfg, backend, torch.float32)
 
 
 @pytest.mark.parametrize("card,fmt", [("GAUDI2", "block"), ("GAUDI2", "ct-static"), ("GAUDI3", "ct-channel")])
@@ -71,13 +72,13 @@ def test_fp8_experts_run_on_gaudi_blockwise_moe(card, family, block, fake_hpu, m
     take (not square) are dequantized at load for the plain op. The other layers run on FP8 matmuls."""
     import habana_frameworks.torch as bridge
 
-    from gaudi_runtime.layers.moe import FusedMoE, use_experts_kernel
+    from gaudi_runtime.layers.moe import FusedMoE
 
     on_card(monkeypatch, bridge, card)
     model_dir = write_block_fp8(make_tiny_model(tmp_path, family), block)
     ids, expected, model = loaded_for_hpu(model_dir)
     torch_experts = logits(model, ids)  # the experts dequantized by torch, the rest as on the card
-    use_experts_kernel(model, hpu.mixture_of_experts)  # what the HPU backend's prepare_model sets
+    hpu.HpuBackend(torch_device=torch.device("cpu")).prepare_model(model)  # Habana's fused MoE op
     fake_hpu["fp8_gemm_v2"].clear()
     got = logits(model, ids)
     moe_layers = sum(isinstance(m, FusedMoE) for m in model.modules())

@@ -23,17 +23,14 @@ import time
 import torch
 
 from gaudi_runtime.buckets import ceil_div
-from gaudi_runtime.device import cpu_gemv, cpu_layer_ops, cpu_moe, cpu_paged_attention
+from gaudi_runtime.device import cpu_gemm, cpu_gemv, cpu_layer_ops, cpu_moe, cpu_paged_attention
 from gaudi_runtime.device.cpu import experts_kernel
 from gaudi_runtime.device.cpu_attention import CpuAttention
-from gaudi_runtime.device.cpu_gemm import fixed_order_linears, prepack_linears
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers.attention import AttentionMetadata, use_attention
 from gaudi_runtime.layers.attention_backend import AttentionBackend
-from gaudi_runtime.layers.embedding import ParallelLMHead
+from gaudi_runtime.layers.kernels import LayerKernels, install_kernels
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
-from gaudi_runtime.layers.linear import LinearBase
-from gaudi_runtime.layers.moe import use_experts_kernel
 from gaudi_runtime.models.registry import load_model
 
 BLOCK = 16
@@ -66,22 +63,16 @@ def step_inputs(batch: int, context: int, vocab: int):
     return torch.randint(0, vocab, (batch,)), ctx - 1, slots, tables, ctx
 
 
-def linear_kernels(model):
+def linear_variants(model):
     """A function that sets every linear layer's kernels as a VARIANTS entry names them."""
-    layers = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
-    prepack_linears(model, release=False, few_rows=False)
-    kernels = {"no-gemv": [m.kernel for m in layers]}
-    prepack_linears(model, release=False)
-    kernels["gemv"] = [m.kernel for m in layers]
+    kernels = {"no-gemv": cpu_gemm.linear_kernels(model, release=False, few_rows=False),
+               "gemv": cpu_gemm.linear_kernels(model, release=False), "torch": {}}
     gemv = cpu_gemv.kernel()
     if gemv is not None:
-        fixed_order_linears(model, gemv)
-        kernels["fixed"] = [m.kernel for m in layers]
-    kernels["torch"] = [None for _ in layers]
+        kernels["fixed"] = cpu_gemm.fixed_order_kernels(model, gemv)
 
     def use_linears(name: str) -> None:
-        for m, kernel in zip(layers, kernels[name]):
-            m.kernel = kernel
+        install_kernels(model, LayerKernels(linear=kernels[name].get), clear=("linear",))
     return use_linears
 
 
@@ -108,9 +99,10 @@ def main() -> None:
     if not args.default_allocator:
         tune_host_allocator()
     model = load_model(args.model_id, getattr(torch, args.dtype), torch.device("cpu"))
-    use_linears = linear_kernels(model)
+    use_linears = linear_variants(model)
     use_ops = layer_ops(model)
-    use_experts_kernel(model, experts_kernel(cpu_gemv.kernel(), cpu_moe.kernel()))  # a MoE model's experts as the CPU backend runs them
+    # A MoE model's experts as the CPU backend runs them.
+    install_kernels(model, LayerKernels(experts=experts_kernel(cpu_gemv.kernel(), cpu_moe.kernel())))
     blocks = 1 + max(args.batch) * ceil_div(args.context, BLOCK)
     kv = allocate_kv_cache(model.num_layers, blocks, BLOCK, model.num_kv_heads, model.head_dim,
                            getattr(torch, args.dtype), torch.device("cpu"))

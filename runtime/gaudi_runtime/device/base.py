@@ -8,13 +8,28 @@ import torch
 
 from gaudi_runtime.device.attention import MathAttention
 from gaudi_runtime.layers.attention_backend import AttentionBackend
+from gaudi_runtime.layers.kernels import LayerKernels, install_kernels
 
 
 class Backend:
-    """Eager execution; backends override what their device does differently."""
+    """Eager execution; backends override what their device does differently.
+
+    What code outside ``device/`` needs to know about the device it asks as a fact of the backend (the
+    attributes below), never by the device's name."""
 
     name = "cpu"
     distributed_backend = "gloo"
+    # Whether the model computes on the host's cores: torch's threads are then the shard's compute, split
+    # between the shards of one machine.
+    computes_on_host = False
+    # Whether the device compiles each graph into a recipe that --recipe-cache-dir keeps across starts (Gaudi).
+    caches_compiled_graphs = False
+    # The `torch.profiler.ProfilerActivity` member that records the device's own work (None: the host's only).
+    profiler_activity: str | None = None
+    # Whether float8 checkpoint layers run on the device's own FP8 matmul (else: dequantized per layer).
+    native_fp8_checkpoints = False
+    # Whether --quantize fp8 (and its calibration) goes through Intel Neural Compressor, not our own FP8 layers.
+    quantizes_with_inc = False
     # Whether forward passes must run on the bucket shapes (graphs, or HPU lazy mode that compiles per
     # shape). Where they need not, padding is wasted work: the runner runs the batch's own shape.
     pads_to_buckets = False
@@ -46,9 +61,14 @@ class Backend:
             raise ValueError(f"--batch-invariant: the fixed-order kernels are the CPU's; device {self.name!r} has none")
         return AttentionBackend() if use_flash else MathAttention()
 
+    def layer_kernels(self, model: torch.nn.Module, cfg=None) -> LayerKernels:
+        """The kernels for the loaded (and quantized) model's layers on this device, as the DeviceConfig `cfg`
+        asks (building one may lay out the model's weights for it); none by default: torch's code."""
+        return LayerKernels()
+
     def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
-        """Adapt the loaded (and quantized) model to the device's kernels (as the DeviceConfig `cfg` asks);
-        nothing by default."""
+        """Give the loaded (and quantized) model's layers `layer_kernels`."""
+        install_kernels(model, self.layer_kernels(model, cfg))
 
     def graphed(self, fn: Callable[..., torch.Tensor], name: str) -> Callable[..., torch.Tensor]:
         """`fn` over tensors, run through a device graph captured once per input shape where the

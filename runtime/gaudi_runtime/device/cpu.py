@@ -8,23 +8,22 @@ import os
 import torch
 import torch.nn.functional as F
 
-from gaudi_runtime.device import cpu_gemv, cpu_moe, cpu_paged_attention
+from gaudi_runtime.device import cpu_gemv, cpu_layer_ops, cpu_lora, cpu_moe, cpu_paged_attention
 from gaudi_runtime.device.base import Backend
 from gaudi_runtime.device.cpu_attention import CpuAttention, InvariantCpuAttention
-from gaudi_runtime.device.cpu_gemm import fixed_order_linears, native_bf16, prepack_linears
-from gaudi_runtime.device.cpu_gptq import use_gptq_kernel
-from gaudi_runtime.device.cpu_layer_ops import kernel as layer_ops_kernel
-from gaudi_runtime.device.cpu_layer_ops import set_layer_ops, use_layer_ops
-from gaudi_runtime.device.cpu_lora import use_lora_kernel
+from gaudi_runtime.device.cpu_gemm import fixed_order_kernels, linear_kernels, native_bf16
+from gaudi_runtime.device.cpu_gptq import gptq_kernels
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers.attention import Attention
 from gaudi_runtime.layers.attention_backend import AttentionBackend
-from gaudi_runtime.layers.moe import grouped_experts, use_experts_kernel
+from gaudi_runtime.layers.kernels import LayerKernels
+from gaudi_runtime.layers.moe import grouped_experts
 
 
 class CpuBackend(Backend):
     name = "cpu"
     distributed_backend = "gloo"
+    computes_on_host = True
 
     def __init__(self) -> None:
         super().__init__(torch.device("cpu"))
@@ -49,19 +48,24 @@ class CpuBackend(Backend):
             return super().attention(use_flash, recompute, cpu_paged)
         return CpuAttention(cpu_paged_attention.kernel() if cpu_paged else None, native_bf16())
 
-    def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
+    def layer_kernels(self, model: torch.nn.Module, cfg=None) -> LayerKernels:
+        """Linear layers over weights reordered for oneDNN (a few rows through the C kernel, CPU_GEMV), GPTQ's
+        packed product, the layer operations' C calls (CPU_LAYER_OPS), the LoRA kernel (CPU_LORA) and the
+        experts' one-call kernel (CPU_MOE) or grouped path; the batch-invariant mode's fixed-order kernels instead
+        (`cfg`: DeviceConfig)."""
         if cfg is not None and cfg.batch_invariant:
-            _fixed_order(model)
-            return
-        prepack_linears(model, few_rows=cfg is None or cfg.cpu_gemv)
-        use_gptq_kernel(model)
-        if cfg is None or cfg.cpu_layer_ops:
-            use_layer_ops(model)
-        if cfg is None or cfg.cpu_lora:
-            use_lora_kernel(model)
-        # Eager: each expert runs on its own tokens only; a decode step's experts in one C call.
-        use_experts_kernel(model, experts_kernel(cpu_gemv.kernel() if cfg is None or cfg.cpu_gemv else None,
-                                                 cpu_moe.kernel() if cfg is None or cfg.cpu_moe else None))
+            return _fixed_order(model)
+        gemv_on = cfg is None or cfg.cpu_gemv
+        linears = {**linear_kernels(model, few_rows=gemv_on), **gptq_kernels(model)}
+        ops_kernel = cpu_layer_ops.kernel() if cfg is None or cfg.cpu_layer_ops else None
+        ops = LayerKernels() if ops_kernel is None else cpu_layer_ops.layer_ops_kernels(ops_kernel)
+        lora = cpu_lora.kernel() if (cfg is None or cfg.cpu_lora) and cpu_lora.has_adapters(model) else None
+        return LayerKernels(
+            linear=linears.get, norm=ops.norm, rotary=ops.rotary, cache_write=ops.cache_write,
+            lora=None if lora is None else cpu_lora.lora_kernels(lora),
+            # Eager: each expert runs on its own tokens only; a decode step's experts in one C call (CPU_MOE).
+            experts=experts_kernel(cpu_gemv.kernel() if gemv_on else None,
+                                   cpu_moe.kernel() if cfg is None or cfg.cpu_moe else None))
 
 
 def _required(kernel, what: str):
@@ -71,9 +75,9 @@ def _required(kernel, what: str):
     return kernel
 
 
-def _fixed_order(model: torch.nn.Module) -> None:
-    """The batch-invariant mode's kernels, installed once: fixed-order linear layers and experts, and the
-    per-row C norm (docs/design.md, "Batch-invariant mode")."""
+def _fixed_order(model: torch.nn.Module) -> LayerKernels:
+    """The batch-invariant mode's kernels: fixed-order linear layers and experts, and the per-row C norm
+    (docs/design.md, "Batch-invariant mode")."""
     for m in model.modules():
         if isinstance(m, Attention) and (m.head_dim % cpu_paged_attention.HEAD_SIZE_MULTIPLE
                                          or m.head_dim > cpu_paged_attention.MAX_HEAD_SIZE):
@@ -81,9 +85,10 @@ def _fixed_order(model: torch.nn.Module) -> None:
                                f"takes (a multiple of {cpu_paged_attention.HEAD_SIZE_MULTIPLE}, at most "
                                f"{cpu_paged_attention.MAX_HEAD_SIZE})")
     gemv = _required(cpu_gemv.kernel(), "few-row product")
-    fixed_order_linears(model, gemv)
-    set_layer_ops(model, _required(layer_ops_kernel(), "layer operations"))
-    use_experts_kernel(model, functools.partial(grouped_experts, linear=lambda x, w: gemv.fixed(x, w, None)))
+    linears = fixed_order_kernels(model, gemv)
+    ops = cpu_layer_ops.layer_ops_kernels(_required(cpu_layer_ops.kernel(), "layer operations"))
+    return LayerKernels(linear=linears.get, norm=ops.norm, rotary=ops.rotary, cache_write=ops.cache_write,
+                        experts=functools.partial(grouped_experts, linear=lambda x, w: gemv.fixed(x, w, None)))
 
 
 def experts_kernel(gemv, moe=None):

@@ -26,6 +26,7 @@ from torch.nn import functional as F
 
 from gaudi_runtime.device import cpu_gemv
 from gaudi_runtime.layers.embedding import ParallelLMHead
+from gaudi_runtime.layers.kernels import LayerKernels, LinearKernel, install_kernels
 from gaudi_runtime.layers.linear import LinearBase
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,9 @@ def _linears(model: nn.Module, dtype: torch.dtype) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead)) and _plain(m, dtype)]
 
 
-def prepack_linears(model: nn.Module, release: bool = True, few_rows: bool = True) -> int:
-    """Give every bf16 and float32 linear layer and LM head a reordered weight; returns how many got one.
+def linear_kernels(model: nn.Module, release: bool = True, few_rows: bool = True) -> dict[nn.Module, LinearKernel]:
+    """Every bf16 and float32 linear layer's and LM head's kernel (``LayerKernels.linear``), each over a
+    weight reordered once for oneDNN, which the layer holds as its ``packed_weight``.
 
     With `few_rows` (and the C kernel built here), a product of the few rows ``cpu_gemv`` takes runs
     through it over the plain weight, which the layer then keeps. Otherwise, with ``release``, a layer's
@@ -97,14 +99,15 @@ def prepack_linears(model: nn.Module, release: bool = True, few_rows: bool = Tru
     gemv = cpu_gemv.kernel() if few_rows else None
     layers = [m for dtype in PACKED_DTYPES if supported(dtype) for m in _linears(model, dtype)]
     owners = Counter(p.data_ptr() for _, p in model.named_parameters(remove_duplicate=False))
+    kernels: dict[nn.Module, LinearKernel] = {}
     few_row_layers = 0
     for m in layers:
         w = m.weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(w, ROWS_HINT)
         m.register_buffer("packed_weight", packed, persistent=False)  # counted where the model's memory is
-        m.kernel = functools.partial(_packed_linear, packed)
+        kernels[m] = functools.partial(_packed_linear, packed)
         if gemv is not None and cpu_gemv.takes(w, m._parameters.get("bias")):
-            m.kernel = _few_rows_or(m.kernel, gemv, w)
+            kernels[m] = _few_rows_or(kernels[m], gemv, w)
             few_row_layers += 1
         elif release and owners[w.data_ptr()] == 1:
             m.weight = nn.Parameter(w.new_empty(0, w.shape[1]), requires_grad=False)
@@ -112,13 +115,20 @@ def prepack_linears(model: nn.Module, release: bool = True, few_rows: bool = Tru
               if gemv is not None and cpu_gemv.takes(m.weight, m._parameters.get("bias"))]
     for m in others:
         w = m.weight.detach()
-        m.kernel = _few_rows_or(functools.partial(_plain_linear, w), gemv, w)
+        kernels[m] = _few_rows_or(functools.partial(_plain_linear, w), gemv, w)
     if layers:
         log.info("cpu: %d linear layers use weights reordered for oneDNN", len(layers))
     if gemv is not None:
         log.info("cpu: few-row products of %d linear layers run through the C kernel (bf16 rows: up to %d)",
                  few_row_layers + len(others), gemv.max_rows_bf16)
-    return len(layers)
+    return kernels
+
+
+def prepack_linears(model: nn.Module, release: bool = True, few_rows: bool = True) -> int:
+    """`linear_kernels` installed on `model`; returns how many layers got a reordered weight."""
+    kernels = linear_kernels(model, release, few_rows)
+    install_kernels(model, LayerKernels(linear=kernels.get))
+    return sum(1 for m in kernels if "packed_weight" in m._buffers)
 
 
 def _fixed_linear(gemv: cpu_gemv.GemvKernel, weight: torch.Tensor, x: torch.Tensor,
@@ -126,17 +136,25 @@ def _fixed_linear(gemv: cpu_gemv.GemvKernel, weight: torch.Tensor, x: torch.Tens
     return gemv.fixed(x, weight, bias)
 
 
-def fixed_order_linears(model: nn.Module, gemv: cpu_gemv.GemvKernel) -> int:
-    """The batch-invariant mode's linear layers: every bf16 and float32 linear layer and LM head multiplies
+def fixed_order_kernels(model: nn.Module, gemv: cpu_gemv.GemvKernel) -> dict[nn.Module, LinearKernel]:
+    """The batch-invariant mode's linear kernels: every bf16 and float32 linear layer and LM head multiplies
     through `gemv`'s fixed-order kernel, whatever the row count (oneDNN's blocking and the few-row kernel's
-    accumulators depend on it); returns how many. Raises RuntimeError for a layer whose weight the kernel
-    does not take: the mode could not then hold its promise."""
+    accumulators depend on it). Raises RuntimeError for a layer whose weight the kernel does not take: the
+    mode could not then hold its promise."""
     layers = [m for dtype in PACKED_DTYPES for m in _linears(model, dtype)]
+    kernels: dict[nn.Module, LinearKernel] = {}
     for m in layers:
         w = m.weight.detach()
         if not cpu_gemv.takes(w, m._parameters.get("bias")):
             raise RuntimeError(f"--batch-invariant: a {type(m).__name__}'s weight is not one the fixed-order kernel "
                                "takes (contiguous [out, in] with a bias of its dtype)")
-        m.kernel = functools.partial(_fixed_linear, gemv, w)
+        kernels[m] = functools.partial(_fixed_linear, gemv, w)
     log.info("cpu: batch-invariant: %d linear layers multiply each row in one fixed order", len(layers))
-    return len(layers)
+    return kernels
+
+
+def fixed_order_linears(model: nn.Module, gemv: cpu_gemv.GemvKernel) -> int:
+    """`fixed_order_kernels` installed on `model`; returns how many layers got one."""
+    kernels = fixed_order_kernels(model, gemv)
+    install_kernels(model, LayerKernels(linear=kernels.get))
+    return len(kernels)

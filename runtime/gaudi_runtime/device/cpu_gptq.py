@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from gaudi_runtime.device import cpu_kernels
+from gaudi_runtime.layers.kernels import LayerKernels, LinearKernel, install_kernels
 from gaudi_runtime.quant.packing import sort_groups
 
 log = logging.getLogger(__name__)
@@ -72,23 +73,30 @@ def _product(k: GptqKernel, layer: nn.Module, plans: list, x: torch.Tensor, bias
     return y if bias is None else y + bias
 
 
-def use_gptq_kernel(model: nn.Module) -> int:
-    """Give every GPTQ layer (``quant/gptq.py``) whose groups are runs of columns the kernel; returns how many."""
+def gptq_kernels(model: nn.Module) -> dict[nn.Module, LinearKernel]:
+    """The kernel of every GPTQ layer (``quant/gptq.py``) whose groups are runs of columns
+    (``LayerKernels.linear``); a desc_act layer's packed columns are sorted by group on the way."""
     layers = [m for m in model.modules() if hasattr(m, "g_idx") and hasattr(m, "segments")]
     k = kernel() if layers else None
     if k is None:
-        return 0
-    used = 0
+        return {}
+    kernels: dict[nn.Module, LinearKernel] = {}
     for m in layers:
         if m.qweight.device.type == "cpu":
             sort_groups(m)
         plans = [runs(m.g_idx[i]) for i in range(len(m.segments))]
         if all(p is not None for p in plans) and m.qweight.device.type == "cpu":
-            m.kernel = functools.partial(_product, k, m, plans)
-            used += 1
-    log.info("cpu: %d of %d GPTQ layers multiply packed weights in the C kernel (up to %d rows)", used,
+            kernels[m] = functools.partial(_product, k, m, plans)
+    log.info("cpu: %d of %d GPTQ layers multiply packed weights in the C kernel (up to %d rows)", len(kernels),
              len(layers), MAX_ROWS)
-    return used
+    return kernels
+
+
+def use_gptq_kernel(model: nn.Module) -> int:
+    """`gptq_kernels` installed on `model`; returns how many layers got one."""
+    kernels = gptq_kernels(model)
+    install_kernels(model, LayerKernels(linear=kernels.get))
+    return len(kernels)
 
 
 def load(environ=None) -> GptqKernel:

@@ -2,7 +2,7 @@
 
 RMSNorm with its residual add, rotary embedding of q and k, and the paged cache's writes are five to
 fifteen torch operators each on a few thousand values; at decode batch sizes their fixed costs are a
-large part of a step (docs/performance.md). ``CpuBackend.prepare_model`` gives the model's RMSNorm,
+large part of a step (docs/performance.md). ``CpuBackend.layer_kernels`` gives the model's RMSNorm,
 RotaryEmbedding and Attention modules these calls (``CPU_LAYER_OPS``); each returns None (or False) for
 tensors it does not take, and the module then runs its torch code. Results are torch's bits, except
 RMSNorm's where its sum of squares, taken in another order, rounds differently. Built at first use
@@ -19,9 +19,7 @@ from pathlib import Path
 import torch
 
 from gaudi_runtime.device import cpu_kernels
-from gaudi_runtime.layers.attention import Attention
-from gaudi_runtime.layers.norm import RMSNorm
-from gaudi_runtime.layers.rotary import RotaryEmbedding
+from gaudi_runtime.layers.kernels import LayerKernels, install_kernels
 
 log = logging.getLogger(__name__)
 
@@ -142,26 +140,18 @@ def kernel() -> LayerOpsKernel | None:
     return cpu_kernels.load_or_warn(load, "layer operations", "norms, rotary and cache writes run in torch", log)
 
 
+def layer_ops_kernels(ops: LayerOpsKernel) -> LayerKernels:
+    """`ops`' calls as the model's RMSNorm, RotaryEmbedding and Attention modules' kernels (subclasses with
+    formulas of their own, Gemma's norm, keep theirs: ``layers/kernels.install_kernels``)."""
+    return LayerKernels(norm=ops.rms_norm, rotary=ops.rotary, cache_write=ops.write_kv)
+
+
 def set_layer_ops(model: torch.nn.Module, ops: LayerOpsKernel | None) -> int:
     """Give the model's RMSNorm, RotaryEmbedding and Attention modules `ops`' calls (None: take them away,
-    back to torch's code); returns how many modules it set. Subclasses with formulas of their own (Gemma's
-    norm) keep theirs."""
-    calls = {RMSNorm: ("kernel", "rms_norm"), RotaryEmbedding: ("kernel", "rotary"),
-             Attention: ("cache_writer", "write_kv")}
-    given = 0
-    for m in model.modules():
-        if type(m) in calls:
-            attribute, call = calls[type(m)]
-            setattr(m, attribute, None if ops is None else getattr(ops, call))
-            given += 1
-    return given
-
-
-def use_layer_ops(model: torch.nn.Module) -> int:
-    """`set_layer_ops` with this process's kernel; 0 (torch's code stays) without one."""
-    ops = kernel()
+    back to torch's code); returns how many modules it set."""
+    kinds = ("norm", "rotary", "cache_write")
     if ops is None:
+        install_kernels(model, LayerKernels(), clear=kinds)
         return 0
-    given = set_layer_ops(model, ops)
-    log.info("cpu: %d norm, rotary and attention modules use the layer operations kernel", given)
-    return given
+    return sum(install_kernels(model, layer_ops_kernels(ops), clear=kinds).values())
+

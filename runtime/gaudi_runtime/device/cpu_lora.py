@@ -5,7 +5,7 @@ decode step of 16 rows that copies rows x rank x out of B per layer (the block-d
 layer included) and multiplies one row per matrix, which on a CPU cost more than the layer's own product
 (docs/performance.md, "LoRA adapters against the base model and vLLM"). The kernel groups the tokens by
 slot, reads each adapter's A and B once per group, skips slot 0 and a fused layer's off-diagonal blocks,
-and adds into the layer's output in place. ``CpuBackend.prepare_model`` gives every LoRA layer this call
+and adds into the layer's output in place. ``CpuBackend.layer_kernels`` gives every LoRA layer this call
 (``CPU_LORA``); it returns None for tensors it does not take, and the bmm runs. Built at first use
 (``cpu_kernels``); without a compiler, one warning, and the bmm.
 """
@@ -15,11 +15,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from gaudi_runtime.device import cpu_kernels
+from gaudi_runtime.layers.kernels import LayerKernels, install_kernels
 from gaudi_runtime.layers.linear import LinearBase
 from gaudi_runtime.layers.lora import LoraWeights
 
@@ -85,24 +87,18 @@ def kernel() -> LoraKernel | None:
     return cpu_kernels.load_or_warn(load, "LoRA", "adapters run as gathered bmm", log)
 
 
+def lora_kernels(lora_kernel: LoraKernel) -> Callable[[LinearBase], Callable]:
+    """`lora_kernel`'s call for each LoRA layer (``LayerKernels.lora``), over that layer's output slices."""
+    return lambda layer: functools.partial(lora_kernel.add, output_slices(layer))
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, LinearBase) and m.lora is not None for m in model.modules())
+
+
 def set_lora_kernel(model: torch.nn.Module, lora_kernel: LoraKernel | None) -> int:
     """Give every LoRA layer of `model` `lora_kernel`'s call (None: take it away, back to the bmm); returns
     how many layers it set."""
-    given = 0
-    for m in model.modules():
-        if isinstance(m, LinearBase) and m.lora is not None:
-            m.lora.kernel = None if lora_kernel is None else functools.partial(lora_kernel.add, output_slices(m))
-            given += 1
-    return given
+    chosen = LayerKernels() if lora_kernel is None else LayerKernels(lora=lora_kernels(lora_kernel))
+    return install_kernels(model, chosen, clear=("lora",))["lora"]
 
-
-def use_lora_kernel(model: torch.nn.Module) -> int:
-    """`set_lora_kernel` with this process's kernel; 0 (the bmm stays) without adapters or a kernel."""
-    if not any(isinstance(m, LinearBase) and m.lora is not None for m in model.modules()):
-        return 0
-    k = kernel()
-    if k is None:
-        return 0
-    given = set_lora_kernel(model, k)
-    log.info("cpu: %d LoRA layers use the LoRA kernel", given)
-    return given

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 
 from gaudi_runtime.device.base import Backend
-from gaudi_runtime.layers.moe import grouped_experts, use_experts_kernel
+from gaudi_runtime.layers.kernels import LayerKernels
+from gaudi_runtime.layers.moe import grouped_experts
 
 
 class _CudaGraphs:
@@ -46,6 +47,7 @@ class _CudaGraphs:
 class CudaBackend(Backend):
     name = "cuda"
     distributed_backend = "nccl"
+    profiler_activity = "CUDA"
 
     def __init__(self, rank: int = 0, graphs: bool = True):
         super().__init__(torch.device("cuda", rank % max(1, torch.cuda.device_count())))
@@ -72,9 +74,9 @@ class CudaBackend(Backend):
         runner = self._runners[name] = _CudaGraphs(fn, self._pool)
         return runner
 
-    def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
-        if not self.graphs_enabled:  # eager: the routing may be read on the host
-            use_experts_kernel(model, grouped_experts)
+    def layer_kernels(self, model: torch.nn.Module, cfg=None) -> LayerKernels:
+        # Eager: the routing may be read on the host.
+        return LayerKernels() if self.graphs_enabled else LayerKernels(experts=grouped_experts)
 
     def host_buffer(self, shape, dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype).pin_memory()  # copies to and from it are DMA, asynchronous

@@ -19,7 +19,7 @@ import torch
 from gaudi_runtime.device.base import Backend
 from gaudi_runtime.layers.attention_backend import AttentionBackend
 from gaudi_runtime.layers.flat_paged_attention import flat_paged_decode
-from gaudi_runtime.layers.moe import use_experts_kernel
+from gaudi_runtime.layers.kernels import LayerKernels
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,10 @@ class HpuBackend(Backend):
     distributed_backend = "hccl"
     pads_to_buckets = True  # lazy mode compiles a graph per shape even without HPU graphs
     flat_decode = True  # as vLLM on Gaudi: no row pays for the widest one
+    caches_compiled_graphs = True  # PT_HPU_RECIPE_CACHE_CONFIG
+    profiler_activity = "HPU"  # where the installed torch knows it
+    native_fp8_checkpoints = True  # fp8_gemm_v2 (`fp8_linear`)
+    quantizes_with_inc = True
 
     def __init__(self, world_size: int = 1, graphs: bool = True, torch_device: torch.device | None = None):
         if world_size > 1:
@@ -186,8 +190,8 @@ class HpuBackend(Backend):
             return super().attention(use_flash, recompute, cpu_paged, batch_invariant)
         return HpuAttention(recompute)
 
-    def prepare_model(self, model: torch.nn.Module, cfg=None) -> None:
-        use_experts_kernel(model, mixture_of_experts)
+    def layer_kernels(self, model: torch.nn.Module, cfg=None) -> LayerKernels:
+        return LayerKernels(experts=mixture_of_experts)
 
     def synchronize(self) -> None:
         import habana_frameworks.torch.hpu as hthpu

@@ -102,7 +102,7 @@ def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 class LinearBase(nn.Module):
     # ``(x, bias) -> x @ W.T + bias`` over a copy of the weight laid out for the device's kernels, set by
-    # the backend after loading (``Backend.prepare_model``); None: ``F.linear`` over ``self.weight``.
+    # the backend after loading (``layers/kernels.install_kernels``); None: ``F.linear`` over ``self.weight``.
     kernel: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def __init__(self, tp: TPContext, tp_dim: int | None):

@@ -38,7 +38,7 @@ class LoraWeights(nn.Module):
     """One linear layer's stacked adapters: ``a`` [slots, in, slices * rank], ``b`` [slots, slices * rank, out]."""
 
     # ``(lora, x, y, index) -> y`` with each row's adapter's product added (into `y` itself or not), set by
-    # the device backend (``Backend.prepare_model``); it returns None for tensors it does not take, and the
+    # the device backend (``layers/kernels.install_kernels``); it returns None for tensors it does not take, and the
     # gathered bmm of `delta` runs instead. None: always that bmm.
     kernel: Callable[[LoraWeights, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
 

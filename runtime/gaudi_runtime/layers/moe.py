@@ -156,18 +156,10 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
     return out
 
 
-def use_experts_kernel(model: nn.Module, kernel: ExpertsKernel | None) -> int:
-    """Give every ``FusedMoE`` of ``model`` this experts kernel; the number of layers given it."""
-    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    for m in layers:
-        m.kernel = kernel
-    return len(layers)
-
-
 class FusedMoE(nn.Module):
     """Router (``gate``) + stacked experts (``w13``, ``w2``); SiLU-gated experts (``w2(silu(w1 x) * w3 x)``)."""
 
-    # Set by the device backend after loading (``Backend.prepare_model``); None: the static-shape torch paths.
+    # Set by the device backend after loading (``layers/kernels.install_kernels``); None: the static-shape torch paths.
     kernel: ExpertsKernel | None = None
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
@@ -263,4 +255,4 @@ class GroupedFusedMoE(FusedMoE):
 
 
 __all__ = ["ExpertWeights", "ExpertsKernel", "FusedMoE", "GroupedFusedMoE", "GroupedTopKGate",
-           "expert_params_mapping", "grouped_experts", "grouped_route", "route", "use_experts_kernel"]
+           "expert_params_mapping", "grouped_experts", "grouped_route", "route"]

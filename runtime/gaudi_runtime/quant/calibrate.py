@@ -80,10 +80,11 @@ def run_prompts(model, token_ids: list[list[int]], device) -> None:
         model.compute_logits(hidden[0])  # every position, so the LM head sees a representative range
 
 
-def measure(model, token_ids: list[list[int]], qc: QuantConfig, device_name: str, device, rank: int = 0,
+def measure(model, token_ids: list[list[int]], qc: QuantConfig, with_inc: bool, device, rank: int = 0,
             world_size: int = 1) -> Path | None:
-    """MEASURE on one rank: INC on Gaudi (it writes the files), our observer elsewhere; returns our file."""
-    if device_name == "hpu":
+    """MEASURE on one rank: INC where the device quantizes with it (`with_inc`: Gaudi; INC writes the files),
+    our observer elsewhere; returns our file."""
+    if with_inc:
         from gaudi_runtime.quant import inc
 
         model = inc.prepare_measure(model, qc, rank, world_size)
@@ -111,13 +112,13 @@ def _rank_main(rank: int, a: argparse.Namespace, measure_path: str, token_ids: l
     if rendezvous:  # a spawned rank: its own environment, so the caller's is left as it was
         os.environ.update(rendezvous)
     backend = select_device(a.device, rank, world, graphs=False)
-    if backend.name == "cpu" and world > 1:
+    if backend.computes_on_host and world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     group = join_process_group(backend.distributed_backend, rank, world)
     try:
         model = load_model(a.model_id, getattr(torch, a.dtype), backend.torch_device, rank, world, group)
-        path = measure(model, token_ids, load_quant_config(measure_path), backend.name, backend.torch_device,
-                       rank, world)
+        path = measure(model, token_ids, load_quant_config(measure_path), backend.quantizes_with_inc,
+                       backend.torch_device, rank, world)
     finally:
         leave_process_group(group)
     if path is not None:

@@ -43,7 +43,7 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_to(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast float8 E4M3 up, exactly. On CPU torch's cast is scalar code, slower than a bf16 matmul of the
     same weight; moving the bits into a bfloat16 (same layout, exponent bias 127 vs 7) is vectorized."""
-    if q.device.type != "cpu":
+    if not q.is_cpu:
         return q.to(dtype)
     v = q.view(torch.int8).to(torch.int16)  # sign-extended, so after the shift bit 15 is the sign
     # Keep the sign and the 7 exponent/mantissa bits (mask 0x87F0); rescale by the bias difference 2^(127-7).

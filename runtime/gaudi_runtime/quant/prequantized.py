@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gaudi_runtime.config import ConfigError
+from gaudi_runtime.layers.kernels import LayerKernels, install_kernels
 from gaudi_runtime.layers.linear import (
     LazyWeight,
     LinearBase,
@@ -196,13 +197,15 @@ def use_hpu_fp8(model: nn.Module) -> int:
 
     fmax = hpu.fp8_max()
     layers = [m for m in model.modules() if isinstance(m, Fp8CheckpointMixin)]
+    kernels = {}
     for m in layers:
         q, s = _requantize_per_channel(m.weight.data, getattr(m, m.scale_name).data, fmax)
         m.weight = nn.Parameter(q, requires_grad=False)
         m.register_parameter(m.scale_name, nn.Parameter(s, requires_grad=False))
         # A static input scale measured for 448 maps the same inputs into a smaller range.
         in_scale = None if m.input_scale is None else m.input_scale.data * (448.0 / fmax)
-        m.kernel = functools.partial(_hpu_kernel, m, in_scale, fmax)
+        kernels[m] = functools.partial(_hpu_kernel, m, in_scale, fmax)
+    install_kernels(model, LayerKernels(linear=kernels.get))
     log.info("%d float8 checkpoint layers run on Gaudi's FP8 matmul (E4M3 range %g)", len(layers), fmax)
     kept, dense = use_hpu_fp8_experts(model, fmax)
     if kept or dense:
@@ -218,11 +221,12 @@ def _hpu_kernel(m: nn.Module, in_scale: torch.Tensor | None, fmax: float, x: tor
     return hpu.fp8_linear(x, m.weight, getattr(m, m.scale_name), in_scale, bias, fmax)
 
 
-def how_served(described: str, device: str) -> str:
-    """/info's and the log's account of a checkpoint: its format (`described`), and how this device runs it."""
+def how_served(described: str, native_fp8: bool) -> str:
+    """/info's and the log's account of a checkpoint: its format (`described`), and how this device runs it
+    (`native_fp8`: its float8 layers on the device's FP8 matmul, ``Backend.native_fp8_checkpoints``)."""
     if described.startswith(("gptq", "awq")):
         return f"{described}; weights kept packed, dequantized per layer, activations in the model dtype"
-    if device == "hpu":
+    if native_fp8:
         return f"{described}; Gaudi FP8 matmuls"
     return f"{described}; float8 weights dequantized per layer, activations in the model dtype"
 

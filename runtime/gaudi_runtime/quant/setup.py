@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from gaudi_runtime.config import Config, ServedModelConfig
+from gaudi_runtime.device.base import Backend
 from gaudi_runtime.quant.apply import load_rank_stats, quantize_model, set_kv_scales
 from gaudi_runtime.quant.config import QuantConfig, check_quant_config
 
@@ -26,20 +27,21 @@ def quant_config(cfg: Config) -> QuantConfig:
     return check_quant_config(cfg) or QuantConfig()
 
 
-def quantize_loaded(model: nn.Module, cfg: Config, device: str, dtype: torch.dtype, rank: int = 0,
+def quantize_loaded(model: nn.Module, cfg: Config, backend: Backend, dtype: torch.dtype, rank: int = 0,
                     world_size: int = 1) -> nn.Module:
-    """Apply --quantize / QUANT_CONFIG / --kv-cache-dtype to a freshly loaded model; return the model to serve."""
+    """Apply --quantize / QUANT_CONFIG / --kv-cache-dtype to a freshly loaded model; return the model to serve.
+    `backend`: the device's, whose facts say how its FP8 runs (``native_fp8_checkpoints``, ``quantizes_with_inc``)."""
     stats = None
     if getattr(model, "quantization", None):  # a pre-quantized checkpoint: loaded as it is stored
         from gaudi_runtime.quant.prequantized import how_served, use_hpu_fp8
 
-        if device == "hpu":
+        if backend.native_fp8_checkpoints:
             use_hpu_fp8(model)
-        model.quantization = how_served(model.quantization, device)
+        model.quantization = how_served(model.quantization, backend.native_fp8_checkpoints)
         log.info("rank %d: checkpoint loaded as stored: %s", rank, model.quantization)
     elif cfg.model.quantize == "fp8":
         qc = quant_config(cfg)
-        if device == "hpu":
+        if backend.quantizes_with_inc:
             from gaudi_runtime.quant import inc
 
             model = inc.convert_quantize(model, qc, rank, world_size)

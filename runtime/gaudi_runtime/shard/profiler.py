@@ -18,14 +18,12 @@ from gaudi_runtime.config import DeviceConfig
 log = logging.getLogger(__name__)
 
 
-def activities(device: str) -> list:
-    """What to record besides the host: HPU activity on Gaudi (when the installed torch knows it),
-    CUDA kernels on NVIDIA, nothing more on CPU."""
+def activities(device_activity: str | None) -> list:
+    """What to record: the host, and the device's own work (`device_activity`, ``Backend.profiler_activity``:
+    HPU on Gaudi where the installed torch knows it, CUDA kernels on NVIDIA, None on a CPU)."""
     acts = [torch.profiler.ProfilerActivity.CPU]
-    if device == "hpu" and hasattr(torch.profiler.ProfilerActivity, "HPU"):
-        acts.append(torch.profiler.ProfilerActivity.HPU)
-    elif device == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    if device_activity is not None and hasattr(torch.profiler.ProfilerActivity, device_activity):
+        acts.append(getattr(torch.profiler.ProfilerActivity, device_activity))
     return acts
 
 
@@ -36,7 +34,7 @@ def trace_path(directory: str, rank: int) -> str:
 class StepProfiler:
     """A `torch.profiler.profile` advanced once per decode step; writes one trace, then stops."""
 
-    def __init__(self, cfg: DeviceConfig, rank: int, device: str):
+    def __init__(self, cfg: DeviceConfig, rank: int, device_activity: str | None):
         self.directory = cfg.prof_path
         self.rank = rank
         self.total = cfg.prof_waitstep + cfg.prof_warmupstep + cfg.prof_step
@@ -48,7 +46,7 @@ class StepProfiler:
             schedule = torch.profiler.schedule(wait=cfg.prof_waitstep, warmup=cfg.prof_warmupstep,
                                                active=cfg.prof_step, repeat=1)
         self._prof = torch.profiler.profile(
-            activities=activities(device),
+            activities=activities(device_activity),
             schedule=schedule,
             on_trace_ready=self._write,
             record_shapes=cfg.prof_record_shapes,
@@ -76,8 +74,8 @@ class StepProfiler:
             self._prof.stop()
 
 
-def make_profiler(cfg: DeviceConfig, rank: int, device: str) -> StepProfiler | None:
-    """The profiler this rank runs, or None when profiling is off for it."""
+def make_profiler(cfg: DeviceConfig, rank: int, device_activity: str | None) -> StepProfiler | None:
+    """The profiler this rank runs, or None when profiling is off for it (`device_activity`: see `activities`)."""
     if cfg.prof_step <= 0 or rank not in cfg.prof_ranks:
         return None
-    return StepProfiler(cfg, rank, device)
+    return StepProfiler(cfg, rank, device_activity)

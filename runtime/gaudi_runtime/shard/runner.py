@@ -76,7 +76,7 @@ class ModelRunner:
         self.adapter_rows = load_adapters(self.model, cfg.adapters, model_dir)  # None: no adapters now or later
         use_attention(self.model, attention)
         # FP8 (--quantize / QUANT_CONFIG) swaps layers after load; --kv-cache-dtype sets the cache's scales.
-        self.model = quantize_loaded(self.model, cfg, backend.name, self.dtype, rank, world_size)
+        self.model = quantize_loaded(self.model, cfg, backend, self.dtype, rank, world_size)
         self.kv_dtype = kv_cache_dtype(cfg.model, self.dtype)
         # A model whose attention is its own (DeepSeek's latent attention) names it; the backend's kernels are not used.
         self.attention_name = getattr(self.model, "attention_name", None) or attention_in_use(attention, self.kv_dtype)
@@ -115,7 +115,7 @@ class ModelRunner:
         self._prefill_context_fn = self._prefill_context_step if dev.limit_hpu_graph else backend.graphed(
             self._prefill_context_step, "prefill_context")
         self._verify_fn = backend.graphed(self._verify_step, "verify")
-        self.profiler = make_profiler(cfg.device, rank, backend.name)  # PROF_*: None unless this rank profiles
+        self.profiler = make_profiler(cfg.device, rank, backend.profiler_activity)  # PROF_*: None unless this rank profiles
 
     # ---- the step functions (what device graphs capture) --------------
 

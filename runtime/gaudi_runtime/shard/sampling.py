@@ -61,7 +61,7 @@ def cpu_greedy(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     """(ids, log-probabilities) of greedy rows from the CPU's C kernel, which reads the scores twice where
     a log_softmax and an argmax read them several times; None on another device, without the kernel, or
     for rows it leaves to torch (a NaN, no finite maximum)."""
-    if scores.device.type != "cpu":
+    if not scores.is_cpu:  # the kernel reads host memory; elsewhere it is not even built
         return None
     kernel = cpu_sampling.kernel()
     return None if kernel is None else kernel(scores)

@@ -49,7 +49,7 @@ def allowed_cpus() -> set[int]:
 
 def plan_recipe_cache(cfg: Config, model_dir: str, rank: int) -> RecipeCache | None:
     """This shard's recipe cache when --recipe-cache-dir is set and the device may be Gaudi."""
-    if not cfg.device.recipe_cache_dir or cfg.device.device not in ("auto", "hpu"):
+    if not cfg.device.recipe_cache_dir or not cfg.device.may_be_gaudi:
         return None
     from gaudi_runtime.device import hpu
 
@@ -82,9 +82,9 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
     recipes = plan_recipe_cache(cfg, model_dir, rank)
     backend = select_device(cfg.device.device, rank, world_size, graphs=cfg.device.enable_hpu_graph,
                             recipe_cache=recipes)
-    if backend.name != "hpu":
+    if not backend.caches_compiled_graphs:
         recipes = None
-    threads = cpu_threads(world_size) if backend.name == "cpu" else None
+    threads = cpu_threads(world_size) if backend.computes_on_host else None
     adaptive = None
     if threads is not None:
         torch.set_num_threads(threads)
