@@ -212,8 +212,8 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
      "of the base model cost nothing. false, or no compiler: every row's A and B gathered and two batched "
      "matmuls (the static-shaped path graphs use)."),
     ("CPU_MOE", _bool, True, "CPU: a mixture-of-experts layer's routed experts run as one C call per layer, "
-     "compiled as CPU_PAGED_ATTENTION's is, when its experts average a few rows each (decode); larger steps "
-     "and false, or no compiler: each routed expert's rows as torch calls of their own."),
+     "compiled as CPU_PAGED_ATTENTION's is, when its experts average at most 32 rows each (decode, short "
+     "prefills); larger steps and false, or no compiler: each routed expert's rows as torch calls of their own."),
     ("RECIPE_CACHE_SIZE_MB", int, 16384, "Gaudi: most megabytes of recipes each shard keeps under "
      "--recipe-cache-dir (Habana drops the oldest beyond it)."),
     ("TERMINATION_MESSAGE_PATH", str, "/dev/termination-log", "Where the launcher writes why it gave up (a "

@@ -20,8 +20,9 @@
 #include "cpu_vectors.h"
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
-/* Activation rows multiplied per read of a weight row (two accumulators each, held in registers). */
-enum { ROW_BLOCK = 4 };
+/* Activation rows multiplied per read of a weight row (two accumulators each, held in registers): four
+   float32 rows, or eight bfloat16 ones with the CPU's bfloat16 dot product (no widened copies to hold). */
+enum { ROW_BLOCK = 4, DP_ROW_BLOCK = 8 };
 /* Weight rows per unit of work: phase 1 takes this many gate rows and as many up rows, phase 2 this
    many output rows; small enough that every thread gets several units at decode sizes. */
 enum { GATE_ROWS_PER_UNIT = 32, OUT_ROWS_PER_UNIT = 64 };
@@ -95,13 +96,13 @@ ALWAYS_INLINE void dots(float *res, const float *const *rows, const int n, const
 #define ACT_BF16 1
 
 ALWAYS_INLINE void dp_dots_n(float *res, const uint16_t *const *rows, const uint16_t *w, int64_t len, const int N) {
-    __m512 a[ROW_BLOCK], b[ROW_BLOCK];
-#pragma GCC unroll 4
+    __m512 a[DP_ROW_BLOCK], b[DP_ROW_BLOCK];
+#pragma GCC unroll 8
     for (int m = 0; m < N; m++) a[m] = b[m] = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 64 <= len; i += 64) {
         const __m512bh wa = (__m512bh)_mm512_loadu_si512(w + i), wb = (__m512bh)_mm512_loadu_si512(w + i + 32);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < N; m++) {
             a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_loadu_si512(rows[m] + i), wa);
             b[m] = _mm512_dpbf16_ps(b[m], (__m512bh)_mm512_loadu_si512(rows[m] + i + 32), wb);
@@ -110,11 +111,11 @@ ALWAYS_INLINE void dp_dots_n(float *res, const uint16_t *const *rows, const uint
     for (; i < len; i += 32) {
         const __mmask32 lanes = len - i >= 32 ? 0xffffffffu : (1u << (len - i)) - 1u;
         const __m512bh wa = (__m512bh)_mm512_maskz_loadu_epi16(lanes, w + i);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < N; m++)
             a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_maskz_loadu_epi16(lanes, rows[m] + i), wa);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < N; m++) res[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));
 }
 
@@ -124,7 +125,11 @@ ALWAYS_INLINE void dp_dots(float *res, const void *const *rows, const int n, con
         case 1: dp_dots_n(res, r, w, len, 1); break;
         case 2: dp_dots_n(res, r, w, len, 2); break;
         case 3: dp_dots_n(res, r, w, len, 3); break;
-        default: dp_dots_n(res, r, w, len, 4); break;
+        case 4: dp_dots_n(res, r, w, len, 4); break;
+        case 5: dp_dots_n(res, r, w, len, 5); break;
+        case 6: dp_dots_n(res, r, w, len, 6); break;
+        case 7: dp_dots_n(res, r, w, len, 7); break;
+        default: dp_dots_n(res, r, w, len, 8); break;
     }
 }
 #else
@@ -134,7 +139,9 @@ ALWAYS_INLINE void dp_dots(float *res, const void *const *rows, const int n, con
 /* The activations a phase multiplies: bfloat16 as stored where ACT_BF16 takes them, else float32. */
 ALWAYS_INLINE int act_bf16(const int bf16) { return ACT_BF16 && bf16; }
 
-/* res[m] = rows[m] . w for n (1 .. ROW_BLOCK) activation rows (act_bf16's dtype) and one weight row. */
+ALWAYS_INLINE int row_block(const int bf16) { return act_bf16(bf16) ? DP_ROW_BLOCK : ROW_BLOCK; }
+
+/* res[m] = rows[m] . w for n (1 .. row_block) activation rows (act_bf16's dtype) and one weight row. */
 ALWAYS_INLINE void row_dots(float *res, const void *const *rows, const int n, const void *w, int64_t len,
                             const int bf16) {
 #if ACT_BF16
@@ -184,10 +191,10 @@ ALWAYS_INLINE void gated_unit(void *h, const void *xa, const void *w13, const in
     const char *expert = (const char *)w13 + (size_t)e * 2 * (size_t)inter * row_bytes;
     for (int64_t r = r0; r < r1; r++) {
         const void *gate = expert + (size_t)r * row_bytes, *up = expert + (size_t)(inter + r) * row_bytes;
-        for (int64_t q = 0; q < n_pairs; q += ROW_BLOCK) {
-            const int n = n_pairs - q < ROW_BLOCK ? (int)(n_pairs - q) : ROW_BLOCK;
-            const void *rows[ROW_BLOCK];
-            float g[ROW_BLOCK], u[ROW_BLOCK];
+        for (int64_t q = 0; q < n_pairs; q += row_block(bf16)) {
+            const int n = n_pairs - q < row_block(bf16) ? (int)(n_pairs - q) : row_block(bf16);
+            const void *rows[DP_ROW_BLOCK];
+            float g[DP_ROW_BLOCK], u[DP_ROW_BLOCK];
             for (int m = 0; m < n; m++) rows[m] = (const char *)xa + (size_t)(pairs[q + m] / k) * act_row;
             row_dots(g, rows, n, gate, hidden, bf16);
             row_dots(u, rows, n, up, hidden, bf16);
@@ -207,10 +214,10 @@ ALWAYS_INLINE void down_unit(float *y, const void *h, const void *w2, const int6
     const char *expert = (const char *)w2 + (size_t)e * (size_t)hidden * row_bytes;
     for (int64_t o = o0; o < o1; o++) {
         const void *row = expert + (size_t)o * row_bytes;
-        for (int64_t q = 0; q < n_pairs; q += ROW_BLOCK) {
-            const int n = n_pairs - q < ROW_BLOCK ? (int)(n_pairs - q) : ROW_BLOCK;
-            const void *rows[ROW_BLOCK];
-            float v[ROW_BLOCK];
+        for (int64_t q = 0; q < n_pairs; q += row_block(bf16)) {
+            const int n = n_pairs - q < row_block(bf16) ? (int)(n_pairs - q) : row_block(bf16);
+            const void *rows[DP_ROW_BLOCK];
+            float v[DP_ROW_BLOCK];
             for (int m = 0; m < n; m++) rows[m] = (const char *)h + (size_t)pairs[q + m] * act_row;
             row_dots(v, rows, n, row, inter, bf16);
             for (int m = 0; m < n; m++) y[(size_t)pairs[q + m] * (size_t)hidden + o] = rounded(v[m], bf16);

@@ -3,8 +3,9 @@
 At decode sizes each routed expert gets a few rows, and running each expert as torch calls from Python
 (``layers/moe.grouped_experts``) costs more than its products: about ten calls per expert, tens of
 experts per layer. The kernel reads each routed expert's weights once and splits the work over the
-threads by weight rows. It takes steps whose experts average a few rows (``takes``); larger steps
-(prefill) keep ``grouped_experts``, whose matrix products do many rows better. Built at first use
+threads by weight rows. It takes steps whose experts average up to MOST_ROWS_PER_EXPERT rows (decode, and
+a prompt or two of prefill: ``takes``); larger steps keep ``grouped_experts``, whose matrix products do
+many rows better. Built at first use
 (``cpu_kernels``); without a compiler, one warning, and ``grouped_experts`` throughout.
 """
 
@@ -23,9 +24,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_moe.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# Steps whose routed (token, expert) pairs average at most this many per expert run here: the kernel
-# multiplies a weight row by four rows per read, where a matrix product's blocking pays off on more.
-MOST_ROWS_PER_EXPERT = 8
+# Steps whose routed (token, expert) pairs average at most this many per expert run here; past it (long
+# prefills) the experts' matrix products, whose blocking pays off on many rows, do better
+# (docs/performance.md).
+MOST_ROWS_PER_EXPERT = 32
 
 
 class MoeKernel:
