@@ -85,7 +85,7 @@ def test_a_server_loads_the_best_prebuilt_level_without_a_compiler(prebuilt_dir,
 
 def test_a_cpu_without_the_best_level_gets_one_it_runs(prebuilt_dir, no_compiler, monkeypatch):
     use(monkeypatch, prebuilt_dir)
-    baseline = cpu_kernels.prebuilt(cpu_sampling.SOURCE, "sampling", cpu_flags="fpu sse2 ssse3")
+    baseline = cpu_kernels.prebuilt(cpu_sampling.SOURCE, cpu_flags="fpu sse2 ssse3")
     assert [p.name.startswith(f"sampling-{LEVELS[-1].name}-") for p in baseline] == [True]
 
 
@@ -131,9 +131,9 @@ def test_an_edited_kernel_is_not_served_the_old_prebuilt_library(prebuilt_dir, m
     for name in ("cpu_sampling.c", "cpu_vectors.h"):
         shutil.copy(cpu_kernels.HERE / name, src / name)
     use(monkeypatch, prebuilt_dir)
-    assert cpu_kernels.prebuilt(src / "cpu_sampling.c", "sampling")  # the same source: served
+    assert cpu_kernels.prebuilt(src / "cpu_sampling.c")  # the same source: served
     (src / "cpu_vectors.h").write_text((src / "cpu_vectors.h").read_text() + "\n/* edited */\n")
-    assert cpu_kernels.prebuilt(src / "cpu_sampling.c", "sampling") == []
+    assert cpu_kernels.prebuilt(src / "cpu_sampling.c") == []
 
 
 def test_a_new_kernel_is_one_c_file_with_its_flags_in_it(monkeypatch, tmp_path):

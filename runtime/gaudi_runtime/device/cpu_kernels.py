@@ -185,12 +185,12 @@ def _prebuilt_flags(source: Path, level: cpu_isa.Level, extra_flags: tuple[str, 
     return (*BASE_FLAGS, *level.flags, *source_flags(source), *extra_flags)
 
 
-def prebuilt_name(source: Path, name: str, level: cpu_isa.Level, extra_flags: tuple[str, ...] = ()) -> str:
-    """The file name of `name`'s library for `level`, as today's source and OpenMP runtime build it (the
+def prebuilt_name(source: Path, level: cpu_isa.Level, extra_flags: tuple[str, ...] = ()) -> str:
+    """The file name of the kernel's library for `level`, as today's source and OpenMP runtime build it (the
     runtime by its soname: torch may be installed elsewhere than where the library was built)."""
     runtime = openmp_runtime()
     key = _key(source, _prebuilt_flags(source, level, extra_flags), os.path.basename(runtime or "-lgomp"))
-    return f"{name}-{level.name}-{key}.so"
+    return f"{kernel_name(source)}-{level.name}-{key}.so"
 
 
 def prebuilt_dirs(environ=None) -> list[Path]:
@@ -202,24 +202,25 @@ def prebuilt_dirs(environ=None) -> list[Path]:
 
 def build_prebuilt(source: Path, level: cpu_isa.Level, out: Path, environ=None) -> Path:
     """`source` compiled for `level` into `out` (``gaudi-serve build-kernels``), under ``prebuilt_name``."""
-    target = out / prebuilt_name(source, kernel_name(source), level)
+    target = out / prebuilt_name(source, level)
     return _compile(compiler(environ), _prebuilt_flags(source, level, ()), source, target)
 
 
-def prebuilt(source: Path, name: str, environ=None, extra_flags: tuple[str, ...] = (),
-             machine: str | None = None, cpu_flags: str | None = None) -> list[Path]:
-    """The prebuilt libraries of `name` this CPU runs, best level first (none: compile at start)."""
+def prebuilt(source: Path, environ=None, extra_flags: tuple[str, ...] = (), machine: str | None = None,
+             cpu_flags: str | None = None) -> list[Path]:
+    """The prebuilt libraries of `source`'s kernel this CPU runs, best level first (none: compile at start)."""
     flags = set((_cpu_flags() if cpu_flags is None else cpu_flags).split())
     levels = cpu_isa.runnable(machine or platform.machine(), flags)
-    names = [prebuilt_name(source, name, level, extra_flags) for level in levels]
+    names = [prebuilt_name(source, level, extra_flags) for level in levels]
     return [d / n for n in names for d in prebuilt_dirs(environ) if (d / n).is_file()]
 
 
 def load(source: Path, name: str, wrap: Callable[[Path], K], environ=None, extra_flags: tuple[str, ...] = ()) -> K:
-    """The best prebuilt library this CPU runs, else the library compiled here, wrapped (``wrap(path)``
+    """The best prebuilt library this CPU runs (named for the source: ``kernel_name``), else the library
+    compiled here as `name`, wrapped (``wrap(path)``
     opens it with ctypes); raises KernelUnavailable saying why not. A prebuilt library that does not load
     (a truncated file, a missing symbol) is passed over for the next."""
-    for path in prebuilt(source, name, environ, extra_flags):
+    for path in prebuilt(source, environ, extra_flags):
         try:
             return wrap(path)
         except (OSError, AttributeError) as e:

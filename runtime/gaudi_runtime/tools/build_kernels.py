@@ -42,7 +42,7 @@ def check(environ=None) -> tuple[list[Path], list[str]]:
     found, problems = [], []
     for source in cpu_kernels.kernel_sources():
         name = cpu_kernels.kernel_name(source)
-        paths = cpu_kernels.prebuilt(source, name, environ)
+        paths = cpu_kernels.prebuilt(source, environ)
         if not paths:
             problems.append(f"{name}: no prebuilt library of this source for this CPU in "
                             f"{', '.join(map(str, cpu_kernels.prebuilt_dirs(environ)))}")
