@@ -153,3 +153,17 @@ def test_a_new_kernel_is_one_c_file_with_its_flags_in_it(monkeypatch, tmp_path):
     use(monkeypatch, out)
     lib = cpu_kernels.load(source, "twice", lambda p: ctypes.CDLL(str(p)))
     assert lib.twice(21) == 42 and lib.thrice(2) == 6
+
+
+def test_build_kernels_check_says_what_a_server_would_load(prebuilt_dir, no_compiler, tmp_path, capsys):
+    """`gaudi-serve build-kernels --check` (the image build's last step): each kernel's library, or the
+    kernel that has none and exit 1."""
+    from gaudi_runtime import cli
+
+    assert cli.main(["build-kernels", "--check", "--out", str(prebuilt_dir)]) == 0
+    listed = capsys.readouterr().out.split()
+    assert sorted(Path(p).name.split("-")[0] for p in listed) == sorted(
+        cpu_kernels.kernel_name(s) for s in cpu_kernels.kernel_sources())
+    assert all(Path(p).parent == prebuilt_dir for p in listed)
+    assert cli.main(["build-kernels", "--check", "--out", str(tmp_path / "empty")]) == 1
+    assert "sampling: no prebuilt library" in capsys.readouterr().err
