@@ -5,16 +5,22 @@ BIN := $(VENV)/bin
 PORT ?= 8080
 MODEL ?= /tmp/gaudi-serve-tiny-llama
 
-.PHONY: venv serve test lint proto e2e images
+.PHONY: venv kernels serve test lint proto e2e images
 
 $(BIN)/gaudi-serve: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[runtime,operator,test]'
 	$(BIN)/pip install -q --no-deps 'text-generation==0.7.0'
+	$(MAKE) kernels
 	touch $@
 
 venv: $(BIN)/gaudi-serve
+
+# The CPU kernels prebuilt for each instruction-set level into runtime/gaudi_runtime/device/prebuilt,
+# so that servers start without compiling; without a compiler, they are compiled (or not) at start.
+kernels:
+	$(BIN)/gaudi-serve build-kernels || echo "make kernels: not prebuilt; the CPU kernels compile at start if they can"
 
 # Serve a tiny random-weight Llama generated on the spot, on CPU. The limits leave room for a tool
 # call (the tool prompt alone is about 300 tokens of this tokenizer) and a short conversation.

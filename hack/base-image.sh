@@ -10,8 +10,8 @@
 #   ENGINE=podman DEBIAN_MIRROR=http://mirror.example/debian hack/base-image.sh
 #
 # The root filesystem is Debian's, from `debootstrap --variant=minbase` (python3, python3-venv,
-# ca-certificates, passwd; gcc and libc6-dev, with which the runtime's shards compile their CPU
-# decode-attention kernel) with a venv at /opt/python put first on PATH (Debian's own python3
+# ca-certificates, passwd: no compiler, which only the runtime image's kernel stage installs, from
+# the same mirror) with a venv at /opt/python put first on PATH (Debian's own python3
 # refuses `pip install` outside a venv). It is built as root into a temporary directory, then
 # moved into place under ~/.cache/gaudi-serve (GAUDI_SERVE_CACHE moves it), keyed by the
 # suite and this recipe, with a stamp written last: an interrupted build is redone, never
@@ -24,7 +24,7 @@ set -euo pipefail
 
 SUITE="${DEBIAN_SUITE:-bookworm}"
 MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-PACKAGES="python3,python3-venv,ca-certificates,passwd,gcc,libc6-dev"
+PACKAGES="python3,python3-venv,ca-certificates,passwd"
 VENV=/opt/python
 RECIPE_VERSION=1   # bump when the steps below change what the root filesystem holds
 KEY="$(printf '%s\n' "$SUITE" "$PACKAGES" "$VENV" "$RECIPE_VERSION" | sha256sum | cut -c1-12)"

@@ -1,4 +1,5 @@
-"""`gaudi-serve` command line: launch, download, router, shard, tiny-model, benchmark, loadtest, calibrate."""
+"""`gaudi-serve` command line: launch, download, router, shard, tiny-model, benchmark, loadtest, calibrate,
+build-kernels."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ TOOLS = {
     "benchmark": "static-batching latency/throughput of the shards per batch size",
     "loadtest": "load generator for a TGI or OpenAI endpoint (TTFT, ITL, throughput)",
     "calibrate": "measure FP8 statistics (INC layout) for QUANT_CONFIG",
+    "build-kernels": "compile the CPU kernels for each instruction-set level, so a server needs no compiler",
 }
 
 
@@ -49,6 +51,8 @@ def _run_tool(name: str, argv: list[str]) -> int:
         from gaudi_runtime.bench.benchmark import main as tool
     elif name == "calibrate":
         from gaudi_runtime.quant.calibrate import main as tool
+    elif name == "build-kernels":
+        from gaudi_runtime.tools.build_kernels import main as tool
     else:
         from gaudi_runtime.bench.loadtest import main as tool
     return tool(argv) or 0

@@ -196,20 +196,22 @@ ENV_ONLY: list[tuple[str, type, object, str]] = [
      "in use laid out flat; torch SDPA elsewhere); false: explicit softmax(QK^T)V over gathered blocks."),
     ("FLASH_ATTENTION_RECOMPUTE", _bool, False, "FusedSDPA recompute mode for the first token (HPU; saves memory)."),
     ("CPU_PAGED_ATTENTION", _bool, True, "CPU: decode attention reads the paged KV cache in place with a C kernel, "
-     "compiled at start with the system compiler (CC, else cc) into $XDG_CACHE_HOME/gaudi-serve/kernels; "
-     "false, or no compiler, or a float8 KV cache: each step gathers the blocks into a copy first."),
+     "prebuilt for the CPU's instruction-set level by `gaudi-serve build-kernels` (into $GAUDI_SERVE_KERNELS, "
+     "as the CPU image does), else compiled at start with the system compiler (CC, else cc) into "
+     "$XDG_CACHE_HOME/gaudi-serve/kernels; false, or neither, or a float8 KV cache: each step gathers the "
+     "blocks into a copy first."),
     ("VLLM_BATCH_INVARIANT", _bool, False, "vLLM's name for --batch-invariant: 1 turns the mode on."),
     ("CPU_GEMV", _bool, True, "CPU: a product of one to eight activation rows (decode at small batches, a "
      "speculative step's few tokens) runs through a C kernel over the plain "
      "weights, compiled as CPU_PAGED_ATTENTION's is; each linear layer "
      "keeps its plain weight for it beside oneDNN's reordered copy, twice the linear weights' memory. false, "
-     "or no compiler: oneDNN for every product."),
+     "or no kernel (prebuilt or compiled): oneDNN for every product."),
     ("CPU_LAYER_OPS", _bool, True, "CPU: each RMSNorm (with its residual add), rotary embedding and KV cache write "
      "of a float32 or bfloat16 model runs as one C call, compiled as CPU_PAGED_ATTENTION's is, instead of "
-     "several torch operators. false, or no compiler: torch's operators."),
+     "several torch operators. false, or no kernel: torch's operators."),
     ("CPU_LORA", _bool, True, "CPU: each LoRA layer adds its rows' adapter products in one C call, compiled as "
      "CPU_PAGED_ATTENTION's is, the rows grouped by adapter so each adapter's weights are read once and rows "
-     "of the base model cost nothing. false, or no compiler: every row's A and B gathered and two batched "
+     "of the base model cost nothing. false, or no kernel: every row's A and B gathered and two batched "
      "matmuls (the static-shaped path graphs use)."),
     ("CPU_MOE", _bool, True, "CPU: a mixture-of-experts layer's routed experts run as one C call per layer, "
      "compiled as CPU_PAGED_ATTENTION's is, when its experts average at most 32 rows each (decode, short "

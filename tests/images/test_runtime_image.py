@@ -80,6 +80,20 @@ def test_the_image_is_what_the_operator_renders_for_it(images: Images, pod: dict
     assert labels["org.opencontainers.image.source"].startswith("https://")
 
 
+def test_the_image_loads_its_cpu_kernels_prebuilt_and_has_no_compiler(images: Images) -> None:
+    """Each C kernel loads from the libraries built with the image (for the best level this CPU runs): a shard
+    needs no compiler at start, and the image has none."""
+    flags = ["--rm", "--network", "none", "--read-only", *images.podman.run_flags(images.runtime)]
+    out = images.podman("run", *flags, "--entrypoint", "gaudi-serve", images.runtime, "build-kernels", "--check",
+                        check=False)
+    assert out.returncode == 0, out.stderr
+    libs = out.stdout.split()
+    assert libs and all(lib.startswith("/opt/gaudi-serve/kernels/") for lib in libs), out.stdout
+    found = images.podman("run", *flags, "--entrypoint", "sh", images.runtime, "-c", "command -v cc gcc clang",
+                          check=False)
+    assert found.stdout.strip() == "", f"a compiler in the runtime image: {found.stdout}"
+
+
 def test_the_image_serves_the_tiny_model_as_the_pod_runs_it(images: Images, pod: dict[str, Any],
                                                             tiny_model: Path) -> None:
     from text_generation import Client

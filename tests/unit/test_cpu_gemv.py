@@ -35,7 +35,10 @@ def widened_kernel(tmp_path_factory):
 
 
 @pytest.fixture
-def no_kernel_yet():
+def no_kernel_yet(monkeypatch, tmp_path):
+    """Nothing loaded yet, and no prebuilt library to load (``gaudi-serve build-kernels``): compiled here."""
+    monkeypatch.setattr(cpu_kernels, "PREBUILT", tmp_path / "no-prebuilt")
+    monkeypatch.delenv(cpu_kernels.KERNELS_ENV, raising=False)
     cpu_gemv.kernel.cache_clear()
     yield
     cpu_gemv.kernel.cache_clear()

@@ -167,7 +167,10 @@ def test_bad_block_tables_raise_instead_of_reading_outside_the_cache(kernel, tab
 
 
 @pytest.fixture
-def no_kernel_yet():
+def no_kernel_yet(monkeypatch, tmp_path):
+    """Nothing loaded yet, and no prebuilt library to load (``gaudi-serve build-kernels``): compiled here."""
+    monkeypatch.setattr(cpu_kernels, "PREBUILT", tmp_path / "no-prebuilt")
+    monkeypatch.delenv(cpu_kernels.KERNELS_ENV, raising=False)
     cpu_paged_attention.kernel.cache_clear()
     yield
     cpu_paged_attention.kernel.cache_clear()

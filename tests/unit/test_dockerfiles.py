@@ -114,8 +114,8 @@ def test_runtime_image_matches_the_operator() -> None:
     assert any('".[runtime]"' in r and "hpu" not in r for r in runs)  # the CPU variant
     assert {"runtime", "hpu"} <= set(PYPROJECT["project"]["optional-dependencies"])
     froms = [a for i, a in instrs if i == "FROM"]
-    assert froms[-1] == "base-${VARIANT}" and {"${HPU_BASE_IMAGE} AS base-hpu", "${CPU_BASE_IMAGE} AS base-cpu"} \
-        <= set(froms)
+    assert froms[-1] == "base-${VARIANT}" and {"${HPU_BASE_IMAGE} AS base-hpu", "${CPU_BASE_IMAGE} AS deps-cpu",
+                                                "deps-cpu AS base-cpu"} <= set(froms)
     # The operator's pods run as uid/gid 1000 and call `gaudi-serve launch ... --port 8080`.
     body = {"metadata": {"name": "x", "namespace": "ml", "uid": "u"}, "spec": {"model": {"id": "m"}}}
     pod = pod_template(body, parse_spec(body["spec"]))["spec"]
@@ -144,3 +144,29 @@ def test_dockerignore_admits_exactly_what_the_dockerfiles_copy() -> None:
     # The package build needs these, and finds its packages in operator/ and runtime/.
     assert set(PYPROJECT["tool"]["setuptools"]["packages"]["find"]["where"]) <= copied
     assert PYPROJECT["project"]["readme"] in copied
+
+
+def _stages(name: str) -> dict[str, list[tuple[str, str]]]:
+    """Each stage's instructions, by the name after AS (the FROM line included)."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for instr, args in _instructions(name):
+        if instr == "FROM":
+            current = stages.setdefault(args.split(" AS ")[-1] if " AS " in args else args, [])
+        current.append((instr, args))
+    return stages
+
+
+def test_the_cpu_runtime_ships_its_kernels_prebuilt_and_no_compiler() -> None:
+    """gcc is installed in the kernel stage alone; the cpu stage takes its libraries, points the loader at them
+    and checks at build time that each loads with no compiler there; the offline base brings none either."""
+    stages = _stages("Dockerfile.runtime")
+    kernels, cpu = stages["kernels-cpu"], stages["base-cpu"]
+    assert any("gcc" in a and "gaudi-serve build-kernels --out /opt/gaudi-serve/kernels" in a for i, a in kernels)
+    assert ("COPY", "--from=kernels-cpu /opt/gaudi-serve/kernels/ /opt/gaudi-serve/kernels/") in cpu
+    assert ("ENV", "GAUDI_SERVE_KERNELS=/opt/gaudi-serve/kernels") in cpu
+    assert any("build-kernels --check" in a and "! command -v gcc" in a for i, a in cpu if i == "RUN")
+    assert not any("gcc" in a for name, stage in stages.items() if name != "kernels-cpu" for i, a in stage
+                   if i == "RUN" and "command -v gcc" not in a)
+    packages = re.search(r'^PACKAGES="([^"]*)"', (ROOT / "hack/base-image.sh").read_text(), re.M)
+    assert packages and not {"gcc", "cc", "clang"} & set(packages.group(1).split(","))

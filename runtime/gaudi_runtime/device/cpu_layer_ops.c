@@ -11,8 +11,9 @@
    row's last vector may be partial (LANES floats do not divide every size): it is read and written
    lane by lane. */
 
-/* Compiled with -ffp-contract=off (cpu_layer_ops.py): torch rounds each product before the sum, so no
-   multiply-add may be fused here, which GCC otherwise does for -std=gnu11. */
+/* torch rounds each product before the sum, so no multiply-add may be fused here, which GCC otherwise
+   does for -std=gnu11 (the line below is read by cpu_kernels.py, for every build of this file): */
+// gaudi-serve cflags: -ffp-contract=off
 
 #include <math.h>
 #include <stdint.h>

@@ -25,8 +25,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_layer_ops.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# torch rounds every product before adding it: no multiply-add may be fused (GCC fuses them for gnu11).
-FLAGS = ("-ffp-contract=off",)
 
 
 def _rows(t: torch.Tensor, inner: int) -> torch.Tensor | None:
@@ -131,7 +129,7 @@ class LayerOpsKernel:
 
 def load(environ=None) -> LayerOpsKernel:
     """Build (or find) and load the kernel; raises KernelUnavailable saying why not."""
-    return cpu_kernels.load(SOURCE, "layer_ops", LayerOpsKernel, environ, FLAGS)
+    return cpu_kernels.load(SOURCE, "layer_ops", LayerOpsKernel, environ)
 
 
 @functools.lru_cache(maxsize=1)
