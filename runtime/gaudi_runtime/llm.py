@@ -211,7 +211,8 @@ class LLM:
         return outs
 
     def _validate(self, prompt, sp: SamplingParams):
-        from gaudi_runtime.router.validation import tokenize_input, validate_parameters
+        from gaudi_runtime.router.request_models import GenerateParameters, parse_request
+        from gaudi_runtime.router.validation import tgi_options, tokenize_input, validate
 
         if isinstance(prompt, str):
             text, ids = prompt, tokenize_input(prompt, self.tokenizer)
@@ -219,11 +220,12 @@ class LLM:
             text, ids = None, list(prompt)
         else:
             raise TypeError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
-        request = validate_parameters(text or "", ids, sp.tgi_parameters(), self.config.limits,
-                                      self.config.structured_output).request
-        sampling = replace(request.sampling, generated_frequency_penalty=sp.frequency_penalty,
-                           presence_penalty=sp.presence_penalty)
-        return replace(request, sampling=sampling), text
+        limits = self.config.limits
+        params = parse_request(GenerateParameters, sp.tgi_parameters())
+        # vLLM's penalties are OpenAI's (over the generated tokens), which TGI's parameters do not hold.
+        options = replace(tgi_options(params, limits, self.config.structured_output),
+                          generated_frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty)
+        return validate(text or "", ids, options, limits), text
 
     async def _run_all(self, requests) -> list:
         return await asyncio.gather(*(self._run(r) for r in requests))

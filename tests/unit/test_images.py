@@ -118,21 +118,16 @@ def test_expand_applies_the_byte_limit():
         asyncio.run(prompter(max_image_bytes=50).expand(f"![]({url(png(40, 40))})"))
 
 
-def test_attach_checks_placeholders_and_truncation():
+def test_place_checks_placeholders_and_truncation():
     from gaudi_runtime.router.images import PromptImages
 
-    class Req:
-        input_ids = [1, IMAGE_ID, IMAGE_ID, 2]
-        images: list = []
-
+    ids = [1, IMAGE_ID, IMAGE_ID, 2]
     prompt = PromptImages(text="", image_token_id=IMAGE_ID, images=[b"i"], token_counts=[2])
-    req = Req()
-    prompt.attach(req, [1, IMAGE_ID, IMAGE_ID, 2])
-    assert req.images == [b"i"]
+    assert prompt.place(ids, len(ids)) == ([b"i"], [1])
     with pytest.raises(ValidationError, match="`truncate` cannot cut a prompt that holds images"):
-        prompt.attach(Req(), [0, 1, IMAGE_ID, IMAGE_ID, 2])
+        prompt.place(ids, len(ids) + 1)
     with pytest.raises(ValidationError, match="has 2 image placeholder tokens but its images need 3"):
-        PromptImages(text="", image_token_id=IMAGE_ID, images=[b"i"], token_counts=[3]).attach(Req(), Req.input_ids)
+        PromptImages(text="", image_token_id=IMAGE_ID, images=[b"i"], token_counts=[3]).place(ids, len(ids))
 
 
 async def _serve(handlers: dict):

@@ -562,3 +562,25 @@ def test_limits_are_checked_at_start(env, message):
 def test_top_k_fits_tgis_type():
     assert "`top_k`: expected a 32-bit unsigned integer, got 4294967296" in bad({"top_k": 2**32})
     assert ok({"top_k": 2**32 - 1}).request.sampling.top_k == 2**32 - 1
+
+
+def test_a_tgi_body_and_an_openai_body_asking_the_same_become_the_same_request():
+    from gaudi_runtime.router.request_models import CompletionRequest
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    tgi = ok({"max_new_tokens": 4, "temperature": 0.5, "do_sample": True, "top_p": 0.9, "seed": 7, "stop": ["x"],
+              "details": True, "grammar": {"type": "json", "value": schema}}, inputs="a b").request
+    [openai] = _openai(CompletionRequest, {"prompt": "a b", "max_tokens": 4, "temperature": 0.5, "top_p": 0.9,
+                                           "seed": 7, "stop": "x", "guided_json": schema})
+    assert openai.input_ids == tgi.input_ids and openai.stopping == tgi.stopping
+    assert openai.sampling == tgi.sampling and openai.details and tgi.details
+    # The schema's compact text, written once, is what the shards compile (the field names differ).
+    assert openai.grammar.value == tgi.grammar.value == json.dumps(schema, separators=(",", ":"))
+
+
+def test_a_schema_is_serialised_once_for_its_limits_and_its_grammar():
+    from gaudi_runtime.router.schema_limits import measure
+    from gaudi_runtime.router.validation import json_schema_spec
+
+    measured = measure({"type": "string"}, "guided_json", cfg().structured_output)
+    assert json_schema_spec(measured, "guided_json").value is measured.text

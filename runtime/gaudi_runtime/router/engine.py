@@ -231,13 +231,13 @@ class BatchingEngine:
         self.batching.wake()
         try:
             while True:
-                batch = await _ready(state.events)
-                last = batch[-1]
+                group = await _ready(state.events)
+                last = group[-1]
                 if isinstance(last, Exception):
-                    if len(batch) > 1:
-                        yield batch[:-1]
+                    if len(group) > 1:
+                        yield group[:-1]
                     raise last
-                yield batch
+                yield group
                 if last.end is not None:
                     return
         finally:
@@ -248,19 +248,19 @@ class BatchingEngine:
 
     async def generate(self, request: ValidRequest):
         """One StreamEvent at a time (the offline LLM, benchmarks)."""
-        batches = self.generate_groups(request)
+        groups = self.generate_groups(request)
         try:
-            async for batch in batches:
-                for ev in batch:
+            async for group in groups:
+                for ev in group:
                     yield ev
         finally:
-            await batches.aclose()
+            await groups.aclose()
 
 
 async def _ready(events: asyncio.Queue) -> list:
     """Every item on the queue, once there is one: the tokens of one answer (several steps, several
     pipelined calls) are queued together, and their stream writes them at once."""
-    batch = [await events.get()]
+    group = [await events.get()]
     while not events.empty():
-        batch.append(events.get_nowait())
-    return batch
+        group.append(events.get_nowait())
+    return group

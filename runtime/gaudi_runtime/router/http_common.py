@@ -15,7 +15,6 @@ from aiohttp import web
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.inference import Generation, RequestRecorder, check_health, collect_all
 from gaudi_runtime.router.json_text import dumps
-from gaudi_runtime.router.reasoning import gate_grammars
 from gaudi_runtime.router.state import AppState, get_state
 from gaudi_runtime.router.types import ValidRequest
 from gaudi_runtime.router.validation import parse_json_body
@@ -55,7 +54,6 @@ async def admit(state: AppState, rec: RequestRecorder, requests: list[ValidReque
     """Validated requests about to be generated, if the engine can serve now and their grammars
     compile (the compilation counts as validation time)."""
     check_health(state)
-    gate_grammars(state.thinking, requests)
     await state.engine.check_grammars(requests)
     rec.validated(requests)
 

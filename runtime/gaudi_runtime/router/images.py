@@ -42,17 +42,17 @@ class PromptImages:
     images: list[bytes] = field(default_factory=list)
     token_counts: list[int] = field(default_factory=list)
 
-    def attach(self, request, tokenized: list[int]) -> None:
-        """Give a validated request its images, once its tokens hold exactly their placeholders."""
-        if self.images and len(request.input_ids) != len(tokenized):
+    def place(self, input_ids: list[int], tokenized: int) -> tuple[list[bytes], list[int]]:
+        """The images of a validated prompt `input_ids` (`tokenized` tokens before truncation) and where
+        each one's placeholder tokens start, once its tokens hold exactly their placeholders."""
+        if self.images and len(input_ids) != tokenized:
             raise ValidationError("`truncate` cannot cut a prompt that holds images")
-        placeholders = request.input_ids.count(self.image_token_id)
+        placeholders = input_ids.count(self.image_token_id)
         if placeholders != sum(self.token_counts):
             raise ValidationError(f"the prompt has {placeholders} image placeholder tokens but its images "
                                   f"need {sum(self.token_counts)}")
-        request.images = list(self.images)
-        positions = [i for i, t in enumerate(request.input_ids) if t == self.image_token_id]
-        request.image_starts = [positions[sum(self.token_counts[:k])] for k in range(len(self.images))]
+        positions = [i for i, t in enumerate(input_ids) if t == self.image_token_id]
+        return list(self.images), [positions[sum(self.token_counts[:k])] for k in range(len(self.images))]
 
 
 def split_markdown(text: str) -> list[str | tuple[str]]:

@@ -116,13 +116,13 @@ async def events(state: AppState, request: ValidRequest, rec: RequestRecorder
     list at once); the engine's iterator is always closed."""
     agen = state.engine.generate_groups(request)
     async with aclosing(agen):
-        async for batch in agen:
-            for _ in batch:
+        async for group in agen:
+            for _ in group:
                 rec.token()
-            end = batch[-1].end
+            end = group[-1].end
             if end is not None:
                 rec.ended(end)
-            yield batch
+            yield group
             if end is not None:
                 return
     raise GenerationError("the engine ended the request without a final token")
@@ -146,11 +146,11 @@ class Generation:
 async def collect(state: AppState, request: ValidRequest, rec: RequestRecorder) -> Generation:
     gen = Generation(request)
     async with aclosing(events(state, request, rec)) as it:
-        async for batch in it:
-            for ev in batch:
+        async for group in it:
+            for ev in group:
                 gen.tokens.append(ev.token)
                 gen.top_tokens.append(list(ev.top_tokens))
-            gen.end = batch[-1].end
+            gen.end = group[-1].end
     return gen
 
 
@@ -173,8 +173,8 @@ async def merge(state: AppState, requests: list[ValidRequest], rec: RequestRecor
     events of one request ready together, as `events` gives them)."""
     if len(requests) == 1:
         async with aclosing(events(state, requests[0], rec)) as it:
-            async for batch in it:
-                yield 0, batch
+            async for group in it:
+                yield 0, group
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
@@ -182,8 +182,8 @@ async def merge(state: AppState, requests: list[ValidRequest], rec: RequestRecor
     async def pump(i: int, r: ValidRequest) -> None:
         try:
             async with aclosing(events(state, r, rec)) as it:
-                async for batch in it:
-                    await queue.put((i, batch, None))
+                async for group in it:
+                    await queue.put((i, group, None))
         except Exception as e:  # handed to the consumer
             await queue.put((i, None, e))
             return
@@ -193,13 +193,13 @@ async def merge(state: AppState, requests: list[ValidRequest], rec: RequestRecor
     try:
         remaining = len(tasks)
         while remaining:
-            i, batch, err = await queue.get()
+            i, group, err = await queue.get()
             if err is not None:
                 raise err
-            if batch is done:
+            if group is done:
                 remaining -= 1
                 continue
-            yield i, batch
+            yield i, group
     finally:
         for t in tasks:
             t.cancel()

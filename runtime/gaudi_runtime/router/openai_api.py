@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -34,7 +34,8 @@ from gaudi_runtime.router.http_common import (
 from gaudi_runtime.router.images import prompt_images
 from gaudi_runtime.router.inference import Generation, RequestRecorder, merge
 from gaudi_runtime.router.openai_validation import (
-    chat_parameters,
+    ChatBody,
+    chat_limits,
     chat_prompt,
     chat_requests,
     chat_tools,
@@ -98,8 +99,8 @@ async def _stream(request: web.Request, reqs: list[ValidRequest], req: OpenAIReq
 
     def render(item: tuple[int, list[StreamEvent]]):
         nonlocal generated
-        i, batch = item
-        for ev in batch:
+        i, group = item
+        for ev in group:
             if ev.end is not None:
                 generated += ev.end.generated_tokens
             for c in choice(i, ev):
@@ -174,8 +175,8 @@ async def run_completions(request: web.Request, body: dict, rec: RequestRecorder
     with recorded(rec):
         req = parse_request(CompletionRequest, body)
         slot, load = adapters.openai_slot(state.adapters, req.model)
-        reqs = [replace(r, adapter=slot, adapter_load=load)
-                for r in completion_requests(req, limits, structured, state.tokenizer)]
+        reqs = completion_requests(req, limits, structured, state.tokenizer, adapter=(slot, load),
+                                   thinking=state.thinking)
         await admit(state, rec, reqs)
     envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", served_name(state, slot))
     if req.stream:
@@ -297,14 +298,14 @@ async def prepare_chat(request: web.Request, body: dict, rec: RequestRecorder) -
     with recorded(rec):
         req = parse_request(ChatCompletionRequest, body)
         slot, load = adapters.openai_slot(state.adapters, req.model)
-        check_chat_schemas(req, structured)
-        params = chat_parameters(req, limits)
+        measured = check_chat_schemas(req, structured)
+        max_tokens, top = chat_limits(req, limits)
         tools = chat_tools(req, structured, state.tokenizer.chat_template)
+        chat = ChatBody(req, measured, max_tokens, top, tools, (slot, load))
         prompt = chat_prompt(req, state.tokenizer, tools, images_allowed=state.images is not None)
         images = await prompt_images(state, prompt)
         thinking = reasoning.start_state(state.thinking.parser, prompt) if state.thinking is not None else None
-        reqs = [replace(r, adapter=slot, adapter_load=load)
-                for r in chat_requests(prompt, images, params, req, limits, structured, state.tokenizer, tools)]
+        reqs = chat_requests(prompt, images, chat, limits, structured, state.tokenizer, state.thinking)
         await admit(state, rec, reqs)
     return ChatJob(req, reqs, tools.fmt, slot, thinking)
 

@@ -1,7 +1,7 @@
 """OpenAI's completion and chat requests -> validated requests for the engine.
 
-The fields TGI also has become TGI `parameters` and pass TGI's checks and limits (`validation`), so
-both APIs refuse the same things in the same words. As in TGI, temperature 0 means greedy decoding
+A body is parsed once into the same `GenerationOptions` a TGI body becomes, and ends in the same
+`validation.validate`, so both APIs refuse the same things in the same words. As in TGI, temperature 0 means greedy decoding
 and any other temperature (or none) samples. `frequency_penalty` and `presence_penalty` keep OpenAI's
 meaning, counted over the generated tokens only; TGI's own `frequency_penalty` (over the prompt too,
 divided by the length) is a different knob and stays off here.
@@ -14,57 +14,64 @@ from dataclasses import dataclass, replace
 
 from gaudi_runtime.config import LimitsConfig, StructuredOutputConfig
 from gaudi_runtime.router.errors import ValidationError
+from gaudi_runtime.router.reasoning import ThinkingTokens
 from gaudi_runtime.router.request_models import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     ContentPart,
-    GenerateParameters,
     OpenAIRequest,
-    parse_request,
 )
-from gaudi_runtime.router.schema_limits import check_json_schemas
+from gaudi_runtime.router.schema_limits import MeasuredSchema, check_json_schemas, compact
 from gaudi_runtime.router.tokenizer import RouterTokenizer, TokenizerError
 from gaudi_runtime.router.tool_calls import call_grammar, renders_tools, tool_prompt, tools_format
-from gaudi_runtime.router.types import GrammarSpec, ValidRequest
+from gaudi_runtime.router.types import GenerationOptions, GrammarSpec, ValidRequest
 from gaudi_runtime.router.validation import (
+    check_stop,
     json_schema_spec,
     per_choice_requests,
     tokenize_input,
-    validate_parameters,
-    validate_with_images,
+    validate,
 )
 
 
-def generate_parameters(req: OpenAIRequest, max_tokens: int | None, limits: LimitsConfig,
-                        **extra) -> GenerateParameters:
-    """The TGI parameters of an OpenAI request; `extra` holds the route's own (echo, logprobs)."""
+def check_openai(req: OpenAIRequest, max_tokens: int | None, limits: LimitsConfig) -> None:
+    """The limits an OpenAI body's own fields answer to, worded as TGI's for the same knobs."""
     if req.n > limits.max_n:
         raise ValidationError(f"`n` must be <= {limits.max_n} (--max-n). Given: {req.n}")
-    params = {"details": True, "max_new_tokens": max_tokens, "top_p": req.top_p, "seed": req.seed,
-              "repetition_penalty": req.repetition_penalty, "stop": req.stop, "ignore_eos": req.ignore_eos,
-              **extra}
-    if req.temperature == 0.0:
-        params["do_sample"] = False
-    else:
-        params.update(do_sample=True, temperature=req.temperature)
-    return parse_request(GenerateParameters, params)
+    if max_tokens is not None and max_tokens <= 0:
+        raise ValidationError(f"`max_new_tokens` must be strictly positive. Given: {max_tokens}")
 
 
-def with_openai_penalties(request: ValidRequest, req: OpenAIRequest) -> ValidRequest:
-    sampling = replace(request.sampling, generated_frequency_penalty=req.frequency_penalty,
-                       presence_penalty=req.presence_penalty)
-    return replace(request, sampling=sampling)
+def openai_options(req: OpenAIRequest, max_tokens: int | None, limits: LimitsConfig, *, grammar: GrammarSpec | None,
+                   top_n_tokens: int = 0, echo: bool = False,
+                   adapter: tuple[int, int] = (0, 0)) -> GenerationOptions:
+    """An OpenAI body as the typed options (after `check_openai`): temperature 0 is greedy, the
+    penalties keep OpenAI's meaning (over the generated tokens)."""
+    check_stop(req.stop, limits)
+    sample = req.temperature != 0.0
+    return GenerationOptions(
+        max_new_tokens=max_tokens, do_sample=sample, temperature=req.temperature if sample else None,
+        top_p=req.top_p, repetition_penalty=req.repetition_penalty, seed=req.seed, stop=tuple(req.stop),
+        ignore_eos=req.ignore_eos, generated_frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty, top_n_tokens=top_n_tokens, details=True, return_full_text=echo,
+        grammar=grammar, stream=req.stream, adapter=adapter[0], adapter_load=adapter[1])
 
 
 # --- constrained output ---------------------------------------------------------------------------
+
+ANY_OBJECT = compact({"type": "object"})
+RESPONSE_SCHEMA = "response_format.json_schema.schema"
+
 
 def _regex_literal(text: str) -> str:
     return "".join("\\" + c if c in "\\.^$|?*+()[]{}/-\"" else c for c in text)
 
 
-def output_grammar(req: OpenAIRequest, structured: StructuredOutputConfig) -> GrammarSpec | None:
-    """The constraint `response_format` or vLLM's `guided_json` / `guided_regex` / `guided_choice` asks for."""
+def output_grammar(req: OpenAIRequest, structured: StructuredOutputConfig,
+                   measured: dict[str, MeasuredSchema | None]) -> GrammarSpec | None:
+    """The constraint `response_format` or vLLM's `guided_json` / `guided_regex` / `guided_choice` asks for;
+    `measured`: the schemas as `measure_outputs` read them."""
     given = [f for f in ("guided_json", "guided_regex", "guided_choice") if getattr(req, f) is not None]
     if req.response_format is not None and req.response_format.type != "text":
         given.insert(0, "response_format")
@@ -75,7 +82,7 @@ def output_grammar(req: OpenAIRequest, structured: StructuredOutputConfig) -> Gr
     if structured.disable_grammar_support:
         raise ValidationError(f"`{given[0]}`: grammar is not supported (--disable-grammar-support)")
     if req.guided_json is not None:
-        return json_schema_spec(req.guided_json, "guided_json")
+        return json_schema_spec(measured["guided_json"], "guided_json")
     if req.guided_regex is not None:
         return GrammarSpec("regex", req.guided_regex, "guided_regex")
     if req.guided_choice is not None:
@@ -83,30 +90,30 @@ def output_grammar(req: OpenAIRequest, structured: StructuredOutputConfig) -> Gr
                            "guided_choice")
     fmt = req.response_format
     if fmt.type == "json_object":
-        return json_schema_spec({"type": "object"}, "response_format")
+        return GrammarSpec("json", ANY_OBJECT, "response_format")
     if fmt.json_schema is None:
         raise ValidationError("`response_format.json_schema` is required when `response_format.type` is json_schema")
-    return json_schema_spec(fmt.json_schema.schema_, "response_format.json_schema.schema", "response_format")
+    return json_schema_spec(measured[RESPONSE_SCHEMA], RESPONSE_SCHEMA, "response_format")
 
 
 # --- /v1/completions ------------------------------------------------------------------------------
 
 def completion_requests(req: CompletionRequest, limits: LimitsConfig, structured: StructuredOutputConfig,
-                        tokenizer: RouterTokenizer) -> list[ValidRequest]:
-    """One validated request per prompt and choice."""
-    check_json_schemas(output_schemas(req), structured)
+                        tokenizer: RouterTokenizer, *, adapter: tuple[int, int] = (0, 0),
+                        thinking: ThinkingTokens | None = None) -> list[ValidRequest]:
+    """One validated request per prompt and choice; `adapter`: the (slot, load) `model` names."""
+    measured = measure_outputs(req, structured)
     sequences = completion_sequences(req, limits)
-    extra: dict = {"return_full_text": req.echo}
     if req.logprobs:
         _check_top(req.logprobs, "logprobs", limits)
-        extra["top_n_tokens"] = req.logprobs
-    params = generate_parameters(req, req.max_tokens, limits, **extra)
-    grammar = output_grammar(req, structured)
+    check_openai(req, req.max_tokens, limits)
+    grammar = output_grammar(req, structured, measured)
+    options = openai_options(req, req.max_tokens, limits, grammar=grammar, top_n_tokens=req.logprobs or 0,
+                             echo=req.echo, adapter=adapter)
     out = []
     for text, ids in prompts(req.prompt, limits, tokenizer):
-        job = validate_parameters(text, ids, params, limits, structured, stream=req.stream, grammar=grammar)
-        request = job.request
-        out += per_choice_requests(with_openai_penalties(request, req), sequences, req.seed is not None)
+        request = validate(text, ids, options, limits, thinking=thinking)
+        out += per_choice_requests(request, sequences, req.seed is not None)
     return out
 
 
@@ -152,25 +159,34 @@ def prompts(prompt: str | list[str] | list[int], limits: LimitsConfig,
 def output_schemas(req: OpenAIRequest) -> list[tuple[str, object]]:
     """The schemas and patterns a request's output constraint carries, by field."""
     fmt = req.response_format.json_schema if req.response_format is not None else None
-    return [("response_format.json_schema.schema", None if fmt is None else fmt.schema_),
+    return [(RESPONSE_SCHEMA, None if fmt is None else fmt.schema_),
             ("guided_json", req.guided_json), ("guided_regex", req.guided_regex)]
 
 
-def check_chat_schemas(req: ChatCompletionRequest, structured: StructuredOutputConfig) -> None:
-    """The JSON schemas a chat request carries (`response_format`, vLLM's guided fields, each tool's
-    parameters), bounded before the template renders or a grammar compiles them."""
+def measure_outputs(req: OpenAIRequest, structured: StructuredOutputConfig) -> dict[str, MeasuredSchema | None]:
+    """The output constraint's schemas bounded, by field, before anything reads them."""
     fields = output_schemas(req)
-    fields += [(f"tools[{i}].function.parameters", t.function.parameters) for i, t in enumerate(req.tools or [])]
-    check_json_schemas(fields, structured)
+    return dict(zip([name for name, _ in fields], check_json_schemas(fields, structured), strict=True))
 
 
-def chat_parameters(req: ChatCompletionRequest, limits: LimitsConfig) -> GenerateParameters:
-    extra = {}
+def check_chat_schemas(req: ChatCompletionRequest, structured: StructuredOutputConfig) -> dict[str, MeasuredSchema | None]:
+    """The JSON schemas a chat request carries (`response_format`, vLLM's guided fields, each tool's
+    parameters), bounded before the template renders or a grammar compiles them; the output's, measured."""
+    measured = measure_outputs(req, structured)
+    tools = [(f"tools[{i}].function.parameters", t.function.parameters) for i, t in enumerate(req.tools or [])]
+    check_json_schemas(tools, structured)
+    return measured
+
+
+def chat_limits(req: ChatCompletionRequest, limits: LimitsConfig) -> tuple[int | None, int]:
+    """A chat body's token budget and top log-probabilities per step, checked."""
+    top = 0
     if req.logprobs and req.top_logprobs:
         _check_top(req.top_logprobs, "top_logprobs", limits)
-        extra["top_n_tokens"] = req.top_logprobs
+        top = req.top_logprobs
     max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-    return generate_parameters(req, max_tokens, limits, **extra)
+    check_openai(req, max_tokens, limits)
+    return max_tokens, top
 
 
 @dataclass
@@ -272,20 +288,31 @@ def _content_part(i: int, part: ContentPart, images_allowed: bool) -> str:
     raise ValidationError(f"`messages[{i}].content`: only text and image_url parts are supported")
 
 
-def chat_requests(prompt: str, images, params: GenerateParameters, req: ChatCompletionRequest, limits: LimitsConfig,
-                  structured: StructuredOutputConfig, tokenizer: RouterTokenizer,
-                  tools: ChatTools) -> list[ValidRequest]:
+@dataclass(frozen=True)
+class ChatBody:
+    """A chat request parsed and checked, before its prompt is tokenized: the body, its output
+    schemas as measured, its token budget and top log-probabilities, its tools, its adapter."""
+
+    req: ChatCompletionRequest
+    measured: dict[str, MeasuredSchema | None]
+    max_tokens: int | None
+    top_n_tokens: int
+    tools: ChatTools
+    adapter: tuple[int, int] = (0, 0)
+
+
+def chat_requests(prompt: str, images, body: ChatBody, limits: LimitsConfig, structured: StructuredOutputConfig,
+                  tokenizer: RouterTokenizer, thinking: ThinkingTokens | None = None) -> list[ValidRequest]:
     """The rendered prompt (its special tokens come from the template, none are added) validated, one
     request per choice."""
-    grammar = output_grammar(req, structured)
+    req, tools = body.req, body.tools
+    grammar = output_grammar(req, structured, body.measured)
     if tools.grammar is not None:
         if grammar is not None:
             raise ValidationError(f"`{grammar.field}` cannot be combined with `tool_choice` required or named")
         grammar = tools.grammar
-    if images is not None:
-        job = validate_with_images(prompt, images, params, limits, structured, tokenizer, stream=req.stream,
-                                   add_special_tokens=False, grammar=grammar)
-    else:
-        ids = tokenize_input(prompt, tokenizer, add_special_tokens=False)
-        job = validate_parameters(prompt, ids, params, limits, structured, stream=req.stream, grammar=grammar)
-    return per_choice_requests(with_openai_penalties(job.request, req), req.n, req.seed is not None)
+    options = openai_options(req, body.max_tokens, limits, grammar=grammar, top_n_tokens=body.top_n_tokens,
+                             adapter=body.adapter)
+    ids = tokenize_input(prompt if images is None else images.text, tokenizer, add_special_tokens=False)
+    request = validate(prompt, ids, options, limits, images=images, thinking=thinking)
+    return per_choice_requests(request, req.n, req.seed is not None)

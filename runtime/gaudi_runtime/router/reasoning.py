@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from gaudi_runtime.router.types import ValidRequest
+from gaudi_runtime.router.types import GrammarSpec
 
 START, END = "<think>", "</think>"
 MARKERS = (START, END)
@@ -60,15 +60,15 @@ def thinking_tokens(parser: str | None, encode) -> ThinkingTokens | None:
     return ThinkingTokens(parser, ids[0][0], ids[1][0])
 
 
-def gate_grammars(tokens: ThinkingTokens | None, requests: list[ValidRequest]) -> None:
-    """Each constrained request's grammar told to wait for the end of the thinking, unless its prompt
+def gated(tokens: ThinkingTokens | None, prompt: str, grammar: GrammarSpec | None) -> GrammarSpec | None:
+    """A constrained request's grammar told to wait for the end of the thinking, unless its prompt
     closed it: a reasoning model's grammar constrains the answer only."""
-    if tokens is None:
-        return
-    for r in requests:
-        state = start_state(tokens.parser, r.inputs) if r.grammar is not None else ANSWER
-        if state != ANSWER:
-            r.grammar = replace(r.grammar, thinking=(tokens.start, tokens.end, state == THINKING))
+    if tokens is None or grammar is None:
+        return grammar
+    state = start_state(tokens.parser, prompt)
+    if state == ANSWER:
+        return grammar
+    return replace(grammar, thinking=(tokens.start, tokens.end, state == THINKING))
 
 
 def _held_back(text: str, marker: str) -> int:

@@ -80,9 +80,9 @@ async def _stream(request: web.Request, job: ChatJob, rec, stream: ResponsesStre
     ended = {"finish": None, "generated": 0}
 
     def render(item):
-        _, batch = item
+        _, group = item
         events = stream.start()
-        for ev in batch:
+        for ev in group:
             if ev.end is not None:
                 ended["generated"] += ev.end.generated_tokens
             for text in choice(0, ev):

@@ -9,6 +9,7 @@ schema nested deeper than Python's recursion limit is measured, not crashed on.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from gaudi_runtime.config import StructuredOutputConfig
@@ -32,34 +33,60 @@ def json_depth(value: Any, stop_after: int) -> int:
     return deepest
 
 
-def check_json_schema(value: Any, field: str, max_bytes: int, max_depth: int) -> None:
+@dataclass(frozen=True)
+class MeasuredSchema:
+    """A schema (or regex) of a request that passed the limits: `value` as parsed (a string sent as
+    JSON text, parsed; None when it is not JSON, with the parser's complaint in `error`), and `text`,
+    its compact JSON text when measuring had to write it (a value sent as an object): the grammar
+    the shards compile reuses it, so the schema is serialised once."""
+
+    value: Any
+    text: str | None = None
+    error: json.JSONDecodeError | None = None
+
+
+def check_json_schema(value: Any, field: str, max_bytes: int, max_depth: int) -> MeasuredSchema:
     """Refuse (HTTP 422) a schema `value` of the request's `field` that is larger than `max_bytes`
     as compact JSON, or nested deeper than `max_depth`. A string (a regular expression, or a schema
     sent as JSON text) is measured as it is, and its depth once parsed."""
+    text = error = None
     if isinstance(value, str):
         size = len(value.encode("utf-8"))
         try:
             value = json.loads(value)
         except RecursionError:
             value = _too_deep(field, max_depth)
+        except json.JSONDecodeError as e:
+            value, error = None, e  # not JSON text (a regular expression): only its size is bounded
         except ValueError:
-            value = None  # not JSON text (a regular expression): only its size is bounded
+            value = None
     else:
         size = None
     if json_depth(value, max_depth) > max_depth:
         _too_deep(field, max_depth)
     if size is None:
-        size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+        text = compact(value)
+        size = len(text.encode("utf-8"))
     if size > max_bytes:
         raise ValidationError(f"`{field}` is {size} bytes, more than --max-json-schema-bytes ({max_bytes})")
+    return MeasuredSchema(value, text, error)
+
+
+def compact(value: Any) -> str:
+    """A schema as the shards compile it: compact JSON, text as it is (no \\u escapes)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _too_deep(field: str, max_depth: int):
     raise ValidationError(f"`{field}` is nested more than {max_depth} levels deep (--max-json-schema-depth)")
 
 
-def check_json_schemas(fields: list[tuple[str, Any]], structured: StructuredOutputConfig) -> None:
-    """Every (field name, schema) of one request against the server's limits."""
-    for name, value in fields:
-        if value is not None:
-            check_json_schema(value, name, structured.max_json_schema_bytes, structured.max_json_schema_depth)
+def check_json_schemas(fields: list[tuple[str, Any]], structured: StructuredOutputConfig) -> list[MeasuredSchema | None]:
+    """Every (field name, schema) of one request against the server's limits; None for a field
+    that is absent."""
+    return [None if value is None else measure(value, name, structured) for name, value in fields]
+
+
+def measure(value: Any, field: str, structured: StructuredOutputConfig) -> MeasuredSchema:
+    """One schema of a request against the server's limits."""
+    return check_json_schema(value, field, structured.max_json_schema_bytes, structured.max_json_schema_depth)

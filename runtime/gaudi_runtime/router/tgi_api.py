@@ -110,10 +110,9 @@ async def validated_job(state: AppState, body: dict | GenerateRequest, *, stream
     """A TGI body, its images fetched for a vision model, validated."""
     req = body if isinstance(body, GenerateRequest) else parse_generate(body)
     images = await prompt_images(state, req.inputs)
-    job = validate_generate(req, state.config.limits, state.config.structured_output, state.tokenizer,
-                            stream=stream, images=images)
-    job.request.adapter, job.request.adapter_load = adapters.tgi_slot(state.adapters, req.parameters.adapter_id)
-    return job
+    adapter = adapters.tgi_slot(state.adapters, req.parameters.adapter_id)
+    return validate_generate(req, state.config.limits, state.config.structured_output, state.tokenizer,
+                             stream=stream, images=images, thinking=state.thinking, adapter=adapter)
 
 
 async def run_generate(request: web.Request, body: dict | GenerateRequest, rec: RequestRecorder, *,
@@ -174,9 +173,9 @@ async def stream_tgi(request: web.Request, state: AppState, vreq: ValidRequest,
                      rec: RequestRecorder) -> web.StreamResponse:
     index = 0
 
-    def render(batch: list[StreamEvent]):
+    def render(group: list[StreamEvent]):
         nonlocal index
-        for ev in batch:
+        for ev in group:
             index += 1
             yield stream_event_text(index, ev, vreq)
 

@@ -1,6 +1,7 @@
 """Plain data passed between the HTTP layer and the batching engine in the router.
 
-The HTTP layer turns a request body into a `ValidRequest`; the engine streams
+The HTTP layer parses a request body into `GenerationOptions` (once, either API), then one
+`ValidRequest` per prompt and choice; the engine streams
 `StreamEvent`s back, in lists of those ready together. Nothing here does I/O.
 """
 
@@ -37,8 +38,40 @@ class GrammarSpec:
     value: str
     field: str = "grammar"
     # A reasoning model's (start token, end token, prompt opened it): the grammar waits for the end of
-    # the thinking (router/reasoning.py gate_grammars, shard/grammar.py ThinkingGate). None: it does not.
+    # the thinking (router/reasoning.py gated, shard/grammar.py ThinkingGate). None: it does not.
     thinking: tuple[int, int, bool] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """One request body's generation settings, whichever API it came in: what `validation.tgi_options`
+    (TGI's `parameters`) and `openai_validation.openai_options` (an OpenAI body) each produce, once,
+    and `validation.validate` turns into a `ValidRequest` per prompt. Unset knobs are None (the
+    server's default applies); the grammar is already checked and serialised."""
+
+    max_new_tokens: int | None = None  # None: the room left in --max-total-tokens
+    truncate: int | None = None  # keep only the prompt's last tokens
+    do_sample: bool = False
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    typical_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float = 0.0  # TGI's: over the prompt and the generated tokens, by length
+    generated_frequency_penalty: float = 0.0  # OpenAI's: times generated
+    presence_penalty: float = 0.0  # OpenAI's: once generated
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    best_of: int = 1  # TGI's candidates (OpenAI's choices are expanded by its own handler)
+    top_n_tokens: int = 0
+    decoder_input_details: bool = False
+    details: bool = False
+    return_full_text: bool = False
+    grammar: GrammarSpec | None = None
+    stream: bool = False
+    adapter: int = 0  # LoRA adapter slot (router/adapters.py): 0 the base model
+    adapter_load: int = 0
 
 
 @dataclass

@@ -1,11 +1,12 @@
-"""Request validation: a TGI body in, a `ValidRequest` out, or a `ValidationError` (HTTP 422)
-whose message follows TGI's wording and names the field.
+"""Request validation: a TGI body in, its `GenerationOptions` (parsed once), a `ValidRequest` out,
+or a `ValidationError` (HTTP 422) whose message follows TGI's wording and names the field.
 
 Types and ranges belong to the request models (`request_models`); the checks here are those that
 depend on the running server: its limits (`LimitsConfig`) and structured-output settings
 (`StructuredOutputConfig`), the tokenizer, streaming. Pure functions apart
-from the tokenizer's `encode`. The OpenAI routes come through here too (`openai_validation`), so
-both APIs enforce the same limits with the same words.
+from the tokenizer's `encode`. The OpenAI routes parse their bodies into the same options
+(`openai_validation`) and end in the same `validate`, so both APIs enforce the same limits with the
+same words.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Protocol
 from gaudi_runtime.config import LimitsConfig, StructuredOutputConfig
 from gaudi_runtime.params import SamplingParameters, samples
 from gaudi_runtime.router.errors import ContextLengthError, ValidationError
+from gaudi_runtime.router.reasoning import ThinkingTokens, gated
 from gaudi_runtime.router.request_models import (
     MAX_SEED,
     MAX_U32,
@@ -26,9 +28,9 @@ from gaudi_runtime.router.request_models import (
     Grammar,
     parse_request,
 )
-from gaudi_runtime.router.schema_limits import check_json_schemas
+from gaudi_runtime.router.schema_limits import MeasuredSchema, compact, measure
 from gaudi_runtime.router.tokenizer import TokenizerError
-from gaudi_runtime.router.types import GrammarSpec, StoppingParameters, ValidRequest
+from gaudi_runtime.router.types import GenerationOptions, GrammarSpec, StoppingParameters, ValidRequest
 
 
 class _Encoder(Protocol):
@@ -80,62 +82,64 @@ def tokenize_input(inputs: str, tokenizer: _Encoder, add_special_tokens: bool = 
 
 def validate_generate(body: dict | GenerateRequest, limits: LimitsConfig, structured: StructuredOutputConfig,
                       tokenizer: _Encoder, *, stream: bool = False, rng: random.Random | None = None,
-                      images=None) -> GenerateJob:
+                      images=None, thinking: ThinkingTokens | None = None,
+                      adapter: tuple[int, int] = (0, 0)) -> GenerateJob:
     """A TGI body `{"inputs": ..., "parameters": {...}}` -> GenerateJob.
 
-    `images`: the prompt's images expanded for a vision model (`router.images.prompt_images`)."""
+    `images`: the prompt's images expanded for a vision model (`router.images.prompt_images`);
+    `thinking`: a reasoning model's markers; `adapter`: the (slot, load) `parameters.adapter_id` names."""
     request = body if isinstance(body, GenerateRequest) else parse_generate(body)
-    if images is not None:
-        return validate_with_images(request.inputs, images, request.parameters, limits, structured, tokenizer,
-                                    stream=stream, rng=rng)
-    input_ids = tokenize_input(request.inputs, tokenizer)
-    return validate_parameters(request.inputs, input_ids, request.parameters, limits, structured, stream=stream,
-                               rng=rng)
+    input_ids = tokenize_input(request.inputs if images is None else images.text, tokenizer)
+    options = tgi_options(request.parameters, limits, structured, stream=stream, adapter=adapter)
+    valid = validate(request.inputs, input_ids, options, limits, images=images, thinking=thinking, rng=rng)
+    return GenerateJob(request=valid, best_of=options.best_of)
 
 
-def validate_with_images(inputs: str, images, params: GenerateParameters | dict, limits: LimitsConfig,
-                         structured: StructuredOutputConfig, tokenizer: _Encoder, *, stream: bool = False,
-                         rng: random.Random | None = None,
-                         add_special_tokens: bool = True, grammar: GrammarSpec | None = None) -> GenerateJob:
-    """Validate a vision model's prompt: its text with each image expanded into placeholder tokens."""
-    input_ids = tokenize_input(images.text, tokenizer, add_special_tokens=add_special_tokens)
-    job = validate_parameters(inputs, input_ids, params, limits, structured, stream=stream, rng=rng, grammar=grammar)
-    images.attach(job.request, input_ids)
-    return job
+def tgi_options(p: GenerateParameters, limits: LimitsConfig, structured: StructuredOutputConfig, *,
+                stream: bool = False, adapter: tuple[int, int] = (0, 0)) -> GenerationOptions:
+    """TGI's `parameters` as the typed options, checked against the server's limits."""
+    measured = None if p.grammar is None else measure(p.grammar.value, "grammar", structured)
+    check_limits(p, limits, structured, stream=stream)
+    return GenerationOptions(
+        max_new_tokens=p.max_new_tokens, truncate=p.truncate, do_sample=p.do_sample, temperature=p.temperature,
+        top_k=p.top_k, top_p=p.top_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty or 0.0, seed=p.seed, stop=tuple(p.stop), ignore_eos=p.ignore_eos,
+        best_of=1 if p.best_of is None else p.best_of, top_n_tokens=p.top_n_tokens or 0,
+        decoder_input_details=p.decoder_input_details, details=p.details, return_full_text=p.return_full_text,
+        grammar=None if p.grammar is None else grammar_spec(p.grammar, measured), stream=stream,
+        adapter=adapter[0], adapter_load=adapter[1])
 
 
-def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParameters | dict, limits: LimitsConfig,
-                        structured: StructuredOutputConfig, *, stream: bool = False,
-                        rng: random.Random | None = None,
-                        grammar: GrammarSpec | None = None) -> GenerateJob:
-    """A tokenized prompt and TGI's parameters (a model, or a dict to parse) -> GenerateJob, within
-    the server's `limits`. `grammar`: the OpenAI routes' constraint (TGI's is `params.grammar`)."""
-    if not isinstance(params, GenerateParameters):
-        params = parse_request(GenerateParameters, params)
-    check_limits(params, limits, structured, stream=stream)
-    input_ids, max_new_tokens = fit_input(input_ids, params.truncate, params.max_new_tokens, limits)
-    best_of = 1 if params.best_of is None else params.best_of
-    if params.grammar is not None:
-        grammar = grammar_spec(params.grammar)
-    request = ValidRequest(
-        input_ids=input_ids,
+def validate(inputs: str, input_ids: list[int], options: GenerationOptions, limits: LimitsConfig, *,
+             images=None, thinking: ThinkingTokens | None = None,
+             rng: random.Random | None = None) -> ValidRequest:
+    """A tokenized prompt and its body's options -> the request the engine runs, within `limits`.
+    `images`: the prompt's images, whose placeholder tokens `input_ids` holds; `thinking`: a
+    reasoning model's markers, which the grammar waits for unless the prompt closed the thinking."""
+    o = options
+    ids, max_new_tokens = fit_input(input_ids, o.truncate, o.max_new_tokens, limits)
+    shown, starts = images.place(ids, len(input_ids)) if images is not None else ([], [])
+    return ValidRequest(
+        input_ids=ids,
         inputs=inputs,
-        sampling=sampling_parameters(params, best_of, rng or random.Random()),
+        sampling=sampling_parameters(o, rng or random.Random()),
         stopping=StoppingParameters(
             max_new_tokens=max_new_tokens,
-            stop_sequences=tuple(params.stop),
+            stop_sequences=o.stop,
             # `ignore_eos` is vLLM's extension (benchmark clients send it); the env var sets it server-wide.
             # A grammar's end is the output's: past it the grammar allows nothing but EOS.
-            ignore_eos_token=(limits.text_generation_server_ignore_eos_token or params.ignore_eos)
-            and grammar is None,
+            ignore_eos_token=(limits.text_generation_server_ignore_eos_token or o.ignore_eos) and o.grammar is None,
         ),
-        top_n_tokens=params.top_n_tokens or 0,
-        decoder_input_details=params.decoder_input_details,
-        details=params.details,
-        return_full_text=params.return_full_text,
-        grammar=grammar,
+        top_n_tokens=o.top_n_tokens,
+        decoder_input_details=o.decoder_input_details,
+        details=o.details,
+        return_full_text=o.return_full_text,
+        images=shown,
+        image_starts=starts,
+        grammar=gated(thinking, inputs, o.grammar),
+        adapter=o.adapter,
+        adapter_load=o.adapter_load,
     )
-    return GenerateJob(request=request, best_of=best_of)
 
 
 # --- the server's limits (pure) ------------------------------------------------------------------------
@@ -143,12 +147,10 @@ def validate_parameters(inputs: str, input_ids: list[int], params: GenerateParam
 def check_limits(p: GenerateParameters, limits: LimitsConfig, structured: StructuredOutputConfig, *,
                  stream: bool) -> None:
     """What TGI checks against its launch settings, and what this server does not implement."""
-    check_json_schemas([("grammar", None if p.grammar is None else p.grammar.value)], structured)
     _check_best_of(p, limits, stream=stream)
     if stream and p.decoder_input_details:
         raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
-    if len(p.stop) > limits.max_stop_sequences:
-        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. Given: {len(p.stop)}")
+    check_stop(p.stop, limits)
     if p.top_n_tokens is not None and p.top_n_tokens != 0:
         if limits.max_top_n_tokens == 0:
             raise ValidationError(
@@ -168,26 +170,31 @@ def check_limits(p: GenerateParameters, limits: LimitsConfig, structured: Struct
             f"`truncate` must be strictly positive and less than {limits.max_input_tokens}. Given: {p.truncate}")
 
 
-def grammar_spec(g: Grammar, field: str = "grammar") -> GrammarSpec:
-    """TGI's grammar as the shards take it: a JSON schema (an object, or its JSON text) or a regex."""
+def check_stop(stop: list[str], limits: LimitsConfig) -> None:
+    if len(stop) > limits.max_stop_sequences:
+        raise ValidationError(f"`stop` supports up to {limits.max_stop_sequences} stop sequences. Given: {len(stop)}")
+
+
+def grammar_spec(g: Grammar, measured: MeasuredSchema, field: str = "grammar") -> GrammarSpec:
+    """TGI's grammar as the shards take it: a JSON schema (an object, or its JSON text) or a regex;
+    `measured`: its value as the size limits read it."""
     if g.type == "regex":
         if not isinstance(g.value, str):
             raise ValidationError(f"`{field}.value`: a regex grammar's value must be a string")
         return GrammarSpec("regex", g.value, field)
-    return json_schema_spec(g.value, f"{field}.value", field)
+    return json_schema_spec(measured, f"{field}.value", field)
 
 
-def json_schema_spec(schema: object, where: str, field: str | None = None) -> GrammarSpec:
-    """A JSON schema (an object or a boolean, or the JSON text of one) as a grammar; `where` names
+def json_schema_spec(schema: MeasuredSchema, where: str, field: str | None = None) -> GrammarSpec:
+    """A JSON schema (an object or a boolean, or the JSON text of one), measured against the limits,
+    as a grammar: its compact text, written once (by the measuring, for an object). `where` names
     the field in errors, `field` the one named if the shards cannot compile it."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise ValidationError(f"`{where}`: not valid JSON: {e}") from None
-    if not isinstance(schema, dict | bool):
+    if schema.error is not None:
+        raise ValidationError(f"`{where}`: not valid JSON: {schema.error}")
+    if not isinstance(schema.value, dict | bool):
         raise ValidationError(f"`{where}`: a JSON schema must be an object")
-    return GrammarSpec("json", json.dumps(schema, ensure_ascii=False, separators=(",", ":")), field or where)
+    text = schema.text if schema.text is not None else compact(schema.value)
+    return GrammarSpec("json", text, field or where)
 
 
 def _sampling_requested(p: GenerateParameters) -> bool:
@@ -237,18 +244,20 @@ def fit_input(input_ids: list[int], truncate: int | None, max_new_tokens: int | 
     return input_ids, max_new_tokens
 
 
-def sampling_parameters(p: GenerateParameters, best_of: int, rng: random.Random) -> SamplingParameters:
+def sampling_parameters(o: GenerationOptions, rng: random.Random) -> SamplingParameters:
     """What the shard's token chooser needs, `do_sample` settled by `params.samples` (best_of > 1
     samples); a request without a seed gets a random one."""
     chosen = SamplingParameters(
-        do_sample=p.do_sample or best_of > 1,
-        temperature=1.0 if p.temperature is None else p.temperature,
-        top_k=p.top_k or 0,
-        top_p=1.0 if p.top_p is None else p.top_p,
-        typical_p=1.0 if p.typical_p is None else p.typical_p,
-        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
-        frequency_penalty=p.frequency_penalty or 0.0,
-        seed=rng.getrandbits(63) if p.seed is None else p.seed,
+        do_sample=o.do_sample or o.best_of > 1,
+        temperature=1.0 if o.temperature is None else o.temperature,
+        top_k=o.top_k or 0,
+        top_p=1.0 if o.top_p is None else o.top_p,
+        typical_p=1.0 if o.typical_p is None else o.typical_p,
+        repetition_penalty=1.0 if o.repetition_penalty is None else o.repetition_penalty,
+        frequency_penalty=o.frequency_penalty,
+        generated_frequency_penalty=o.generated_frequency_penalty,
+        presence_penalty=o.presence_penalty,
+        seed=rng.getrandbits(63) if o.seed is None else o.seed,
     )
     return replace(chosen, do_sample=samples(chosen))
 
