@@ -118,3 +118,22 @@ async def test_a_new_child_kind_is_one_more_component(fake: FakeKube,  # noqa: F
     del fake.body["spec"]["env"]
     await handlers.reconcile("ml", "llama", OperatorConfig())
     assert fake.deleted == [("ConfigMap", "ml", "llama")]
+
+
+@pytest.mark.parametrize("engine,unserved,live,want", [
+    ("hpa", (), None, ("True", "AutoscalerApplied")),
+    ("hpa", (), {"metadata": {"name": "llama"}, "status": {"conditions": [{"type": "ScalingActive", "status": "False", "reason": "FailedGetPodsMetric",
+                                            "message": "no metrics"}]}}, ("False", "FailedGetPodsMetric")),
+    ("keda", ("ScaledObject",), None, ("False", "AutoscalerNotInstalled")),
+])
+def test_the_autoscaler_reports_whether_it_scales_without_gating_ready(engine: str, unserved: tuple, live: dict | None,
+                                                                      want: tuple[str, str]) -> None:
+    autoscaling: dict[str, Any] = {"maxReplicas": 3, "engine": engine}
+    if engine == "keda":
+        autoscaling["prometheus"] = {"serverAddress": "http://prometheus:9090"}
+    b = body(autoscaling=autoscaling)
+    spec = parse_spec(b["spec"])
+    observed = Observed(pods=[ready_pod("a"), ready_pod("b")], autoscaler=live, unserved=unserved)
+    status = compute_status(b, spec, render(b, spec), observed, now=NOW)
+    assert (_cond(status, "Autoscaled")["status"], _cond(status, "Autoscaled")["reason"]) == want
+    assert _cond(status, "Ready")["status"] == "True"
