@@ -29,6 +29,7 @@ class Applied:
 
     live: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     unserved: list[str] = field(default_factory=list)
+    objects: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # every live object, by component
 
     def get(self, component: Component, kind: str) -> dict[str, Any] | None:
         return self.live.get(component.name, {}).get(kind)
@@ -65,6 +66,7 @@ async def _apply(component: Component, ctx: Context, objects: list[dict[str, Any
                 raise
             out.unserved.append(obj["kind"])
             continue
+        out.objects.setdefault(component.name, []).append(applied)
         if obj["metadata"]["name"] == ctx.name:
             out.live.setdefault(component.name, {})[obj["kind"]] = applied
 

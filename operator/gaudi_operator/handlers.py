@@ -97,7 +97,7 @@ async def _observe(ctx: Context, rendered: Rendered, applied: children.Applied, 
     autoscaler = next(iter(applied.live.get(AUTOSCALER.name, {}).values()), None)
     return Observed(deployment=applied.get(WORKLOAD, "Deployment"), pods=pods, warmup=warmup, autoscaler=autoscaler,
                     unserved=tuple(applied.unserved), download=fetched, startup=startup,
-                    route=applied.get(GATEWAY, "HTTPRoute"))
+                    route=applied.get(GATEWAY, "HTTPRoute"), children=applied.objects)
 
 
 async def _prefetch(ctx: Context) -> Download | None:

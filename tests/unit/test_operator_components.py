@@ -137,3 +137,26 @@ def test_the_autoscaler_reports_whether_it_scales_without_gating_ready(engine: s
     status = compute_status(b, spec, render(b, spec), observed, now=NOW)
     assert (_cond(status, "Autoscaled")["status"], _cond(status, "Autoscaled")["reason"]) == want
     assert _cond(status, "Ready")["status"] == "True"
+
+
+async def test_the_operators_picker_reports_whether_a_pod_of_it_is_available(
+        fake: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    assert fake.body is not None
+    config = OperatorConfig(picker_image="registry.example/epp:v1", picker_cluster_role="gso-endpoint-picker")
+    fake.body["spec"]["gateway"] = {}
+    status = await handlers.reconcile("ml", "llama", config)
+    assert status is not None
+    picker = _cond(status, "EndpointPickerAvailable")
+    assert (picker["status"], picker["reason"]) == ("False", "PickerUnavailable")
+    assert picker["message"] == "Deployment llama-epp: 0/1 replicas available"
+    apply = fake.apply
+
+    async def available(obj: dict[str, Any]) -> dict[str, Any]:
+        live = await apply(obj)
+        return {**live, "status": {"availableReplicas": 1}} if obj["metadata"]["name"] == "llama-epp" else live
+    monkeypatch.setattr(kube, "apply", available)
+    status = await handlers.reconcile("ml", "llama", config)
+    assert status is not None and _cond(status, "EndpointPickerAvailable")["status"] == "True"
+    fake.body["spec"]["gateway"] = {"endpointPicker": {"service": {"name": "mine"}}}  # a picker of the user's
+    status = await handlers.reconcile("ml", "llama", config)
+    assert status is not None and "EndpointPickerAvailable" not in {c["type"] for c in status["conditions"]}

@@ -74,7 +74,8 @@ class Observed:
     because it does not serve them (a ScaledObject without KEDA installed, an InferencePool or HTTPRoute
     without the Gateway API's CRDs); `route` the live HTTPRoute of spec.gateway.route; `download` is the
     model-cache download (spec.model.cache.prefetch); `startup` the /health answer of the newest
-    ready pod (`latest_ready_pod`), with its name under "pod", when it was read in this pass.
+    ready pod (`latest_ready_pod`), with its name under "pod", when it was read in this pass;
+    `children` every live object the apply gave back, by component.
     """
 
     deployment: dict[str, Any] | None = None
@@ -85,6 +86,7 @@ class Observed:
     download: Download | None = None
     startup: dict[str, Any] | None = None
     route: dict[str, Any] | None = None
+    children: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
