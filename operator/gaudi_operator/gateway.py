@@ -25,7 +25,7 @@ CRDS = {"InferencePool": (f"inferencepools.{POOL_GROUP}", "the Gateway API Infer
 # The route conditions a Gateway's controller writes per parent (GEP-1364), in the order reported.
 ROUTE_CONDITIONS = ("Accepted", "ResolvedRefs")
 
-__all__ = ["CRDS", "KINDS", "NO_PICKER_MESSAGE", "Routed", "gateway_status", "named_in_status", "render_gateway",
+__all__ = ["CRDS", "KINDS", "NO_PICKER_MESSAGE", "Routed", "gateway_status", "render_gateway",
            "routed"]
 
 
@@ -137,13 +137,6 @@ def gateway_status(spec: InferenceServiceSpec, name: str, namespace: str, route:
         if parents:
             out["parents"] = parents
     return out
-
-
-def named_in_status(status: dict[str, Any] | None) -> set[str]:
-    """The kinds the last status named (status.gateway): a pass that no longer wants them deletes them
-    even when no watch has seen them (a CRD installed after the operator started may not be watched)."""
-    named = ((status or {}).get("gateway") or {})
-    return {kind for kind, key in (("InferencePool", "inferencePool"), ("HTTPRoute", "httpRoute")) if named.get(key)}
 
 
 def missing_apis(unserved: tuple[str, ...]) -> str | None:

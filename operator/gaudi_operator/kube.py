@@ -81,6 +81,14 @@ def _api() -> kubernetes.client.ApiClient:
     return _client
 
 
+def resource(kind: str) -> tuple[str, str, str]:
+    """(group, version, plural) of a kind, as Kopf names a resource to watch."""
+    prefix, plural = _KINDS[kind]
+    group_version = prefix.removeprefix("/apis/").removeprefix("/api/")
+    group, _, version = group_version.rpartition("/")
+    return group, version, plural
+
+
 def _path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
     prefix, plural = _KINDS[kind]
     path = f"{prefix}/namespaces/{namespace}/{plural}"
@@ -184,6 +192,17 @@ async def pod_log(namespace: str, pod: str, container: str, *, tail_lines: int =
     except Exception as exc:  # progress is best effort: a kubelet that does not answer stops no pass
         log.debug("log of pod %s/%s unavailable: %s", namespace, pod, exc)
         return None
+
+
+async def list_objects(kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+    """The objects of `kind` matching a label selector, each with its kind (a list's items carry none);
+    none where the API server does not serve the kind. resourceVersion 0: from the API server's watch
+    cache, as Kopf's watches are, not a quorum read per pass."""
+    try:
+        rsp = await _run("GET", _path(kind, namespace), query=[("labelSelector", selector), ("resourceVersion", "0")])
+    except NotFound:
+        return []
+    return [{**item, "kind": kind} for item in rsp.get("items") or []]
 
 
 async def list_pods(namespace: str, selector: str) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ HEALTH_PORT = 9003  # gRPC health, service "inference-extension"
 PICKER_LABEL = "gaudiserve.io/endpoint-picker"
 KINDS = ("ServiceAccount", "RoleBinding", "Deployment", "Service")
 
-__all__ = ["KINDS", "PickerConfig", "picker_name", "picker_ref", "render_picker", "stale_picker", "wants_own_picker"]
+__all__ = ["KINDS", "PickerConfig", "picker_name", "picker_ref", "render_picker", "wants_own_picker"]
 
 
 @dataclass(frozen=True)
@@ -108,12 +108,3 @@ def picker_ref(spec: InferenceServiceSpec, name: str, picker: PickerConfig) -> t
     if service is not None:
         return service.name, service.port
     return (picker_name(name), GRPC_PORT) if picker.image else None
-
-
-def stale_picker(status: dict[str, Any] | None, name: str, wanted: bool) -> list[tuple[str, str]]:
-    """(kind, name) of the picker objects to delete: the last status says the operator ran one
-    (status.gateway.endpointPickerManaged) and this render does not want it."""
-    gateway = (status or {}).get("gateway") or {}
-    if wanted or not gateway.get("endpointPickerManaged"):
-        return []
-    return [(kind, picker_name(name)) for kind in KINDS]

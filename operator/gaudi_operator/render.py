@@ -1,15 +1,10 @@
-"""InferenceService -> child manifests (pure: no I/O, no clock).
+"""The workload's objects (pure: no I/O, no clock): the Deployment and its pod template, the
+Service, the PodDisruptionBudget and the NetworkPolicy, each a plain dict ready for server-side
+apply, and the labels every child carries.
 
-`render(body, spec)` returns a `Rendered`: the Deployment, the Service,
-when replicas > 1 the PodDisruptionBudget, with spec.networkPolicy the
-NetworkPolicy, with spec.autoscaling its autoscaler (autoscaling.py) and with
-spec.gateway an InferencePool and HTTPRoute (gateway.py) and, when it names no picker,
-the operator's own (picker.py), each a plain dict ready for server-side apply, plus
-the facts the status reports about them (template hash, selector, URL), so nothing
-downstream renders again. Only the fields the
-operator owns are set, so other field managers (HPA through the scale
-subresource, GitOps tools, admission webhooks) keep theirs. The model-cache
-download Job is not a child of one InferenceService: download.py renders it.
+Only the fields the operator owns are set, so other field managers (HPA through the scale
+subresource, GitOps tools, admission webhooks) keep theirs. Which objects an InferenceService has,
+and who owns them, is the components' (components/): `components.render` is the whole render.
 """
 
 from __future__ import annotations
@@ -17,15 +12,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
-import kopf
-
-from .autoscaling import render_autoscaler
-from .gateway import render_gateway
 from .kv_offload import disk_volume, offload_env, offload_resources
-from .picker import PickerConfig, picker_ref, render_picker
 from .spec import (
     API_KEY_ENV,
     PRESTOP_SECONDS,
@@ -34,7 +23,6 @@ from .spec import (
     LabelSelector,
     NetworkPolicyPeer,
     lora_adapters_flag,
-    parse_spec,
 )
 
 APP_NAME = "gaudi-serve"
@@ -49,29 +37,14 @@ DATA_DIR = "/data"
 RECIPE_DIR = "/recipe-cache"
 RECIPE_SUBPATH = "recipes"
 QUANT_DIR = "/etc/gaudi-serve/quant"
-# Kinds a spec may or may not want; the reconcile deletes the ones a render left out.
-OPTIONAL_KINDS = ("PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler", "ScaledObject", "InferencePool",
-                  "HTTPRoute")
 # The label the API server puts on every namespace, holding its name.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 __all__ = [
-    "CONTAINER", "GAUDI_RESOURCE", "ISVC_LABEL", "MANAGED_BY", "OPTIONAL_KINDS", "TEMPLATE_HASH_LABEL",
-    "Rendered", "labels", "operator_peer", "pod_template", "render", "selector_labels", "selector_string",
+    "CONTAINER", "GAUDI_RESOURCE", "ISVC_LABEL", "MANAGED_BY", "TEMPLATE_HASH_LABEL", "labels", "operator_peer",
+    "pod_template", "render_deployment", "render_network_policy", "render_pdb", "render_service", "selector_labels",
+    "selector_string", "service_url",
 ]
-
-
-@dataclass(frozen=True)
-class Rendered:
-    """One render of an InferenceService: what to apply, what to remove, and what status reports."""
-
-    children: list[dict[str, Any]]
-    unwanted: tuple[str, ...]  # optional kinds this spec does not want (named like the object)
-    template_hash: str  # label of the pods that run the current template
-    selector: str  # label selector of the pods, for the scale subresource
-    url: str  # the Service's in-cluster address
-    picker: str | None = None  # with spec.gateway: the picker Service the pool refers to (name:port)
-    picker_managed: bool = False  # the operator runs that picker (picker.py)
 
 
 def labels(name: str) -> dict[str, str]:
@@ -436,46 +409,3 @@ def render_network_policy(body: dict[str, Any], spec: InferenceServiceSpec,
         "spec": {"podSelector": {"matchLabels": selector_labels(name)}, "policyTypes": ["Ingress"],
                  "ingress": ingress},
     }
-
-
-def render(body: dict[str, Any], spec: InferenceServiceSpec | None = None, *,
-           cluster_domain: str = "cluster.local", operator: dict[str, Any] | None = None,
-           downloaded: bool = True, picker: PickerConfig | None = None) -> Rendered:
-    """All children of an InferenceService `body`.
-
-    `body` needs apiVersion, kind and metadata name, namespace and uid: the children's
-    owner reference is built from them. `operator` is the NetworkPolicy peer of the
-    operator's pods (`operator_peer`), admitted by a NetworkPolicy for the warmup poll.
-    `downloaded` False (the model-cache download is not over) leaves the Deployment out: it is
-    neither created nor changed, so a first start waits and pods of an earlier template keep serving.
-    `picker`: the picker the operator runs for a spec.gateway that names none (the chart's image).
-    """
-    spec = spec or parse_spec(body.get("spec"))
-    meta = body["metadata"]
-    deployment = render_deployment(body, spec)
-    children = [deployment] if downloaded else []
-    children.append(render_service(body, spec))
-    # Autoscaled: the PDB stays whatever the current count, instead of coming and going with it.
-    if spec.replicas > 1 or (spec.autoscaling is not None and spec.autoscaling.max_replicas > 1):
-        children.append(render_pdb(body, spec))
-    if spec.network_policy is not None:
-        children.append(render_network_policy(body, spec, operator))
-    children += render_autoscaler(_metadata(body), spec)
-    picker = picker or PickerConfig()
-    ref = picker_ref(spec, meta["name"], picker)
-    own_picker = render_picker(_metadata(body), spec, picker)
-    # The pool before its picker: where the cluster does not serve the pool, the picker is left out.
-    children += render_gateway(_metadata(body), spec, selector_labels(meta["name"]), ref) + own_picker
-    # Controller reference: garbage collection removes the children with their owner, and
-    # blockOwnerDeletion keeps a foreground delete waiting for them.
-    kopf.append_owner_reference(children, owner=body, controller=True, block_owner_deletion=True)
-    kinds = {c["kind"] for c in children}
-    return Rendered(
-        children=children,
-        unwanted=tuple(k for k in OPTIONAL_KINDS if k not in kinds),
-        template_hash=deployment["spec"]["template"]["metadata"]["labels"][TEMPLATE_HASH_LABEL],
-        selector=selector_string(meta["name"]),
-        url=service_url(meta["name"], meta["namespace"], spec, cluster_domain),
-        picker=f"{ref[0]}:{ref[1]}" if ref else None,
-        picker_managed=bool(own_picker),
-    )

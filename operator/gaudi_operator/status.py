@@ -14,21 +14,22 @@ the operator can patch only on change.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 from gaudi_runtime.progress import STALL_EXIT_CODE
 
 from .autoscaling import autoscaling_status
+from .components import Condition, Context, Observed, Rendered, Report, reports
 from .estimate import expected_warmup_shapes
 from .gateway import KINDS as GATEWAY_KINDS
-from .gateway import NO_PICKER_MESSAGE, gateway_status, missing_apis, routed
+from .gateway import NO_PICKER_MESSAGE, gateway_status, missing_apis
 from .kv_offload import kv_cache_status
 from .memory import memory_status
 from .prefetch_job import Download
 from .prefetch_job import summary as download_summary
 from .quantity import bytes_of
-from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, Rendered, selector_string
+from .render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, selector_string
 from .spec import InferenceServiceSpec
 
 MANAGED_KEYS = ("observedGeneration", "phase", "replicas", "readyReplicas", "updatedReplicas", "selector",
@@ -70,42 +71,12 @@ _ADAPTER_RE = re.compile(r"(?:--lora-adapters|download failed).*?\badapter '([^'
 # What the runtime writes when its start made no progress for --warmup-stall-seconds (gaudi_runtime.progress).
 _STALL_RE = re.compile(r"start stalled", re.I)
 
-__all__ = ["MANAGED_KEYS", "Observed", "compute_status", "invalid_spec_status", "latest_ready_pod", "phase_of",
-           "status_patch"]
+__all__ = ["MANAGED_KEYS", "Condition", "Observed", "compute_status", "invalid_spec_status", "latest_ready_pod",
+           "phase_of", "ready_of", "status_patch"]
 
 
 @dataclass(frozen=True)
 class Problem:
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class Observed:
-    """What the reconcile read back after applying: the live Deployment, the pods, their warmup.
-
-    `warmup` maps pod name -> the `warmup` object of that pod's /health answer; `autoscaler` is
-    the live HorizontalPodAutoscaler or ScaledObject; `unserved` the kinds the cluster refused
-    because it does not serve them (a ScaledObject without KEDA installed, an InferencePool or HTTPRoute
-    without the Gateway API's CRDs); `route` the live HTTPRoute of spec.gateway.route; `download` is the
-    model-cache download (spec.model.cache.prefetch); `startup` the /health answer of the newest
-    ready pod (`latest_ready_pod`), with its name under "pod", when it was read in this pass.
-    """
-
-    deployment: dict[str, Any] | None = None
-    pods: list[dict[str, Any]] = field(default_factory=list)
-    warmup: dict[str, dict[str, Any]] = field(default_factory=dict)
-    autoscaler: dict[str, Any] | None = None
-    unserved: tuple[str, ...] = ()
-    download: Download | None = None
-    startup: dict[str, Any] | None = None
-    route: dict[str, Any] | None = None
-
-
-class Condition(NamedTuple):
-    """A condition before it is stamped with its transition time (see `_stamp`)."""
-
-    status: bool
     reason: str
     message: str
 
@@ -401,27 +372,15 @@ def _degraded(fleet: Fleet) -> Condition:
     return Condition(False, "AsExpected", "no problem observed")
 
 
-def _camel(reason: str) -> str:
-    return "".join(part.capitalize() for part in reason.split("_"))
-
-
-def _downloaded(download: Download, spec: InferenceServiceSpec) -> Condition:
-    """True once the model is in the claim; else why not yet, or why never without a change."""
-    cache = spec.model.cache
-    claim = cache.persistent_volume_claim.claim_name if cache and cache.persistent_volume_claim else "?"
-    what = f"{spec.model.id}@{spec.model.revision or 'default branch'} in claim {claim}"
-    if spec.model.hub_adapters:
-        what += f" with {len(spec.model.hub_adapters)} LoRA adapter(s)"
-    if download.state == "Complete":
-        took = f" in {download.seconds:.1f}s" if download.seconds is not None else ""
-        return Condition(True, "Downloaded", f"{what}: {download_summary(download)}{took} (job {download.job})")
-    if download.state == "Failed":
-        return Condition(False, _camel(download.reason or "error"), f"{what}: job {download.job} failed: "
-                                                                    f"{download.reason}: {download.message}")
-    progress = download_summary(download) if download.state == "Downloading" else "waiting for its pod to run"
-    retry = (f"; attempt {download.attempts} failed ({download.reason}: {download.message}), retrying"
-             if download.attempts else "")
-    return Condition(False, "Downloading", f"{what}: job {download.job}: {progress}{retry}")
+def ready_of(workload: Condition, reports: list[Report]) -> Condition:
+    """Ready, from the set of conditions: the workload's (the fleet serves) and every condition that
+    gates readiness (Routed, when a gateway is asked for), as KServe derives its readiness from its
+    condition set. The workload's reason wins while it is not serving: it says the most."""
+    blocking = [r for r in reports if r.gates_ready and not r.condition.status]
+    if not workload.status or not blocking:
+        return workload
+    first = blocking[0]
+    return Condition(False, first.condition.reason, f"{workload.message}; {first.type}: {first.condition.message}")
 
 
 def phase_of(conditions: dict[str, Condition], ready_replicas: int) -> str:
@@ -454,20 +413,18 @@ def _stamp(body: dict[str, Any], conditions: dict[str, Condition], now: str) -> 
 
 
 def compute_status(body: dict[str, Any], spec: InferenceServiceSpec, rendered: Rendered, observed: Observed,
-                   *, now: str) -> dict[str, Any]:
-    """The status of an InferenceService whose children were rendered as `rendered` and observed as `observed`."""
+                   *, now: str, context: Context | None = None) -> dict[str, Any]:
+    """The status of an InferenceService whose children were rendered as `rendered` and observed as `observed`
+    (`context`: what they were rendered from; by default the object and its spec)."""
     fleet = observe_fleet(spec, rendered.template_hash, observed, spec.gateway is not None and rendered.picker is None)
     warm = _warmup_progress(fleet)
     summary = _summary(fleet, warm, spec)
-    conditions = {"Ready": _ready(fleet, summary), "Progressing": _progressing(fleet, summary),
-                  "Degraded": _degraded(fleet)}
-    if observed.download is not None:
-        conditions["Downloaded"] = _downloaded(observed.download, spec)
+    workload = _ready(fleet, summary)
+    reported = reports(context or Context(body, spec), rendered, observed)
+    conditions = {"Ready": workload, "Progressing": _progressing(fleet, summary), "Degraded": _degraded(fleet),
+                  **{r.type: r.condition for r in reported}}
+    conditions["Ready"] = ready_of(workload, reported)
     meta = body.get("metadata") or {}
-    route = routed(spec, meta.get("name", ""), meta.get("namespace", ""), observed.unserved, observed.route,
-                   rendered.picker)
-    if route is not None:
-        conditions["Routed"] = Condition(*route)
     status: dict[str, Any] = {
         "observedGeneration": (body.get("metadata") or {}).get("generation"),
         "selector": rendered.selector,

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis_jsonschema import from_schema
 
 from gaudi_operator import kube, prefetch_job
-from gaudi_operator.render import render
+from gaudi_operator.components import render
 from gaudi_operator.spec import parse_spec
 from tests.e2e.conftest import Cluster, Release
 from tests.e2e.control_plane import ROOT

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from gaudi_operator import kube as operator_kube
-from gaudi_operator.render import render
+from gaudi_operator.components import render
 from gaudi_operator.spec import RUNTIME_PORT
 from tests.e2e.conftest import Cluster
 from tests.e2e.harness import OperatorProcess, condition, is_ready, isvc_manifest, wait_for
@@ -71,7 +71,9 @@ def _without_the_apis(cluster: Cluster, ns: str) -> None:
         assert crd in routed["message"], routed
     status = wait_for(lambda: (s := cluster.kube.status(ns, NAME)).get("readyReplicas") == 1 and s, 60,
                       "the pod ready without the gateway")
-    assert condition(status, "Ready")["status"] == "True"
+    # Serving through its Service, but not through the gateway it asked for: not Ready (Routed gates it).
+    ready = condition(status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "GatewayAPINotInstalled")
     assert status["phase"] == "Degraded" and condition(status, "Degraded")["reason"] == "GatewayAPINotInstalled"
 
 

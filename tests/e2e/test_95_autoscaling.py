@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gaudi_operator.render import render
+from gaudi_operator.components import render
 from tests.e2e.conftest import Cluster
 from tests.e2e.control_plane import clean_env
 from tests.e2e.harness import (

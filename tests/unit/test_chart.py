@@ -300,8 +300,8 @@ def test_no_rbac(helm: str) -> None:
 
 # With gateway.endpointPicker.image: the pickers the operator runs (operator/gaudi_operator/picker.py).
 PICKER_NEEDED = {
-    ("", "serviceaccounts"): {"create", "patch", "delete"},
-    ("rbac.authorization.k8s.io", "rolebindings"): {"create", "patch", "delete"},
+    ("", "serviceaccounts"): {"list", "create", "patch", "delete"},
+    ("rbac.authorization.k8s.io", "rolebindings"): {"list", "create", "patch", "delete"},
     ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
     ("apps", "deployments"): {"delete"},
     ("", "services"): {"delete"},

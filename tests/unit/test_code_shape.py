@@ -233,3 +233,30 @@ def test_the_router_process_loads_neither_torch_nor_model_code(tmp_path):
     shard_side = [m for m in loaded if m.startswith("gaudi_runtime.")
                   and m.split(".")[1] in ("shard", "models", "layers", "device", "quant")]
     assert not shard_side
+
+
+CHILD_WRITES = {"apply", "create", "delete", "patch_if_unchanged"}
+
+
+def test_operator_children_are_written_only_through_components():
+    """The operator's children are created, applied, joined, left and deleted in one module,
+    `children.py`, which does so for every component of the registry (components/): no other module
+    calls kube's writes, so a new child kind cannot grow a special case of its own in the handlers."""
+    known = _known_modules()
+    offenders = []
+    for module, path, is_pkg in _sources():
+        if not module.startswith("gaudi_operator.") or module in ("gaudi_operator.children", "gaudi_operator.kube"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in CHILD_WRITES and isinstance(node.value, ast.Name)
+                    and node.value.id == "kube"):
+                offenders.append(f"{module}:{node.lineno}: kube.{node.attr}")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("kube"):
+                offenders += [f"{module}:{node.lineno}: imports kube.{a.name}" for a in node.names
+                              if a.name in CHILD_WRITES]
+        if module.startswith("gaudi_operator.components"):
+            io = {"gaudi_operator.kube", "gaudi_operator.children", "gaudi_operator.handlers"}
+            offenders += [f"{module}: imports {m} (components are pure)"
+                          for m in sorted(_imports(module, is_pkg, tree, known) & io)]
+    assert not offenders, "child writes outside children.py:\n" + "\n".join(offenders)

@@ -25,8 +25,9 @@ import lupa.lua54
 import pytest
 import yaml
 
+from gaudi_operator.components import render
 from gaudi_operator.prefetch_job import Download
-from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template, render
+from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template
 from gaudi_operator.spec import parse_spec
 from gaudi_operator.status import Observed, compute_status, invalid_spec_status
 from gaudi_runtime import config as runtime_config

@@ -14,8 +14,9 @@ import kubernetes_validate
 import pytest
 
 from gaudi_operator import prefetch_job
+from gaudi_operator.components import render
 from gaudi_operator.prefetch_job import Download
-from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template, render
+from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template
 from gaudi_operator.spec import parse_spec
 from gaudi_operator.status import Observed, compute_status, status_patch
 from gaudi_runtime import cli, download_events

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 
 from gaudi_operator import prefetch_job
-from gaudi_operator.render import render
+from gaudi_operator.components import render
 from gaudi_operator.spec import SpecError, parse_spec
 from tests.unit.test_operator_crd import SCHEMA, _strict, admit
 

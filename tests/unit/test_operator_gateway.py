@@ -13,9 +13,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gaudi_operator.components import render
 from gaudi_operator.gateway import gateway_status, routed
-from gaudi_operator.picker import PickerConfig, stale_picker
-from gaudi_operator.render import ISVC_LABEL, OPTIONAL_KINDS, render
+from gaudi_operator.picker import PickerConfig
+from gaudi_operator.render import ISVC_LABEL
 from gaudi_operator.spec import PRESTOP_SECONDS, RUNTIME_PORT, parse_spec
 from gaudi_operator.status import Observed, compute_status
 from tests.unit.test_operator_crd import _cel, _default, _strict, admit, manifest
@@ -97,9 +98,9 @@ def test_a_gateway_in_the_services_namespace_needs_no_namespace_in_the_parent_re
 
 def test_without_spec_gateway_the_pool_and_route_are_unwanted_and_status_says_nothing() -> None:
     r = render(body())
-    assert {"InferencePool", "HTTPRoute"} <= set(r.unwanted) <= set(OPTIONAL_KINDS)
+    assert r.of("gateway") == []
     r = render(body(gateway={"endpointPicker": PICKER}))
-    assert "InferencePool" not in r.unwanted and "HTTPRoute" in r.unwanted
+    assert [c["kind"] for c in r.of("gateway")] == ["InferencePool"]  # no route: an owned one would be stale
     spec = parse_spec(body()["spec"])
     assert routed(spec, "llama", "ml", (), None) is None and gateway_status(spec, "llama", "ml", None) is None
 
@@ -259,7 +260,7 @@ def test_a_named_picker_is_used_even_when_the_operator_could_run_one() -> None:
 def test_without_a_picker_image_there_is_no_pool_and_the_status_says_why() -> None:
     b = body(gateway={"route": ROUTE})
     r = render(b)
-    assert {"InferencePool", "HTTPRoute"} <= set(r.unwanted) and r.picker is None
+    assert r.of("gateway") == [] and r.picker is None
     status = compute_status(b, parse_spec(b["spec"]), r, Observed(), now="t")
     routed_ = next(c for c in status["conditions"] if c["type"] == "Routed")
     assert (routed_["status"], routed_["reason"]) == ("False", "EndpointPickerNotConfigured")
@@ -267,11 +268,3 @@ def test_without_a_picker_image_there_is_no_pool_and_the_status_says_why() -> No
         routed_["message"]
     assert next(c for c in status["conditions"] if c["type"] == "Degraded")["reason"] == "EndpointPickerNotConfigured"
     assert status["phase"] != "Failed" and "gateway" not in status
-
-
-def test_the_operators_picker_is_deleted_when_no_longer_wanted() -> None:
-    ran = {"gateway": {"inferencePool": "llama", "endpointPicker": "llama-epp:9002", "endpointPickerManaged": True}}
-    assert stale_picker(ran, "llama", wanted=True) == []
-    assert stale_picker(ran, "llama", wanted=False) == [(k, "llama-epp") for k in
-                                                        ("ServiceAccount", "RoleBinding", "Deployment", "Service")]
-    assert stale_picker({"gateway": {"endpointPicker": "mine:9002"}}, "llama", wanted=False) == []

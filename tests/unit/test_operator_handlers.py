@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from gaudi_operator import cli, handlers, kube
+from gaudi_operator.components import COMPONENT_LABEL
 from gaudi_operator.config import OperatorConfig
 from gaudi_operator.render import TEMPLATE_HASH_LABEL
 
@@ -28,6 +29,7 @@ class FakeKube:
     def __init__(self, body: dict[str, Any] | None) -> None:
         self.body = copy.deepcopy(body)
         self.applied: list[dict[str, Any]] = []
+        self.children: dict[tuple[str, str], dict[str, Any]] = {}  # (kind, name) -> the live child
         self.deleted: list[tuple[str, str, str]] = []
         self.status_patches: list[dict[str, Any]] = []
         self.events: list[tuple[str, str, str]] = []
@@ -38,6 +40,7 @@ class FakeKube:
         self.log_reads: list[str] = []
         self.health: dict[str, dict[str, Any]] = {}  # pod -> its /health answer
         self.health_reads: list[str] = []
+        self.lists: list[tuple[str, str]] = []
         self.conflicts = 0  # the next writes of a Job that fail as if it changed meanwhile
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -73,11 +76,22 @@ class FakeKube:
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         self.applied.append(obj)
-        return {**obj, "metadata": {**obj["metadata"], "generation": 1}, "status": {"observedGeneration": 1}}
+        live = {**obj, "metadata": {**obj["metadata"], "generation": 1}, "status": {"observedGeneration": 1}}
+        self.children[(obj["kind"], obj["metadata"]["name"])] = copy.deepcopy(live)
+        return live
 
     async def delete(self, kind: str, namespace: str, name: str, resource_version: str | None = None) -> bool:
         self.deleted.append((kind, namespace, name))
-        return kind == "Job" and self.jobs.pop(name, None) is not None
+        if kind == "Job":
+            return self.jobs.pop(name, None) is not None
+        return self.children.pop((kind, name), None) is not None
+
+    async def list_objects(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        self.lists.append((kind, selector))
+        objects = self.jobs.values() if kind == "Job" else [o for (k, _), o in self.children.items() if k == kind]
+        terms = [t.partition("=") for t in selector.split(",")]
+        return [{**copy.deepcopy(o), "kind": kind} for o in objects
+                if all((o["metadata"].get("labels") or {}).get(k) == v for k, _, v in terms)]
 
     async def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         key, _, value = selector.partition("=")
@@ -105,7 +119,7 @@ class FakeKube:
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeKube:
     f = FakeKube(ISVC)
     for name in ("get", "apply", "delete", "list_pods", "fetch_warmup", "patch_status", "post_event", "create",
-                 "patch_if_unchanged", "pod_log", "fetch_health"):
+                 "patch_if_unchanged", "pod_log", "fetch_health", "list_objects"):
         monkeypatch.setattr(kube, name, getattr(f, name))
     return f
 
@@ -122,10 +136,7 @@ def _pod(f: FakeKube, ready: bool, name: str = "llama-0") -> dict[str, Any]:
 async def test_status_patched_only_on_change_and_events_only_on_phase_change(fake: FakeKube) -> None:
     await handlers.reconcile("ml", "llama", CONFIG)
     assert [c["kind"] for c in fake.applied] == ["Deployment", "Service"]
-    # None of the optional kinds is wanted at 1 replica without networkPolicy, autoscaling or gateway.
-    assert fake.deleted == [(k, "ml", "llama") for k in ("PodDisruptionBudget", "NetworkPolicy",
-                                                         "HorizontalPodAutoscaler", "ScaledObject",
-                                                         "InferencePool", "HTTPRoute")]
+    assert fake.deleted == []  # nothing owned that is not rendered: no DELETE
     assert len(fake.status_patches) == 1 and fake.body["status"]["phase"] == "Pending"
     assert [e[1] for e in fake.events] == ["Pending"]
 
@@ -167,21 +178,45 @@ async def test_network_policy_admits_the_operator_where_it_runs_and_goes_with_th
     assert ("NetworkPolicy", "ml", "llama") in fake.deleted
 
 
-async def test_only_optional_children_that_exist_are_deleted(fake: FakeKube) -> None:
-    optional = {("ml", "llama"): ["NetworkPolicy"], ("ml", "other"): ["PodDisruptionBudget"]}
-    await handlers.reconcile("ml", "llama", CONFIG, optional)
-    assert fake.deleted == [("NetworkPolicy", "ml", "llama")]
+def _child(kind: str, component: str, uid: str | None = "u", name: str = "llama") -> dict[str, Any]:
+    labels = {"app.kubernetes.io/managed-by": "gaudi-serve-operator", "gaudiserve.io/inference-service": "llama"}
+    if component:
+        labels[COMPONENT_LABEL] = component
+    refs = [{"kind": "InferenceService", "name": "llama", "uid": uid, "controller": True}] if uid else []
+    return {"kind": kind, "metadata": {"name": name, "namespace": "ml", "labels": labels, "ownerReferences": refs}}
+
+
+async def test_a_child_is_adopted_by_its_owner_reference_and_component_label(fake: FakeKube) -> None:
+    """What a pass deletes is what it owns: the component's label and an ownerReference to this object,
+    whoever created it; the same kind under another owner, or without the label, is not its own."""
+    for kind, component, uid, name in (("NetworkPolicy", "workload", "u", "llama"),
+                                       ("HorizontalPodAutoscaler", "autoscaler", "u", "llama-old"),
+                                       ("PodDisruptionBudget", "workload", "other", "llama"),
+                                       ("ScaledObject", "", "u", "llama")):
+        fake.children[(kind, name)] = _child(kind, component, uid, name)
+    await handlers.reconcile("ml", "llama", CONFIG)
+    assert sorted(fake.deleted) == [("HorizontalPodAutoscaler", "ml", "llama-old"), ("NetworkPolicy", "ml", "llama")]
+    assert ("PodDisruptionBudget", "llama") in fake.children and ("ScaledObject", "llama") in fake.children
+    assert all(c["metadata"]["labels"][COMPONENT_LABEL] == "workload" for c in fake.applied)
     fake.deleted.clear()
-    await handlers.reconcile("ml", "llama", CONFIG, {})  # none left: a pass sends no DELETE
+    await handlers.reconcile("ml", "llama", CONFIG)  # none left: a pass sends no DELETE
     assert fake.deleted == []
 
 
-def test_the_optional_children_index_names_each_child_by_its_owner() -> None:
-    labels = {handlers.ISVC_LABEL: "llama"}
-    body = {"kind": "HorizontalPodAutoscaler"}
-    assert handlers.optional_children(namespace="ml", labels=labels, body=body) == {
-        ("ml", "llama"): "HorizontalPodAutoscaler"}
-    assert handlers.optional_children(namespace="ml", labels={}, body=body) == {}
+async def test_a_child_no_longer_rendered_is_deleted(fake: FakeKube) -> None:
+    """Autoscaling, then not: the autoscaler goes; a gateway, then not: the pool and route go, found by
+    their labels (not by a watch, which a CRD installed after the operator started may never get)."""
+    assert fake.body is not None
+    fake.body["spec"] = {"model": {"id": "m"}, "autoscaling": {"maxReplicas": 3}, "gateway": GATEWAY}
+    await handlers.reconcile("ml", "llama", CONFIG)
+    assert {("HorizontalPodAutoscaler", "llama"), ("InferencePool", "llama"), ("HTTPRoute", "llama")} <= set(
+        fake.children)
+    fake.body["spec"] = {"model": {"id": "m"}}
+    await handlers.reconcile("ml", "llama", CONFIG)
+    assert sorted(fake.deleted) == [("HTTPRoute", "ml", "llama"), ("HorizontalPodAutoscaler", "ml", "llama"),
+                                    ("InferencePool", "ml", "llama"), ("PodDisruptionBudget", "ml", "llama")]
+    assert set(fake.children) == {("Deployment", "llama"), ("Service", "llama")}
+    assert "gateway" not in fake.body["status"] and "autoscaling" not in fake.body["status"]
 
 
 async def test_gone_or_deleting_object_is_left_alone(fake: FakeKube) -> None:
@@ -352,7 +387,7 @@ async def test_an_event_of_a_download_job_triggers_its_owners() -> None:
     job = {"metadata": {"name": "gaudi-serve-download-x", "ownerReferences": [
         {"kind": "InferenceService", "name": "a", "uid": "1"}, {"kind": "InferenceService", "name": "b", "uid": "2"},
         {"kind": "Something", "name": "c", "uid": "3"}]}}
-    await handlers.on_download_job(body=job, namespace="ml", memo=Memo)
+    await handlers.on_shared_child(body=job, namespace="ml", memo=Memo)
     assert triggered == [("ml", "a"), ("ml", "b")]
 
 
@@ -371,7 +406,7 @@ async def test_autoscaler_applied_after_the_old_one_is_deleted_and_its_status_re
     await handlers.reconcile("ml", "llama", CONFIG)
     assert [c["kind"] for c in fake.applied] == ["Deployment", "Service", "PodDisruptionBudget",
                                                  "HorizontalPodAutoscaler"]
-    assert fake.deleted == [(k, "ml", "llama") for k in ("NetworkPolicy", "ScaledObject", "InferencePool", "HTTPRoute")]
+    assert fake.deleted == []
     assert fake.body["status"]["autoscaling"] == {
         "engine": "hpa", "autoscaler": "HorizontalPodAutoscaler/llama", "minReplicas": 1, "maxReplicas": 3,
         "desiredReplicas": 2, "lastScaleTime": "2026-01-01T00:00:00Z"}
@@ -399,7 +434,7 @@ async def test_keda_engine_without_keda_installed_is_reported_not_retried_foreve
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "AutoscalerNotInstalled" and "ScaledObject" in degraded["message"]
     assert status["autoscaling"] == {"engine": "keda", "minReplicas": 1, "maxReplicas": 2}
-    assert ("HorizontalPodAutoscaler", "ml", "llama") in fake.deleted
+    assert ("HorizontalPodAutoscaler", "ml", "llama") not in fake.deleted  # none was owned
 
 
 GATEWAY = {"endpointPicker": {"service": {"name": "epp"}}, "route": {"gateway": {"name": "gw", "namespace": "edge"}}}
@@ -440,19 +475,6 @@ async def test_the_routes_status_from_the_apply_reaches_the_status(fake: FakeKub
     routed = next(c for c in status["conditions"] if c["type"] == "Routed")
     assert (routed["status"], routed["reason"]) == ("True", "RouteAccepted")
     assert status["gateway"]["parents"][0]["gateway"] == "edge/gw"
-
-
-async def test_the_pool_and_route_the_status_named_are_deleted_with_spec_gateway_even_unindexed(
-        fake: FakeKube) -> None:
-    """A CRD installed after the operator started may never be watched, so never in the index."""
-    assert fake.body is not None
-    fake.body["status"] = {"gateway": {"inferencePool": "llama", "httpRoute": "llama"}}
-    await handlers.reconcile("ml", "llama", CONFIG, optional={})
-    assert fake.deleted == [("InferencePool", "ml", "llama"), ("HTTPRoute", "ml", "llama")]
-    assert "gateway" not in fake.body["status"]
-    fake.deleted.clear()
-    await handlers.reconcile("ml", "llama", CONFIG, optional={})
-    assert fake.deleted == []
 
 
 async def test_the_operators_own_picker_is_applied_then_deleted_with_the_need_for_it(fake: FakeKube) -> None:

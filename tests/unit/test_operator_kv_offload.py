@@ -10,8 +10,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
+from gaudi_operator.components import render
 from gaudi_operator.quantity import add, bytes_of, format_bytes, gib_text
-from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template, render
+from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template
 from gaudi_operator.spec import parse_spec
 from gaudi_operator.status import Observed, compute_status, status_patch
 

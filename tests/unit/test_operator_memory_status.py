@@ -7,8 +7,8 @@ import copy
 from typing import Any
 
 from gaudi_operator import prefetch_job
+from gaudi_operator.components import render
 from gaudi_operator.memory import config_subset, model_memory
-from gaudi_operator.render import render
 from gaudi_operator.spec import parse_spec
 from gaudi_operator.status import Observed, compute_status, invalid_spec_status, status_patch
 from tests.unit.test_operator_download import MODEL, lines, live_job, pod

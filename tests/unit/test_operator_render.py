@@ -10,7 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gaudi_operator.render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL, render
+from gaudi_operator.components import render
+from gaudi_operator.render import GAUDI_RESOURCE, TEMPLATE_HASH_LABEL
 from gaudi_operator.spec import parse_spec
 
 K8S_VERSION = "1.37.0"
@@ -71,13 +72,14 @@ def test_labels_annotations_owner() -> None:
     want = {"app.kubernetes.io/name": "gaudi-serve", "app.kubernetes.io/instance": "llama",
             "app.kubernetes.io/managed-by": "gaudi-serve-operator", "gaudiserve.io/inference-service": "llama"}
     for child in ch.values():
-        assert child["metadata"]["labels"] == want
+        # The workload component's own label marks what it owns (objects only: the pods' template keeps its hash).
+        assert child["metadata"]["labels"] == {**want, "app.kubernetes.io/component": "workload"}
         assert child["metadata"]["namespace"] == "ml"
         assert child["metadata"]["ownerReferences"] == [{
             "apiVersion": "gaudiserve.io/v1alpha1", "kind": "InferenceService", "name": "llama", "uid": "1234",
             "controller": True, "blockOwnerDeletion": True}]
     tmpl = ch["Deployment"]["spec"]["template"]["metadata"]
-    assert want.items() <= tmpl["labels"].items()
+    assert want.items() <= tmpl["labels"].items() and "app.kubernetes.io/component" not in tmpl["labels"]
     assert tmpl["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8080",
                                    "prometheus.io/path": "/metrics"}
     sel = ch["Deployment"]["spec"]["selector"]["matchLabels"]
@@ -229,7 +231,7 @@ def test_the_deployment_waits_for_the_download() -> None:
     done = render(body(model=PREFETCH, replicas=2))
     assert {c["kind"] for c in waiting.children} == {"Service", "PodDisruptionBudget"}
     assert {c["kind"] for c in done.children} == {"Deployment", "Service", "PodDisruptionBudget"}
-    assert waiting.unwanted == done.unwanted and "Deployment" not in waiting.unwanted
+    assert waiting.held == (("Deployment", "llama"),) and done.held == ()  # held: not deleted either
     assert waiting.template_hash == done.template_hash  # the pods the status counts as current
 
 
@@ -313,8 +315,8 @@ def network_policy(operator: dict[str, Any] | None = OPERATOR, **spec: Any) -> d
 
 def test_network_policy_only_when_asked() -> None:
     assert network_policy() is None
-    assert "NetworkPolicy" in render(body()).unwanted  # a policy dropped from the spec is deleted
-    assert "NetworkPolicy" not in render(body(networkPolicy={})).unwanted
+    assert [c["kind"] for c in render(body(networkPolicy={})).of("workload")] == ["Deployment", "Service",
+                                                                                  "NetworkPolicy"]
 
 
 def test_network_policy_admits_the_listed_peers_and_the_operator_on_the_http_port() -> None:

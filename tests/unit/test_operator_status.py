@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
+from gaudi_operator.components import render
 from gaudi_operator.estimate import expected_warmup_shapes
 from gaudi_operator.prefetch_job import Download
-from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template, render
+from gaudi_operator.render import TEMPLATE_HASH_LABEL, pod_template
 from gaudi_operator.spec import InferenceServiceSpec, parse_spec
 from gaudi_operator.status import (
     Observed,

@@ -79,10 +79,10 @@ any: true
 - apiGroups: ["gaudiserve.io"]
   resources: ["inferenceservices/status"]
   verbs: ["patch"]
-# Children, applied server-side (create is needed when an apply creates the object); only the
-# optional ones are ever deleted (the PodDisruptionBudget at one replica, the NetworkPolicy when
-# the spec drops it, the autoscaler that spec.autoscaling no longer asks for, the pool and route of
-# spec.gateway). The rest goes by
+# Children, applied server-side (create is needed when an apply creates the object); listed by
+# label to find the ones each component owns; only the optional ones are ever deleted (the
+# PodDisruptionBudget at one replica, the NetworkPolicy when the spec drops it, the autoscaler that
+# spec.autoscaling no longer asks for, the pool and route of spec.gateway). The rest goes by
 # garbage collection. No Secrets: a spec's Secret references (hubTokenSecretRef, apiKeySecretRef)
 # are resolved by the kubelet, never read by the operator.
 # Exactly what the operator uses: tests/e2e/test_8_rbac.py checks it against the audit log.
@@ -117,13 +117,14 @@ any: true
 {{- if .Values.gateway.endpointPicker.image }}
 # The endpoint pickers it runs (gateway.endpointPicker.image): a ServiceAccount, a RoleBinding to
 # the chart's picker ClusterRole (binding it needs `bind` on that one role, not its rights), a
-# Deployment and a Service, each named <service>-epp, deleted when the spec no longer wants them.
+# Deployment and a Service, each named <service>-epp, listed by label (what the operator owns),
+# deleted when the spec no longer wants them.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["create", "patch", "delete"]
+  verbs: ["list", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["rolebindings"]
-  verbs: ["create", "patch", "delete"]
+  verbs: ["list", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["clusterroles"]
   verbs: ["bind"]
