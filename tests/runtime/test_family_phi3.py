@@ -132,6 +132,26 @@ def test_speculation_never_straddles_the_original_length(chunked_speculating):
     _check_alone_then_together(chunked_speculating, [*CROSSING, LONG_PROMPT])
 
 
+def test_which_requests_are_prefilled_again():
+    """After the token at the original length (32): a greedy request within it whose answer passes it,
+    unless that prefill would not fit a prefill's shape or the shard's sampling state would be lost."""
+    from gaudi_runtime.params import SamplingParameters
+    from gaudi_runtime.router.prefix_cache import reprefill_at
+    from gaudi_runtime.router.types import StoppingParameters, ValidRequest
+
+    def req(n, new, **sampling):
+        return ValidRequest(list(range(n)), "", SamplingParameters(**sampling), StoppingParameters(new))
+
+    assert reprefill_at(req(20, 16), 32, 64) == 13  # tokens 1..13 short: token 13 sits at position 32
+    assert reprefill_at(req(32, 2), 32, 64) == 1
+    assert reprefill_at(req(20, 13), 32, 64) is None  # its last token is the one at position 32
+    assert reprefill_at(req(33, 16), 32, 64) is None  # long from the start
+    assert reprefill_at(req(20, 16), None, 64) is None  # no LongRoPE
+    assert reprefill_at(req(20, 16), 32, 32) is None  # a prefill of 33 tokens does not fit
+    assert reprefill_at(req(20, 16, do_sample=True), 32, 64) is None
+    assert reprefill_at(req(20, 16, presence_penalty=0.5), 32, 64) is None
+
+
 def _rope_config_v4() -> dict:
     """Phi-3.5-mini's config.json layout (transformers 4's: ``rope_scaling``, the original length at the
     top level only)."""

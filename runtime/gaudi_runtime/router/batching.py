@@ -27,11 +27,11 @@ one joining prefill) between two of its tokens, never for a whole long prompt. C
 pipeline as decode calls do.
 
 With LongRoPE (Phi-3), a sequence whose answer reaches the original length is prefilled again, prompt
-and answer whole, as Phi-3's `generate()` recomputes it with the long factor set
-(prefix_cache.reprefill_at): no call asks it for a step that could feed a token at that position (with
-speculation a step may give speculate + 1 tokens, and the shards never draft up to it), so it leaves the
-batch (`RunningBatch.parked`); once every call naming it is answered its prefill is made and its batch
-joins the decodes. A speculative sequence that left early is prefilled again short, and goes on.
+and answer whole, as Phi-3's `generate()` recomputes it with the long factor set (prefix_cache.py,
+`reprefill_at`): no call asks it for a step that could feed a token at that position (with speculation
+a step may give speculate + 1 tokens, and the shards never draft up to it), so it leaves the batch
+(`RunningBatch.parked`); once every call naming it is answered its prefill is made and its batch joins
+the decodes. A speculative sequence that left early is prefilled again short, and goes on.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.live_requests import Requests, RequestState
 from gaudi_runtime.router.output import OutputProcessor
-from gaudi_runtime.router.prefix_cache import reprefill_at
 from gaudi_runtime.router.scheduler import decode_call_steps, join_min_size, select_prefill
 from gaudi_runtime.router.types import GenerationError, GrammarSpec
 
@@ -186,7 +185,7 @@ class BatchingLoop:
         """Decode steps a call may ask of `state` now: before LongRoPE's prefill again (`reprefill_at`), only
         steps that cannot feed the token at the original length, however many tokens the steps in flight
         give; else no limit."""
-        at = None if state.rotated_long else reprefill_at(state.req, self.requests.prefix.long_rope_from)
+        at = None if state.rotated_long else self.requests.prefix.reprefill_at(state.req)
         if at is None:
             return state.req.stopping.max_new_tokens
         per_step = self.cfg.scheduling.speculate + 1  # the most tokens a step gives

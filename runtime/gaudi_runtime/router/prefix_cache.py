@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from gaudi_runtime import buckets
 from gaudi_runtime.config import Config
 from gaudi_runtime.kv_root import root_hash
 from gaudi_runtime.router.adapters import AdapterTable
@@ -71,15 +72,18 @@ def longrope_original_length(model_config: dict, rope_override: str | None = Non
                or default)
 
 
-def reprefill_at(req, long_from: int | None) -> int | None:
+def reprefill_at(req, long_from: int | None, longest_prefill: int) -> int | None:
     """How many tokens `req` (a ValidRequest) generates before it is prefilled again, prompt and answer
     whole, so that its next token is computed with LongRoPE's long factor set throughout, as Phi-3's
     `generate()` recomputes it: its answer's token at position `long_from`, if its prompt is no longer
-    than `long_from` and it may generate the token after it. None: never (also for a request whose
-    sampling reads what the shard kept of its answer: a grammar, random draws, OpenAI's penalties;
-    those stay rotated short below `long_from`)."""
+    than `long_from` and it may generate the token after it. None: never (also where that prefill would be
+    longer than `longest_prefill`, the longest a prefill's shape holds, and for a request whose sampling
+    reads what the shard kept of its answer: a grammar, random draws, OpenAI's penalties; those stay
+    rotated short below `long_from`)."""
     n, s = len(req.input_ids), req.sampling
     if long_from is None or n > long_from or req.stopping.max_new_tokens < long_from - n + 2:
+        return None
+    if long_from + 1 > longest_prefill:
         return None
     if s.do_sample or req.grammar is not None or s.generated_frequency_penalty or s.presence_penalty:
         return None
@@ -132,6 +136,7 @@ class PrefixCache:
         self.events: KvEvents | None = None  # where registrations and removals are announced
         self.tiers: KvTiers | None = None  # host and disk tiers below the device (router/kv_tiers.py)
         self.long_rope_from: int | None = None  # `longrope_original_length` of the model served
+        self.longest_prefill = buckets.prefill_seq_cap(cfg)
 
     def removed(self, hashes: list[bytes]) -> None:
         """The allocator dropped these hashes (its `on_removed`)."""
@@ -160,10 +165,14 @@ class PrefixCache:
             return hashlib.sha256(root + b"|longrope-long").digest()
         return root
 
+    def reprefill_at(self, req) -> int | None:
+        """`reprefill_at` for the model served."""
+        return reprefill_at(req, self.long_rope_from, self.longest_prefill)
+
     def _shares(self, state) -> bool:
         """Whether `state`'s prompt blocks are looked up and registered as its prefill is made: not for one
         that will rewrite them (`reprefill_at`)."""
-        return self.enabled and reprefill_at(state.req, self.long_rope_from) is None
+        return self.enabled and self.reprefill_at(state.req) is None
 
     def _extras(self, state) -> dict[int, bytes] | None:
         req = state.req
