@@ -11,7 +11,9 @@ step a sequence first passes the original length. Here each row of a batch is su
 holds the short rows for positions ``[0, original)`` and after them the long rows for every position,
 and a row whose largest position is at or past ``original`` reads the long rows. A whole prompt longer
 than ``original`` is then rotated long throughout and a sequence that stays within it short, as in
-transformers; docs/design.md ("Model code") lists where a row is not such a call.
+transformers. A chunk of a prompt longer than ``original`` is marked long by its caller (``table_rows``),
+and a sequence that passes ``original`` while decoding is prefilled again whole (router/batching.py), as
+Phi-3's ``generate()`` does; docs/design.md ("Model code") says what is exact.
 
 ``yarn`` (DeepSeek-V2/V3, long-context Qwen): frequencies blended between the
 original and the ``factor``-interpolated ones along a linear ramp, and cos/sin
@@ -220,11 +222,15 @@ class RotaryEmbedding(nn.Module):
 
     def table_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """The table row of each position ``[B, S]``: the position itself, or with longrope, in a row
-        whose largest position reaches ``long_from``, the position's row in the long set."""
+        whose largest position reaches ``long_from``, the position's row in the long set. A position
+        given plus ``max_position`` (`shard/inputs.py`, ``mark_long_rows``: a chunk of a prompt longer
+        than the original length) names its long row, and makes its row long."""
         if self.long_from is None:
             return positions
         last = positions.amax(dim=-1, keepdim=True) if positions.dim() > 1 else positions
-        return positions + (last >= self.long_from).to(positions.dtype) * self.long_from
+        marked = (positions >= self.max_position).to(positions.dtype)
+        long = (last >= self.long_from).to(positions.dtype)
+        return positions - marked * self.max_position + long * self.long_from
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -234,7 +234,7 @@ class NextTokenChooserParameters(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., do_sample: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., generated_frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "input_ids", "parameters", "top_n_tokens", "blocks", "prefill_logprobs", "images", "grammar", "cached_tokens", "adapter_index", "max_new_tokens")
+    __slots__ = ("id", "input_ids", "parameters", "top_n_tokens", "blocks", "prefill_logprobs", "images", "grammar", "cached_tokens", "adapter_index", "max_new_tokens", "sequence_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class Request(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_INDEX_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: int
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     parameters: NextTokenChooserParameters
@@ -257,7 +258,8 @@ class Request(_message.Message):
     cached_tokens: int
     adapter_index: int
     max_new_tokens: int
-    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., prefill_logprobs: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., adapter_index: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    sequence_tokens: int
+    def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., prefill_logprobs: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., adapter_index: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., sequence_tokens: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
     __slots__ = ("type", "value", "thinking")

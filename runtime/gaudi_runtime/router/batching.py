@@ -25,6 +25,13 @@ of the running requests, its batch dropped at once (its token is not the prompt'
 ordinary prefill whose batch joins the decodes. So a running request waits for at most one chunk (and
 one joining prefill) between two of its tokens, never for a whole long prompt. Chunks count in the
 pipeline as decode calls do.
+
+With LongRoPE (Phi-3), a sequence whose answer reaches the original length is prefilled again, prompt
+and answer whole, as Phi-3's `generate()` recomputes it with the long factor set (prefix_cache.py,
+`reprefill_at`): no call asks it for a step that could feed a token at that position (with speculation
+a step may give speculate + 1 tokens, and the shards never draft up to it), so it leaves the batch
+(`RunningBatch.parked`); once every call naming it is answered its prefill is made and its batch joins
+the decodes. A speculative sequence that left early is prefilled again short, and goes on.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class RunningBatch:
     inflight: deque[Call] = field(default_factory=deque)  # in call order
     waiting_steps: int = 0  # decode steps handled since a prefill last joined
     chunking: RequestState | None = None  # the request whose prompt is being prefilled in chunks
+    parked: list[int] = field(default_factory=list)  # left the batch to be prefilled again (LongRoPE)
 
     def decodes_in_flight(self) -> int:
         return sum(c.steps > 0 or c.chunk for c in self.inflight)
@@ -130,8 +138,12 @@ class BatchingLoop:
         """Make the next decode call, over the running requests and those a prefill adds now, after the
         next chunk of a prompt being chunked; False: nothing was made."""
         ids = [rid for rid in batch.request_ids if self._sendable(rid)]
+        # A parked request no call has left out yet is still in the shards' batch: it goes on there.
+        batch.parked = [rid for rid in batch.parked if rid not in ids]
+        batch.parked += [rid for rid in batch.request_ids if rid not in batch.parked and self._parks(rid)]
         chunked = batch.chunking is not None
         joined = [self._next_chunk(batch)] if chunked else []
+        joined += self._reprefills(batch)
         if self.requests.waiting:
             prefilled, join = await self._join(len(ids), batch)
             joined.append(join)
@@ -155,20 +167,62 @@ class BatchingLoop:
         self.metrics.batch_size(len(batch.request_ids), max_tokens)
         # The call is made (numbered) here, before anything else the loop sends.
         rpc = asyncio.ensure_future(self.client.decode(parts, steps))
-        batch.inflight.append(Call(rpc, self._answer_decode(parts, rpc, time.monotonic()), steps))
+        batch.inflight.append(Call(rpc, self._answer_decode(parts, rpc, time.monotonic(), steps), steps))
         return True
 
     def _sendable(self, rid: int) -> bool:
-        """Whether the next decode call computes a token for `rid`: it is live and may take more."""
+        """Whether the next decode call computes a token for `rid`: it is live, may take more, and its
+        next step does not cross LongRoPE's original length (`_room`)."""
         state = self.requests.get(rid)
-        return state is not None and state.sent < state.req.stopping.max_new_tokens
+        return state is not None and state.sent < state.req.stopping.max_new_tokens and self._room(state) > 0
+
+    def _parks(self, rid: int) -> bool:
+        """Whether `rid` leaves the batch to be prefilled again: it may take more, but not a step now."""
+        state = self.requests.get(rid)
+        return state is not None and state.sent < state.req.stopping.max_new_tokens and self._room(state) == 0
+
+    def _room(self, state: RequestState) -> int:
+        """Decode steps a call may ask of `state` now: before LongRoPE's prefill again (`reprefill_at`), only
+        steps that cannot feed the token at the original length, however many tokens the steps in flight
+        give; else no limit."""
+        at = None if state.rotated_long else self.requests.prefix.reprefill_at(state.req)
+        if at is None:
+            return state.req.stopping.max_new_tokens
+        per_step = self.cfg.scheduling.speculate + 1  # the most tokens a step gives
+        steps = state.sent - state.answered - state.prefill_pending  # decode steps in flight
+        most = len(state.output_ids) + steps * per_step + state.prefill_pending  # tokens before the next step
+        return 0 if most >= at else (at - most - 1) // per_step + 1
+
+    def _reprefills(self, batch: RunningBatch) -> list[pb.CachedBatch]:
+        """Prefill again each parked request whose calls are all answered; the batches that join."""
+        joined, parked = [], []
+        for rid in batch.parked:
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            if state.answered < state.sent:
+                parked.append(rid)
+                continue
+            request = reprefill_request(state)
+            state.rotated_long = len(request.input_ids) > self.requests.prefix.long_rope_from
+            state.sent, state.prefill_pending = state.sent + 1, True
+            batch_id, call = self._make_prefill([(state, request)])
+            batch.inflight.append(call)
+            if self._sendable(rid):
+                joined.append(pb.CachedBatch(id=batch_id, request_ids=[rid]))
+                continue
+            if self._parks(rid):  # a speculative sequence prefilled short, a token before the length: again
+                parked.append(rid)
+            batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(batch_id))))
+        batch.parked = parked
+        return joined
 
     def _steps(self, ids: list[int]) -> int:
         """Decode steps the next call runs for the running `ids` (none joining, none waiting)."""
         if self.cfg.scheduling.decode_steps <= 1:
             return 1
         states = [self.requests.get(rid) for rid in ids]
-        left = min(s.req.stopping.max_new_tokens - s.sent for s in states)
+        left = min(min(s.req.stopping.max_new_tokens - s.sent, self._room(s)) for s in states)
         return decode_call_steps(self.cfg.scheduling.decode_steps, left, self._step_ms)
 
     async def _join(self, running: int, batch: RunningBatch) -> tuple[bool, pb.CachedBatch | None]:
@@ -196,10 +250,10 @@ class BatchingLoop:
             # The calls made before it are handled first, to keep each request's tokens in order.
             while inflight:
                 await inflight.popleft().handled()
-            running_ids = await call.handled()
+            running_ids = self._runs_on(batch, await call.handled())
         else:
             inflight.append(call)
-            running_ids = [s.id for s in chosen if self._sendable(s.id)]
+            running_ids = self._runs_on(batch, [s.id for s in chosen])
         if not running_ids:
             inflight.append(Call(asyncio.ensure_future(self.client.clear(batch_id))))
             return True, None
@@ -237,10 +291,16 @@ class BatchingLoop:
         batch.chunking = None
         batch_id, call = self._make_prefill([(state, request)])
         batch.inflight.append(call)
-        if self._sendable(state.id):
+        if self._runs_on(batch, [state.id]):
             return pb.CachedBatch(id=batch_id, request_ids=[state.id])
         batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(batch_id))))
         return None
+
+    def _runs_on(self, batch: RunningBatch, ids: list[int]) -> list[int]:
+        """Of the requests just prefilled, those the next decode call names; those to be prefilled again
+        before their next step (LongRoPE) are parked."""
+        batch.parked += [rid for rid in ids if self._parks(rid)]
+        return [rid for rid in ids if self._sendable(rid)]
 
     def _make_chunk(self, batch: RunningBatch, state: RequestState, request: pb.Request) -> None:
         """A chunk that is not the prompt's last: its KV is kept, its batch dropped at once."""
@@ -296,6 +356,8 @@ class BatchingLoop:
         except ShardError as e:
             self._end_with_error([s.id for s in chosen], e)
             raise
+        for state in chosen:
+            state.answered, state.prefill_pending = state.answered + 1, False
         self.metrics.prefill_answered(made, resp, len(chosen))
         return self.output.process(resp.generations)
 
@@ -327,12 +389,16 @@ class BatchingLoop:
         self.metrics.prefill_chunk()
 
     async def _answer_decode(self, batches: list[pb.CachedBatch], rpc: Awaitable[pb.DecodeResponse],
-                             made: float) -> None:
+                             made: float, steps: int = 1) -> None:
         try:
             resp = await rpc
         except ShardError as e:
             self._end_with_error([rid for b in batches for rid in b.request_ids], e)
             raise
+        for rid in (rid for b in batches for rid in b.request_ids):
+            state = self.requests.get(rid)
+            if state is not None:
+                state.answered += steps
         self.metrics.decode_answered(made, resp)
         if resp.forward_ns:
             step_ms = resp.forward_ns / 1e6 / (1 + len(resp.next_steps))
@@ -357,7 +423,7 @@ def prefill_request(state: RequestState, start: int | None = None, end: int | No
         id=state.id, input_ids=r.input_ids if end is None else r.input_ids[:end], top_n_tokens=r.top_n_tokens,
         blocks=state.blocks, prefill_logprobs=r.decoder_input_details, images=r.images,
         cached_tokens=state.cached_tokens if start is None else start, adapter_index=r.adapter,
-        max_new_tokens=r.stopping.max_new_tokens,
+        max_new_tokens=r.stopping.max_new_tokens, sequence_tokens=len(r.input_ids),
         grammar=shard_grammar(r.grammar) if r.grammar is not None else None,
         parameters=pb.NextTokenChooserParameters(
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
@@ -365,6 +431,17 @@ def prefill_request(state: RequestState, start: int | None = None, end: int | No
             frequency_penalty=s.frequency_penalty, generated_frequency_penalty=s.generated_frequency_penalty,
             presence_penalty=s.presence_penalty),
     )
+
+
+def reprefill_request(state: RequestState) -> pb.Request:
+    """`state` prefilled again (LongRoPE): its prompt and the answer so far as one prompt, computed whole in
+    its own blocks (it shares none: prefix_cache.reprefill_at), for the tokens it may still generate."""
+    request = prefill_request(state, start=0)
+    request.input_ids.extend(state.output_ids)
+    request.sequence_tokens = len(request.input_ids)
+    request.prefill_logprobs = False
+    request.max_new_tokens = state.req.stopping.max_new_tokens - len(state.output_ids)
+    return request
 
 
 def shard_grammar(g: GrammarSpec) -> pb.Grammar:

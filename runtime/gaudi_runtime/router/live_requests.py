@@ -56,6 +56,9 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)  # tokens streamed
     generated: int = 0  # tokens streamed
     sent: int = 0  # tokens asked of the shards so far (prefill and decode calls made, answered or not)
+    answered: int = 0  # of those, the ones whose calls' answers were handled (a step: one, however many tokens)
+    prefill_pending: bool = False  # its (last) prefill call is not answered yet
+    rotated_long: bool = False  # prefilled again, prompt and answer, past LongRoPE's original length
     prefill: list[Token] = field(default_factory=list)  # prompt tokens with logprobs (decoder_input_details)
     ended: bool = False
     disk_fetch: str = ""  # its blocks on the disk tier: "" not asked, "wanted", "running", "done"
@@ -139,7 +142,7 @@ class Requests:
             state.prefilled = state.cached_tokens
             self.prefill_made(state, self.next_prefill_end(state))
             state.started = now
-            state.sent = 1  # the prefill computes the first token
+            state.sent, state.prefill_pending = 1, True  # the prefill computes the first token
         if self.prefix.tiers is not None:
             self.prefix.tiers.admitted()
         self.report_load()
@@ -161,6 +164,7 @@ class Requests:
         for state in reversed(states):
             self.prefix.release(self.allocator, state, failed=True)
             state.blocks, state.cached_tokens, state.prefilled, state.started, state.sent = [], 0, 0, None, 0
+            state.answered, state.prefill_pending = 0, False
             self.waiting.appendleft(state)
         self.report_load()
 

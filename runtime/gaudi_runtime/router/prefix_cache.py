@@ -6,7 +6,10 @@ start in it (later blocks inherit it through the chain), and, at the root, the m
 and the KV cache's, and the request's LoRA adapter (its name and content digest): two adapters
 never share a block. With LongRoPE (Phi-3), a prompt longer than the original length is rotated
 with the long factor set and a shorter one with the short set (layers/rotary.py), so the two kinds
-chain from different roots and never share a block. Equal hashes mean equal KV, so a request whose first blocks' hashes are
+chain from different roots and never share a block. A request that is prefilled again once its answer
+passes the original length (`reprefill_at`) rewrites its blocks in place, so it shares none: it takes
+no cached block and registers its blocks only when it ends (under the long root once prefilled again).
+Equal hashes mean equal KV, so a request whose first blocks' hashes are
 registered (router/blocks.py) reads those blocks instead of computing them, and the shards compute
 only the rest of its prompt (`Request.cached_tokens`).
 
@@ -41,6 +44,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
+from gaudi_runtime import buckets
 from gaudi_runtime.config import Config
 from gaudi_runtime.kv_root import root_hash
 from gaudi_runtime.router.adapters import AdapterTable
@@ -66,6 +70,24 @@ def longrope_original_length(model_config: dict, rope_override: str | None = Non
     default = 4096 if phi3 else model_config.get("max_position_embeddings")
     return int(model_config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
                or default)
+
+
+def reprefill_at(req, long_from: int | None, longest_prefill: int) -> int | None:
+    """How many tokens `req` (a ValidRequest) generates before it is prefilled again, prompt and answer
+    whole, so that its next token is computed with LongRoPE's long factor set throughout, as Phi-3's
+    `generate()` recomputes it: its answer's token at position `long_from`, if its prompt is no longer
+    than `long_from` and it may generate the token after it. None: never (also where that prefill would be
+    longer than `longest_prefill`, the longest a prefill's shape holds, and for a request whose sampling
+    reads what the shard kept of its answer: a grammar, random draws, OpenAI's penalties; those stay
+    rotated short below `long_from`)."""
+    n, s = len(req.input_ids), req.sampling
+    if long_from is None or n > long_from or req.stopping.max_new_tokens < long_from - n + 2:
+        return None
+    if long_from + 1 > longest_prefill:
+        return None
+    if s.do_sample or req.grammar is not None or s.generated_frequency_penalty or s.presence_penalty:
+        return None
+    return long_from - n + 1
 
 
 def adapter_root(base: bytes, name: str, digest: str) -> bytes:
@@ -114,6 +136,7 @@ class PrefixCache:
         self.events: KvEvents | None = None  # where registrations and removals are announced
         self.tiers: KvTiers | None = None  # host and disk tiers below the device (router/kv_tiers.py)
         self.long_rope_from: int | None = None  # `longrope_original_length` of the model served
+        self.longest_prefill = buckets.prefill_seq_cap(cfg)
 
     def removed(self, hashes: list[bytes]) -> None:
         """The allocator dropped these hashes (its `on_removed`)."""
@@ -134,11 +157,22 @@ class PrefixCache:
         return self.root if entry is None else adapter_root(self.root, entry.name, entry.digest)
 
     def _root(self, state) -> bytes:
-        """The root of `state`'s chain: its adapter's, apart for a prompt LongRoPE rotates long."""
+        """The root of `state`'s chain: its adapter's, apart for a sequence LongRoPE rotates long (a long
+        prompt, or one prefilled again past the original length)."""
         root = self.slot_root(state.req.adapter)
-        if self.long_rope_from is not None and len(state.req.input_ids) > self.long_rope_from:
+        long = self.long_rope_from is not None and len(state.req.input_ids) > self.long_rope_from
+        if long or state.rotated_long:
             return hashlib.sha256(root + b"|longrope-long").digest()
         return root
+
+    def reprefill_at(self, req) -> int | None:
+        """`reprefill_at` for the model served."""
+        return reprefill_at(req, self.long_rope_from, self.longest_prefill)
+
+    def _shares(self, state) -> bool:
+        """Whether `state`'s prompt blocks are looked up and registered as its prefill is made: not for one
+        that will rewrite them (`reprefill_at`)."""
+        return self.enabled and self.reprefill_at(state.req) is None
 
     def _extras(self, state) -> dict[int, bytes] | None:
         req = state.req
@@ -146,14 +180,14 @@ class PrefixCache:
 
     def hits(self, allocator: BlockAllocator, state, skip: int = 0) -> list[int]:
         """The registered blocks `state`'s prompt may start with, after its first `skip` blocks."""
-        if not self.enabled or state.req.decoder_input_details:
+        if not self._shares(state) or state.req.decoder_input_details:
             return []
         usable = (len(state.req.input_ids) - 1) // self.block_size  # never the last prompt token's block
         return allocator.lookup(self.prompt_hashes(state)[skip:usable])
 
     def _below(self, state, skip: int) -> list[bytes]:
         """The hashes of `state`'s usable prompt blocks after its first `skip` (the device's run)."""
-        if self.tiers is None or not self.enabled or state.req.decoder_input_details:
+        if self.tiers is None or not self._shares(state) or state.req.decoder_input_details:
             return []
         usable = (len(state.req.input_ids) - 1) // self.block_size
         return self.prompt_hashes(state)[skip:usable]
@@ -201,7 +235,7 @@ class PrefixCache:
     def register_prompt(self, allocator: BlockAllocator, state, start: int, end: int) -> None:
         """Register the full blocks of `state`'s prompt tokens [start, end) once the prefill that writes
         them is made (`start` a block boundary; a block `end` cuts is not full yet and waits)."""
-        if not self.enabled:
+        if not self._shares(state):
             return
         hashes = self.prompt_hashes(state)
         last = min(len(hashes), end // self.block_size)
@@ -229,7 +263,7 @@ class PrefixCache:
         # write past the budget at the last position: every streamed token but the last is fed.
         fed = len(state.output_ids) - 1 if self.speculates else min(len(state.output_ids), state.sent - 1)
         prompt = state.req.input_ids
-        hashes = self.prompt_hashes(state)
+        hashes = self.prompt_hashes(state) if self._shares(state) else []  # else none registered yet
         first = len(hashes)
         tokens = prompt + state.output_ids[:fed]
         parent = hashes[-1] if hashes else self._root(state)

@@ -38,6 +38,7 @@ class PrefillInput:
     cached_tokens: int = 0  # prompt tokens the first blocks already hold (prefix caching): not computed
     adapter: int = 0  # LoRA adapter slot (layers/lora.py): 0 none, i the i-th adapter served
     max_new_tokens: int = 0  # most tokens it may generate (0: as many as its blocks hold after the prompt)
+    sequence_tokens: int = 0  # the whole prompt's length when input_ids is a chunk of it (0: input_ids is whole)
 
 
 @dataclass
@@ -82,6 +83,35 @@ def prompt_lens(reqs: list[PrefillInput]) -> np.ndarray:
 
 def cached_lens(reqs: list[PrefillInput]) -> np.ndarray:
     return np.array([r.cached_tokens for r in reqs], dtype=np.int64)
+
+
+def mark_long_rows(positions: np.ndarray, reqs: list[PrefillInput], long_from: int | None, offset: int) -> None:
+    """LongRoPE: move the real positions of each row whose whole sequence is longer than `long_from` by
+    `offset` (the rotary's table length), which names the long factor set's rows whatever the row's own
+    positions (layers/rotary.py, `table_rows`): a chunk below the original length of a longer prompt is
+    rotated long, as the whole prompt is. In place; nothing without LongRoPE."""
+    if long_from is None:
+        return
+    for i, r in enumerate(reqs):
+        if max(r.sequence_tokens, len(r.input_ids)) > long_from:
+            real = len(r.input_ids) - r.cached_tokens
+            positions[i, :real] += offset
+
+
+def long_rope_of(model: torch.nn.Module) -> tuple[int | None, int]:
+    """A LongRoPE model's original length and rotary table length (`mark_long_rows`'s arguments); else
+    (None, 0)."""
+    return next(((m.long_from, m.max_position) for m in model.modules() if getattr(m, "long_from", None)), (None, 0))
+
+
+def prefill_step_inputs(reqs: list[PrefillInput], tables: np.ndarray, cfg: Config, pad: bool,
+                        long_rope: tuple[int | None, int] = (None, 0)) -> StepInputs:
+    """A prefill's inputs: over cached blocks where a request has some, from position 0 otherwise; with
+    LongRoPE, the rows of prompts longer than the original length marked long (`mark_long_rows`)."""
+    build = prefill_context_inputs if any(r.cached_tokens for r in reqs) else prefill_inputs
+    step = build(reqs, tables, cfg, pad)
+    mark_long_rows(step.args[1], reqs, *long_rope)
+    return step
 
 
 def block_tables(reqs: list[PrefillInput], cfg: Config) -> np.ndarray:

@@ -79,6 +79,7 @@ class ModelRunner:
         self.model = quantize_loaded(self.model, cfg, backend, self.dtype, rank, world_size)
         self.kv_dtype = kv_cache_dtype(cfg.model, self.dtype)
         # A model whose attention is its own (DeepSeek's latent attention) names it; the backend's kernels are not used.
+        self.long_rope = inputs.long_rope_of(self.model)  # LongRoPE's original length and table length
         self.attention_name = getattr(self.model, "attention_name", None) or attention_in_use(attention, self.kv_dtype)
         # Decode over the flat layout of the blocks in use (HPU, unless the math fallback keeps the gather).
         self.flat_decode = backend.flat_decode and attention.flat_decode is not None
@@ -95,8 +96,7 @@ class ModelRunner:
         log.info("rank %d/%d holds %.1f MiB of weights", rank, world_size, self.weight_bytes / 2**20)
         self.load_seconds = time.perf_counter() - t0
         log.info("model loaded in %.1fs; KV cache: %d blocks of %d tokens (%.1f MiB)",
-                 self.load_seconds, self.num_blocks - 1, dev.block_size,
-                 self.num_blocks * per_block / 2**20)
+                 self.load_seconds, self.num_blocks - 1, dev.block_size, self.num_blocks * per_block / 2**20)
         self.batches: dict[int, ShardBatch] = {}
         # Grammars compiled against the model's vocabulary (xgrammar is loaded at the first grammar).
         self.grammars = None if cfg.structured_output.disable_grammar_support else \
@@ -204,8 +204,7 @@ class ModelRunner:
         """Queue the prefill's forward pass -> (hidden, logits, the padded ids). Only a batch with cached
         blocks pays for them; prompts with images run eagerly."""
         with_context = any(r.cached_tokens for r in reqs)
-        build = inputs.prefill_context_inputs if with_context else inputs.prefill_inputs
-        step = build(reqs, tables, self.cfg, self.backend.pads_to_buckets)
+        step = inputs.prefill_step_inputs(reqs, tables, self.cfg, self.backend.pads_to_buckets, self.long_rope)
         self._note_shape(step.kind, *step.bucket)
         ids, args = step.args[0], [None if a is None else torch.from_numpy(a).to(self.device) for a in step.args]
         images = [im for r in reqs for im in r.images]
@@ -227,8 +226,8 @@ class ModelRunner:
         batch = ShardBatch.concat([self._take(batch_id).filter(request_ids) for batch_id, request_ids in batches])
         grammar = batch.sampler.grammar
         constrained = () if grammar is None else [m is not None for m in grammar.matchers]
-        speculate = self.cfg.scheduling.speculate
-        plan = None if batch.drafts is None else batch.drafts.plan(speculate, buckets.SPECULATION_MAX_ROWS, constrained)
+        plan = None if batch.drafts is None else batch.drafts.plan(
+            self.cfg.scheduling.speculate, buckets.SPECULATION_MAX_ROWS, constrained, self.long_rope[0])
         if plan is not None:
             return batch.id, self._verify(batch, plan)
         step = self._decode_inputs(batch, self.cfg, self.backend.pads_to_buckets)

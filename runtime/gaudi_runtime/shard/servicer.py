@@ -110,7 +110,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             PrefillInput(id=r.id, input_ids=list(r.input_ids), params=to_params(r.parameters),
                          top_n_tokens=r.top_n_tokens, blocks=list(r.blocks), prefill_logprobs=r.prefill_logprobs,
                          images=list(r.images), cached_tokens=r.cached_tokens, adapter=r.adapter_index,
-                         max_new_tokens=r.max_new_tokens,
+                         max_new_tokens=r.max_new_tokens, sequence_tokens=r.sequence_tokens,
                          grammar=(r.grammar.type, r.grammar.value) if r.HasField("grammar") else None,
                          thinking=_thinking(r))
             for r in request.batch.requests

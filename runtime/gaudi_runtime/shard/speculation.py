@@ -12,8 +12,9 @@ tokens of that pass. Hence the back-off:
   one token per row only while the weights' reads dominate, that is for few tokens in all;
 - a row whose draft was rejected outright skips the next 2, 4, ... MAX_SKIP steps, and starts over once
   a draft of it is accepted;
-- a row never drafts past its max_new_tokens (the router reserved KV blocks for that many tokens), and a
-  row with a grammar never drafts (its matcher would have to check each draft token first).
+- a row never drafts past its max_new_tokens (the router reserved KV blocks for that many tokens), a
+  row with a grammar never drafts (its matcher would have to check each draft token first), and with
+  LongRoPE a row below the original length never drafts up to it (the window would be rotated long).
 """
 
 from __future__ import annotations
@@ -121,10 +122,12 @@ class DraftRows:
         return DraftRows([r for p in parts for r in p.rows], np.concatenate([p.skip for p in parts]),
                          np.concatenate([p.fails for p in parts]))
 
-    def plan(self, k: int, max_rows: int, constrained: Sequence[bool] = ()) -> np.ndarray | None:
+    def plan(self, k: int, max_rows: int, constrained: Sequence[bool] = (),
+             long_from: int | None = None) -> np.ndarray | None:
         """The step's tokens [B, k + 1]: each row's last token, then its drafts (-1 past them); None when
         the step should not speculate (a plain decode step then). `constrained`: the rows with a grammar
-        (the sampler's; none when empty)."""
+        (the sampler's; none when empty). `long_from`: LongRoPE's original length, which the window of a
+        row below it stops before (its step there is a prefill again: router/batching.py)."""
         if len(self.rows) > max_rows:
             return None
         out = np.full((len(self.rows), k + 1), -1, dtype=np.int64)
@@ -132,6 +135,8 @@ class DraftRows:
             tokens = row.tokens()
             out[i, 0] = tokens[-1]
             room = row.room() - 1  # the verify pass also gives a token after the drafts
+            if long_from is not None and row.n <= long_from:
+                room = min(room, long_from - row.n)
             if self.skip[i] > 0 or (constrained and constrained[i]) or room < 1:
                 continue
             draft = ngram_draft(tokens, min(k, room))
