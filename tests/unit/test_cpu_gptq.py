@@ -49,7 +49,8 @@ def test_kernel_matches_the_layers_own_product(bits, group, desc_act, cols, rows
     expected = layer.matmul(x, None)  # no kernel yet: dequantize, then F.linear
     dense = layer.matmul(torch.eye(cols), None).t()  # the weight [out, in], as loaded
     assert cpu_gptq.use_gptq_kernel(layer) == 1
-    assert layer.kernel(x, None) is not None  # the kernel takes these rows (packed, or dequantized in C)
+    if rows <= cpu_gptq.GEMM_ROWS or cols % 16 == 0:  # packed, or dequantized in C (rows of whole vectors)
+        assert layer.kernel(x, None) is not None
     torch.testing.assert_close(layer.matmul(x, None), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(layer.matmul(x, None), gptq_reference(x, dense), rtol=1e-4, atol=1e-4)
 

@@ -372,32 +372,80 @@ int gptq_gemm(float *y, int64_t ldy, const void *x, int xbf16, const int32_t *qw
     return err;
 }
 
-/* The weight W [out, in] as float32 (bf16 = 0) or bfloat16 (bf16 = 1, rounded to nearest even), for the
-   products of more rows than gptq_gemm takes: one pass over the packed words, each value's scale and
-   zero looked up by its column's group. */
-void gptq_dequantize(void *w, int bf16, const int32_t *qweight, const int16_t *zeros, const float *scales,
-                     const int32_t *g_idx, int64_t in, int64_t out, int64_t groups, int bits, int threads) {
-    const int per = 32 / bits;
-    const uint32_t mask = (1u << bits) - 1u;
-    const int64_t words = in / per;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < out; o++) {
-        const float *sc = scales + o * groups;
-        const int16_t *z = zeros + o * groups;
-        for (int64_t j = 0; j < words; j++) {
-            const uint32_t word = (uint32_t)qweight[o * words + j];
-            for (int k = 0; k < per; k++) {
-                const int64_t i = j * per + k;
-                const int32_t g = g_idx[i];
-                const float v = ((float)((word >> (bits * k)) & mask) - (float)z[g]) * sc[g];
-                if (bf16) {
-                    uint32_t b;
-                    memcpy(&b, &v, sizeof b);
-                    ((uint16_t *)w)[o * in + i] = (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-                } else {
-                    ((float *)w)[o * in + i] = v;
-                }
+/* float32 -> bfloat16 bits, rounded to nearest even (as torch rounds finite values). */
+ALWAYS_INLINE vu round_bf16(vf v) {
+    vu b;
+    memcpy(&b, &v, sizeof b);
+    return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+
+/* Row o of W, (q - zero) * scale in float32 as the layer's own path computes it, LANES values at a time:
+   lane l of a step holds column l of the step's LANES / per words. A chunk of LANES words in one group
+   (GPTQ's groups of 128 at 4 bits) takes its scale and zero once; others per word. */
+ALWAYS_INLINE void dequantize_row(void *dst, const int bf16, const struct problem *p, int64_t o, const int BITS) {
+    const int per = 32 / BITS, wpv = LANES / per;
+    const uint32_t mask = (1u << BITS) - 1u;
+    const int64_t words = p->words;
+    const uint32_t *q = (const uint32_t *)p->q + o * words;
+    const float *sc = p->scales + o * p->groups;
+    const int16_t *z = p->zeros + o * p->groups;
+    vu idx, shift;
+    for (int l = 0; l < LANES; l++) {
+        idx[l] = (uint32_t)(l / per);
+        shift[l] = (uint32_t)(BITS * (l % per));
+    }
+    for (int64_t j = 0; j < words; j += wpv) {
+        const int32_t g = j / LANES < p->chunks ? p->chunk_group[j / LANES] : -1;
+        vu w = {0};
+        vf s = {0}, zf = {0};
+        if (j + LANES <= words)
+            memcpy(&w, q + j, sizeof w);  /* whole: a partial copy into w would stall its load */
+        else
+            memcpy(&w, q + j, sizeof(uint32_t) * (size_t)wpv);
+        if (g >= 0) {
+            s += sc[g];
+            zf += (float)z[g];
+        } else {
+            for (int l = 0; l < wpv; l++) {
+                s[l] = sc[p->wgroup[j + l]];
+                zf[l] = (float)z[p->wgroup[j + l]];
             }
+            s = __builtin_shuffle(s, idx);
+            zf = __builtin_shuffle(zf, idx);
+        }
+        const vf v = (__builtin_convertvector((__builtin_shuffle(w, idx) >> shift) & mask, vf) - zf) * s;
+        if (bf16) {
+            const vh h = __builtin_convertvector(round_bf16(v), vh);
+            memcpy((uint16_t *)dst + j * per, &h, sizeof h);
+        } else {
+            memcpy((float *)dst + j * per, &v, sizeof v);
         }
     }
+}
+
+/* The weight W [out, in] as float32 (bf16 = 0) or bfloat16 (bf16 = 1), for the products of more rows than
+   gptq_gemm takes: one pass over the packed words. Same g_idx condition as gptq_gemm, and in a multiple
+   of 16. Returns 0; -2: no memory; -3: in is not. */
+int gptq_dequantize(void *w, int bf16, const int32_t *qweight, const int16_t *zeros, const float *scales,
+                    const int32_t *g_idx, int64_t in, int64_t out, int64_t groups, int bits, int threads) {
+    if (in % 16) return -3;
+    const int per = 32 / bits;
+    const int64_t words = in / per, chunks = words / LANES;
+    int32_t *wgroup = word_groups(g_idx, words, chunks, per);
+    if (!wgroup) return -2;
+    const struct problem p = {NULL, NULL, qweight, zeros, scales, wgroup, wgroup + words, NULL, words, chunks, groups,
+                              0};
+    const size_t size = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        char *row = (char *)w + (size_t)(o * in) * size;
+        if (bits == 4 && bf16) dequantize_row(row, 1, &p, o, 4);
+        else if (bits == 4) dequantize_row(row, 0, &p, o, 4);
+        else if (bf16) dequantize_row(row, 1, &p, o, 8);
+        else dequantize_row(row, 0, &p, o, 8);
+    }
+    free(wgroup);
+    return 0;
 }

@@ -39,7 +39,7 @@ class GptqKernel:
         self._fn = fn
         deq = lib.gptq_dequantize
         deq.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
-        deq.restype = None
+        deq.restype = c_int
         self._dequantize = deq
         self.max_rows = int(lib.gptq_max_rows())
 
@@ -62,9 +62,11 @@ class GptqKernel:
         q, z, s = layer.qweight, layer.qzeros, layer.scales
         (start, size), g_idx = layer.segments[seg], layer.g_idx[seg]
         w = torch.empty(size, g_idx.numel(), dtype=dtype)
-        self._dequantize(w.data_ptr(), int(dtype == torch.bfloat16), q.data_ptr() + 4 * start * q.shape[1],
+        err = self._dequantize(w.data_ptr(), int(dtype == torch.bfloat16), q.data_ptr() + 4 * start * q.shape[1],
                          z.data_ptr() + 2 * start * z.shape[1], s.data_ptr() + 4 * start * s.shape[1],
                          g_idx.data_ptr(), g_idx.numel(), size, z.shape[1], layer.bits, torch.get_num_threads())
+        if err:
+            raise MemoryError("gptq: no memory for the groups of the packed words")
         return w
 
 
@@ -96,7 +98,7 @@ def _product(k: GptqKernel, layer: nn.Module, x: torch.Tensor, bias: torch.Tenso
         x2 = x.reshape(rows, x.shape[-1])
         x2 = (x2 if x2.dtype == torch.bfloat16 else x2.float()).contiguous()
         y = _packed_product(k, layer, x2).to(x.dtype)
-    elif x.dtype in (torch.float32, torch.bfloat16):
+    elif x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 16 == 0:
         y = _dense_product(k, layer, x.reshape(rows, x.shape[-1]).contiguous())
     else:
         return None  # the layer's own path
