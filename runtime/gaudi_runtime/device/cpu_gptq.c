@@ -50,12 +50,33 @@ struct problem {
     int64_t words, chunks, groups, rows;
 };
 
+/* The lanes of v summed pairwise in a fixed order (lane l += lane l + width, width halving), in registers. */
 ALWAYS_INLINE float sum_lanes(vf v) {
-    float lanes[LANES];
-    memcpy(lanes, &v, sizeof lanes);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
-    return lanes[0];
+#if LANES == 16
+    v += __builtin_shuffle(v, (vu){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+#endif
+    v += __builtin_shuffle(v, (vu){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vu){2, 3, 0, 1, 2, 3, 0, 1});
+    return v[0] + v[1];
+}
+
+typedef int16_t vs __attribute__((vector_size(LANES * 2)));
+
+/* sum_g scale_g * (zero_g + offset) * zx_g: the zeros' term of one output and row, LANES groups a step. */
+ALWAYS_INLINE float zero_term(const float *sc, const int16_t *z, const float *zx, int64_t groups, float offset) {
+    vf acc = (vf){0};
+    int64_t g = 0;
+    for (; g + LANES <= groups; g += LANES) {
+        vf sv, xv;
+        vs zv;
+        memcpy(&sv, sc + g, sizeof sv);
+        memcpy(&xv, zx + g, sizeof xv);
+        memcpy(&zv, z + g, sizeof zv);
+        acc += sv * (__builtin_convertvector(zv, vf) + offset) * xv;
+    }
+    float sum = sum_lanes(acc);
+    for (; g < groups; g++) sum += sc[g] * ((float)z[g] + offset) * zx[g];
+    return sum;
 }
 
 ALWAYS_INLINE vf chunk_scales(const struct problem *p, const float *sc, int64_t c) {
@@ -85,10 +106,7 @@ ALWAYS_INLINE void finish(float *y, int64_t ldy, const struct problem *p, int64_
         for (int k = 0; k < per; k++) part += xt[k * words + j] * (float)(word & (mask << (BITS * k)));
         acc += sc[p->wgroup[j]] * part;
     }
-    const float *zx = p->zx + r * p->groups;
-    float zero = 0.0f;
-    for (int64_t g = 0; g < p->groups; g++) zero += sc[g] * (float)z[g] * zx[g];
-    y[r * ldy + o] = acc - zero;
+    y[r * ldy + o] = acc - zero_term(sc, z, p->zx + r * p->groups, p->groups, 0.0f);
 }
 
 #define FOR4(M) M(0) M(1) M(2) M(3)
@@ -149,24 +167,28 @@ ALWAYS_INLINE void four_rows(float *y, int64_t ldy, const struct problem *p, int
     FOR4(DONE)
 }
 
-/* Output rows o0 .. o0 + 3, every activation row (padded to a multiple of four: see gptq_gemm). */
-ALWAYS_INLINE void outputs(float *y, int64_t ldy, const struct problem *p, int64_t o0, int64_t rows,
+/* Output rows o0 .. o0 + 4 quads - 1, every activation row (padded to a multiple of four: see gptq_gemm).
+   Several rows: row block by row block over the whole tile of outputs, so that a block's x stays in the
+   L1 cache while the tile's packed words (QUADS * 4 rows) come from L2. */
+enum { QUADS = 16 };
+
+ALWAYS_INLINE void outputs(float *y, int64_t ldy, const struct problem *p, int64_t o0, int64_t quads, int64_t rows,
                            const int BITS) {
     if (rows == 1) {
-        one_row(y, ldy, p, o0, BITS);
+        for (int64_t t = 0; t < quads; t++) one_row(y, ldy, p, o0 + 4 * t, BITS);
         return;
     }
-    for (int64_t r = 0; r < rows; r += 4) {
-        four_rows(y, ldy, p, o0, r, BITS);
-        four_rows(y, ldy, p, o0 + 2, r, BITS);
-    }
+    for (int64_t r = 0; r < rows; r += 4)
+        for (int64_t o = o0; o < o0 + 2 * 2 * quads; o += 2) four_rows(y, ldy, p, o, r, BITS);
 }
 
 static void run(float *y, int64_t ldy, const struct problem *p, int64_t rows, int64_t out, int bits, int threads) {
+    const int64_t quads = out / 4, tiles = (quads + QUADS - 1) / QUADS;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < out / 4; t++) {
-        if (bits == 4) outputs(y, ldy, p, t * 4, rows, 4);
-        else outputs(y, ldy, p, t * 4, rows, 8);
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n = quads - t * QUADS < QUADS ? quads - t * QUADS : QUADS;
+        if (bits == 4) outputs(y, ldy, p, t * QUADS * 4, n, rows, 4);
+        else outputs(y, ldy, p, t * QUADS * 4, n, rows, 8);
     }
 }
 
@@ -196,10 +218,7 @@ ALWAYS_INLINE void finish_bf16(float *y, int64_t ldy, const struct problem *p, i
     if (r >= p->rows) return;
     const float *sc = p->scales + o * p->groups;
     const int16_t *z = p->zeros + o * p->groups;
-    const float *zx = p->zx + r * p->groups;
-    float zero = 0.0f;
-    for (int64_t g = 0; g < p->groups; g++) zero += sc[g] * ((float)z[g] + 16.0f) * zx[g];
-    y[r * ldy + o] = sum_lanes((vf)total) - zero;
+    y[r * ldy + o] = sum_lanes((vf)total) - zero_term(sc, z, p->zx + r * p->groups, p->groups, 16.0f);
 }
 
 /* As one_row: one activation row, output rows o0 .. o0 + 3. */
@@ -248,16 +267,16 @@ static void four_rows_bf16(float *y, int64_t ldy, const struct problem *p, int64
 }
 
 static void run_bf16(float *y, int64_t ldy, const struct problem *p, int64_t rows, int64_t out, int threads) {
+    const int64_t quads = out / 4, tiles = (quads + QUADS - 1) / QUADS;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < out / 4; t++) {
+    for (int64_t t = 0; t < tiles; t++) {  /* as run */
+        const int64_t o0 = t * QUADS * 4, o1 = o0 + 4 * (quads - t * QUADS < QUADS ? quads - t * QUADS : QUADS);
         if (rows == 1) {
-            one_row_bf16(y, ldy, p, t * 4);
+            for (int64_t o = o0; o < o1; o += 4) one_row_bf16(y, ldy, p, o);
             continue;
         }
-        for (int64_t r = 0; r < rows; r += 4) {
-            four_rows_bf16(y, ldy, p, t * 4, r);
-            four_rows_bf16(y, ldy, p, t * 4 + 2, r);
-        }
+        for (int64_t r = 0; r < rows; r += 4)
+            for (int64_t o = o0; o < o1; o += 2) four_rows_bf16(y, ldy, p, o, r);
     }
 }
 

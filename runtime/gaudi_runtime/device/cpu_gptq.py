@@ -1,11 +1,15 @@
-"""GPTQ's packed weights times a few activation rows on a CPU, through a small C kernel (``cpu_gptq.c``).
+"""GPTQ's packed weights times activation rows on a CPU, through a small C kernel (``cpu_gptq.c``).
 
 The layer (``quant/gptq.py``) holds its weight packed; without this kernel each product unpacks and
-dequantizes the whole layer first. The kernel reads only the packed words, applying each group's scale
-and zero once per group, for up to ``MAX_ROWS`` rows (decode); more rows keep the layer's own path. A
-desc_act layer's packed columns are sorted by group once (``quant.packing.sort_groups``), and each product
-takes the input columns in that order. Compiled at first use
-like ``cpu_gemv.c`` (``cpu_kernels``); no compiler: one warning, and the layer's own path everywhere.
+dequantizes the whole layer in torch first. Up to ``GEMM_ROWS`` rows (decode) the kernel reads only the
+packed words: 4x fewer bytes than bfloat16 at 4 bits, unpacked with a mask and a conversion per vector of
+values (bfloat16 activations at 4 bits: the CPU's bfloat16 dot product where it has one), each chunk's
+scales and each group's zeros applied once. More rows (prefill) dequantize each segment in one vector
+pass in C, then one matrix product (oneDNN). A desc_act layer's packed columns are sorted by group once
+(``quant.packing.sort_groups``), and each product takes the input columns in that order; a layer whose
+packed words mix groups (a row-parallel rank's share of desc_act columns can) keeps its own path.
+Compiled at first use like ``cpu_gemv.c`` (``cpu_kernels``); no compiler: one warning, and the layer's
+own path everywhere. Figures: docs/performance.md, "int4 kernel, issue 45".
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from gaudi_runtime.quant.packing import sort_groups
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gptq.c")
-GEMM_ROWS = 16  # more rows: dequantize, then oneDNN's product (faster there: docs/performance.md)
+GEMM_ROWS = 16  # more rows: dequantize in C, then oneDNN (at 16 the two cost about the same: docs/performance.md)
 
 
 class GptqKernel:
