@@ -1,7 +1,9 @@
 """The C kernel multiplies activation rows by GPTQ's packed weights as the layer's own dequantizing path
-does (4 and 8 bit, groups incl. one per row, desc_act, asymmetric zeros, fused projections, rows 1..8),
-reading only the packed words; desc_act layers have their columns sorted by group first, and the layer's
-own path (more rows) still gives the same product."""
+does (4 and 8 bit, groups of 128 down to 8 columns and one per row, desc_act, asymmetric zeros, fused
+projections, a packed row that ends in part of a vector, float32 and bfloat16 activations): up to
+GEMM_ROWS rows reading only the packed words, more by dequantizing each segment in one pass. desc_act
+layers have their columns sorted by group first; a layer whose packed words mix groups keeps its own
+path."""
 
 from __future__ import annotations
 
@@ -31,19 +33,58 @@ def gptq_layer(layer, weights: list[torch.Tensor], bits: int, group: int, desc_a
     return layer
 
 
-@pytest.mark.parametrize("bits,group,desc_act", [(4, 32, False), (8, 16, False), (4, -1, False), (4, 16, True),
-                                                 (8, 64, True)])
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_kernel_matches_the_layers_own_product(bits, group, desc_act, rows):
+def fused_layer(bits: int, group: int, desc_act: bool, cols: int = 384):
     torch.manual_seed(0)
-    layer = gptq_layer(MergedColumnParallelLinear(128, [48, 80]), [torch.randn(48, 128), torch.randn(80, 128)],
-                       bits, group, desc_act=desc_act)
-    x = torch.randn(rows, 128)
+    return gptq_layer(MergedColumnParallelLinear(cols, [48, 80]), [torch.randn(48, cols), torch.randn(80, cols)],
+                      bits, group, desc_act=desc_act)
+
+
+@pytest.mark.parametrize("bits,group,desc_act,cols", [
+    (4, 128, False, 384), (4, 32, False, 384), (8, 16, False, 384), (4, -1, False, 384), (4, 16, True, 384),
+    (8, 64, True, 384), (4, 128, True, 384), (4, 40, False, 200), (8, 8, True, 200)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
+def test_kernel_matches_the_layers_own_product(bits, group, desc_act, cols, rows):
+    layer = fused_layer(bits, group, desc_act, cols)
+    x = torch.randn(rows, cols)
     expected = layer.matmul(x, None)  # no kernel yet: dequantize, then F.linear
-    layer_before = layer.matmul(torch.eye(128), None).t()  # the dense weight [out, in], as loaded
+    dense = layer.matmul(torch.eye(cols), None).t()  # the weight [out, in], as loaded
     assert cpu_gptq.use_gptq_kernel(layer) == 1
+    if rows <= cpu_gptq.GEMM_ROWS or cols % 16 == 0:  # packed, or dequantized in C (rows of whole vectors)
+        assert layer.kernel(x, None) is not None
+    torch.testing.assert_close(layer.matmul(x, None), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer.matmul(x, None), gptq_reference(x, dense), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,group,desc_act", [(4, 128, False), (4, 32, True), (8, 64, False)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])
+def test_bfloat16_activations_give_the_float_product_rounded(bits, group, desc_act, rows):
+    """bfloat16 rows (a served model's): up to GEMM_ROWS, 4-bit weights go through the bfloat16 dot product
+    where the CPU has one, others through float32, both the float32 product of the exact weights; more
+    rows multiply the weight dequantized to bfloat16, as the layer's own path does. Then rounded to
+    bfloat16."""
+    layer = fused_layer(bits, group, desc_act)
+    dense = layer.matmul(torch.eye(384), None).t()
+    assert cpu_gptq.use_gptq_kernel(layer) == 1
+    x = torch.randn(1, rows, 384).to(torch.bfloat16)
     got = layer.matmul(x, None)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    assert layer.kernel(torch.randn(9, 128), None) is None  # more rows: the layer's own path
-    x9 = torch.randn(9, 128)  # ... which still computes the same product over the sorted columns
-    torch.testing.assert_close(layer.matmul(x9, None), gptq_reference(x9, layer_before), rtol=1e-4, atol=1e-4)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 128)
+    weight = dense if rows <= cpu_gptq.GEMM_ROWS else dense.bfloat16().float()
+    torch.testing.assert_close(got.float(), gptq_reference(x.float(), weight), rtol=4e-3, atol=1e-3)  # bf16: 2^-8
+
+
+def test_the_rows_of_a_batch_do_not_depend_on_each_other():
+    layer = fused_layer(4, 128, False)
+    assert cpu_gptq.use_gptq_kernel(layer) == 1
+    x = torch.randn(16, 384)
+    together = layer.matmul(x, None)
+    for r in (0, 5, 15):
+        torch.testing.assert_close(layer.matmul(x[r:r + 1], None)[0], together[r], rtol=1e-5, atol=1e-5)
+
+
+def test_packed_words_that_mix_groups_keep_the_layers_own_path():
+    layer = fused_layer(4, 4, False)  # groups of 4 columns: two in every 8-value word
+    x = torch.randn(2, 384)
+    expected = layer.matmul(x, None)
+    assert cpu_gptq.use_gptq_kernel(layer) == 0
+    assert layer.kernel is None
+    torch.testing.assert_close(layer.matmul(x, None), expected)

@@ -1,113 +1,470 @@
-/* A few activation rows times a GPTQ weight that stays packed: y = x W^T with W[o, i] =
+/* Activation rows times a GPTQ weight that stays packed: y = x W^T with W[o, i] =
    scale[o, g] * (q[o, i] - zero[o, g]) for the group g of input column i, never materialized.
 
-   Decode multiplies one row by every weight: bound by the bytes read. Each output row's packed words
-   (bits / 8 bytes per weight) are read once per activation row while they sit in cache, and the
-   group's scale and zero are applied once per group, not per weight:
-       y[r, o] = sum_g scale[o, g] * (sum_{i in g} x[r, i] q[o, i] - zero[o, g] * sum_{i in g} x[r, i]).
-   Groups are runs of consecutive input columns (`bounds[k]` .. `bounds[k + 1]` belong to group
-   `gid[k]`): GPTQ without desc_act, or any layout whose g_idx does not go back.
+   Decode multiplies a few rows by every weight: bound by the bytes read, 4x fewer than bfloat16's at 4
+   bits if unpacking keeps up with the memory. So the inner step does three vector operations per vector of
+   packed words and value position k (a mask, a conversion to float, a multiply-add), none per weight:
+     - x is regrouped once per call as xt[r][k][word] = x[r, word * per + k] * 2^-(bits * k), so that the
+       k-th value of LANES consecutive words meets LANES consecutive floats, and the field needs no shift:
+       (word & (mask << bits * k)) as a float is q * 2^(bits * k), exactly, and the power of two cancels
+       exactly in the product;
+     - the scale is applied once per chunk of LANES words (one multiply-add of each lane's partial sum by
+       the lane's group's scale: a broadcast when the chunk lies in one group, GPTQ's groups of 128 at 4
+       bits), and the zero once per group and row: sum_g scale * zero * (sum of the group's x), subtracted;
+     - a tile of OUTS output rows by ROWS activation rows shares each loaded x vector and unpacked weight
+       vector (registers), and a block of activation rows reuses the unpacked words of an output row.
+   Groups: any g_idx whose groups keep each packed word within one group (`wgroup`: the group of each word).
 
    Layouts (contiguous): x float32 [rows, in]; qweight int32 [out, in / (32 / bits)], consecutive input
-   columns lowest bits first; zeros int16 [out, groups]; scales float32 [out, groups]; y float32 rows
-   of stride ldy. Each output is summed by one thread in one fixed order. cpu_gptq.py builds and calls it. */
+   columns lowest bits first; zeros int16 [out, groups]; scales float32 [out, groups]; wgroup int32
+   [in / per]; y float32 rows of stride ldy. Each output is summed by one thread in an order fixed by its
+   row alone (neither the thread count nor the other rows change its bits). cpu_gptq.py builds and calls it.
+   Plain C with GCC/Clang vector types (no intrinsics). */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* 8 lanes: one AVX2 register (two SSE or NEON ones); GCC/Clang vector types, no intrinsics. */
-typedef float v8f __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-enum { VL = 8 };
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* The dot of a run of whole vectors of words: x regrouped as xt[k][word] = x[word * per + k], so that
-   the k-th value of 8 consecutive words meets 8 consecutive floats. */
-static float run_dot_vec(const float *xt, int64_t words, const int32_t *q, int64_t w0, int64_t w1, int bits) {
-    const int per = 32 / bits;
-    const v8u mask = (v8u){0} + ((1u << bits) - 1u);
-    v8f acc = {0};
-    for (int64_t j = w0; j < w1; j += VL) {
-        v8u w;
-        memcpy(&w, q + j, sizeof w);
-        for (int k = 0; k < per; k++) {
-            v8f xv;
-            memcpy(&xv, xt + k * words + j, sizeof xv);
-            const v8u v = (w >> (uint32_t)(bits * k)) & mask;
-            acc += xv * __builtin_convertvector((v8i)v, v8f);  /* signed: one instruction, values < 256 */
-        }
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+
+/* Activation rows per block: their accumulators and the tile's unpacked vectors fit the registers. */
+enum { MAX_ROWS = 32 };
+
+struct problem {
+    const float *xt;      /* [rows][per][words], pre-scaled (above) */
+    const float *zx;      /* [rows][groups]: sum of x over each group's columns */
+    const int32_t *q;     /* [out][words] */
+    const int16_t *zeros; /* [out][groups] */
+    const float *scales;  /* [out][groups] */
+    const int32_t *wgroup;/* [words] */
+    const int32_t *chunk_group; /* [chunks]: the group of every word of the chunk, or -1 if they differ */
+    const uint32_t *xp;   /* the bfloat16 path's x (below), or NULL */
+    int64_t words, chunks, groups, rows;
+};
+
+/* The lanes of v summed pairwise in a fixed order (lane l += lane l + width, width halving), in registers. */
+ALWAYS_INLINE float sum_lanes(vf v) {
+#if LANES == 16
+    v += __builtin_shuffle(v, (vu){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+#endif
+    v += __builtin_shuffle(v, (vu){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vu){2, 3, 0, 1, 2, 3, 0, 1});
+    return v[0] + v[1];
+}
+
+typedef int16_t vs __attribute__((vector_size(LANES * 2)));
+
+/* sum_g scale_g * (zero_g + offset) * zx_g: the zeros' term of one output and row, LANES groups a step. */
+ALWAYS_INLINE float zero_term(const float *sc, const int16_t *z, const float *zx, int64_t groups, float offset) {
+    vf acc = (vf){0};
+    int64_t g = 0;
+    for (; g + LANES <= groups; g += LANES) {
+        vf sv, xv;
+        vs zv;
+        memcpy(&sv, sc + g, sizeof sv);
+        memcpy(&xv, zx + g, sizeof xv);
+        memcpy(&zv, z + g, sizeof zv);
+        acc += sv * (__builtin_convertvector(zv, vf) + offset) * xv;
     }
-    float sum = 0.0f;
-    for (int l = 0; l < VL; l++)
-        sum += acc[l];
+    float sum = sum_lanes(acc);
+    for (; g < groups; g++) sum += sc[g] * ((float)z[g] + offset) * zx[g];
     return sum;
 }
 
-static float run_dot(const float *x, const int32_t *q, int64_t b0, int64_t b1, int bits) {
-    const int per = 32 / bits;
-    const uint32_t mask = (1u << bits) - 1u;
-    float acc = 0.0f;
-    int64_t i = b0;
-    for (; i < b1 && i % per; i++)  /* to a word boundary */
-        acc += x[i] * (float)(((uint32_t)q[i / per] >> (bits * (i % per))) & mask);
-    for (; i + per <= b1; i += per) {  /* whole words */
-        const uint32_t w = (uint32_t)q[i / per];
-        float part = 0.0f;
-        for (int k = 0; k < per; k++)
-            part += x[i + k] * (float)((w >> (bits * k)) & mask);
-        acc += part;
-    }
-    for (; i < b1; i++)
-        acc += x[i] * (float)(((uint32_t)q[i / per] >> (bits * (i % per))) & mask);
-    return acc;
+ALWAYS_INLINE vf chunk_scales(const struct problem *p, const float *sc, int64_t c) {
+    const int32_t g = p->chunk_group[c];
+    if (g >= 0)
+        return (vf){0} + sc[g];
+    vf s;
+    for (int l = 0; l < LANES; l++) s[l] = sc[p->wgroup[c * LANES + l]];
+    return s;
 }
 
-int gptq_gemm(float *y, int64_t ldy, const float *x, const int32_t *qweight, const int16_t *zeros,
-              const float *scales, const int32_t *bounds, const int32_t *gid, int64_t runs, int64_t rows,
-              int64_t in, int64_t out, int64_t groups, int bits, int threads) {
+/* What is left of output o for activation row r once the vector part is summed: the words past the
+   last whole chunk, and the zeros' term. */
+ALWAYS_INLINE void finish(float *y, int64_t ldy, const struct problem *p, int64_t o, int64_t r, vf total,
+                          const int BITS) {
+    const int per = 32 / BITS;
+    const uint32_t mask = (1u << BITS) - 1u;
+    const int64_t words = p->words;
+    if (r >= p->rows) return;  /* a padding row */
+    const float *sc = p->scales + o * p->groups;
+    const int16_t *z = p->zeros + o * p->groups;
+    const float *xt = p->xt + r * per * words;
+    float acc = sum_lanes(total);
+    for (int64_t j = p->chunks * LANES; j < words; j++) {
+        const uint32_t word = (uint32_t)p->q[o * words + j];
+        float part = 0.0f;
+        for (int k = 0; k < per; k++) part += xt[k * words + j] * (float)(word & (mask << (BITS * k)));
+        acc += sc[p->wgroup[j]] * part;
+    }
+    y[r * ldy + o] = acc - zero_term(sc, z, p->zx + r * p->groups, p->groups, 0.0f);
+}
+
+#define FOR4(M) M(0) M(1) M(2) M(3)
+#define FIELD(w, k) __builtin_convertvector((w) & (mask << (BITS * (k))), vf)
+
+/* One activation row, output rows o0 .. o0 + 3 (decode at c=1): four independent sums, each chunk's
+   partial sums scaled once by the chunk's scales. */
+ALWAYS_INLINE void one_row(float *y, int64_t ldy, const struct problem *p, int64_t o0, const int BITS) {
+    const int per = 32 / BITS;
+    const uint32_t mask = (1u << BITS) - 1u;
+    const int64_t words = p->words;
+#define DECL(i) vf t##i = (vf){0}; const int32_t *q##i = p->q + (o0 + i) * words; \
+    const float *sc##i = p->scales + (o0 + i) * p->groups;
+    FOR4(DECL)
+    for (int64_t c = 0; c < p->chunks; c++) {
+        const int64_t j = c * LANES;
+#define LOAD(i) vu w##i; memcpy(&w##i, q##i + j, sizeof w##i); vf p##i = (vf){0}; \
+    __builtin_prefetch(q##i + 4 * words + j);
+        FOR4(LOAD)
+        for (int k = 0; k < per; k++) {
+            vf xv;
+            memcpy(&xv, p->xt + k * words + j, sizeof xv);
+#define MAC(i) p##i += xv * FIELD(w##i, k);
+            FOR4(MAC)
+        }
+#define SCALE(i) t##i += chunk_scales(p, sc##i, c) * p##i;
+        FOR4(SCALE)
+    }
+#define FINISH(i) finish(y, ldy, p, o0 + i, 0, t##i, BITS);
+    FOR4(FINISH)
+}
+
+/* Four activation rows (r0 ..), output rows o0 and o0 + 1: each unpacked weight vector, scaled by its
+   lanes' scales, meets four rows of x, and each x vector two weight rows. */
+ALWAYS_INLINE void four_rows(float *y, int64_t ldy, const struct problem *p, int64_t o0, int64_t r0,
+                             const int BITS) {
+    const int per = 32 / BITS;
+    const uint32_t mask = (1u << BITS) - 1u;
+    const int64_t words = p->words;
+    const int32_t *qa = p->q + o0 * words, *qb = qa + words;
+    const float *sa = p->scales + o0 * p->groups, *sb = sa + p->groups;
+#define ZERO(r) vf a##r = (vf){0}, b##r = (vf){0};
+    FOR4(ZERO)
+    for (int64_t c = 0; c < p->chunks; c++) {
+        const int64_t j = c * LANES;
+        vu wa, wb;
+        memcpy(&wa, qa + j, sizeof wa);
+        memcpy(&wb, qb + j, sizeof wb);
+        const vf ska = chunk_scales(p, sa, c), skb = chunk_scales(p, sb, c);
+        for (int k = 0; k < per; k++) {
+            const vf fa = FIELD(wa, k) * ska, fb = FIELD(wb, k) * skb;
+#define ROW(r) { vf xv; memcpy(&xv, p->xt + ((r0 + r) * per + k) * words + j, sizeof xv); \
+                 a##r += xv * fa; b##r += xv * fb; }
+            FOR4(ROW)
+        }
+    }
+#define DONE(r) finish(y, ldy, p, o0, r0 + r, a##r, BITS); finish(y, ldy, p, o0 + 1, r0 + r, b##r, BITS);
+    FOR4(DONE)
+}
+
+/* Output rows o0 .. o0 + 4 quads - 1, every activation row (padded to a multiple of four: see gptq_gemm).
+   Several rows: row block by row block over the whole tile of outputs, so that a block's x stays in the
+   L1 cache while the tile's packed words (QUADS * 4 rows) come from L2. */
+enum { QUADS = 16 };
+
+ALWAYS_INLINE void outputs(float *y, int64_t ldy, const struct problem *p, int64_t o0, int64_t quads, int64_t rows,
+                           const int BITS) {
+    if (rows == 1) {
+        for (int64_t t = 0; t < quads; t++) one_row(y, ldy, p, o0 + 4 * t, BITS);
+        return;
+    }
+    for (int64_t r = 0; r < rows; r += 4)
+        for (int64_t o = o0; o < o0 + 2 * 2 * quads; o += 2) four_rows(y, ldy, p, o, r, BITS);
+}
+
+static void run(float *y, int64_t ldy, const struct problem *p, int64_t rows, int64_t out, int bits, int threads) {
+    const int64_t quads = out / 4, tiles = (quads + QUADS - 1) / QUADS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n = quads - t * QUADS < QUADS ? quads - t * QUADS : QUADS;
+        if (bits == 4) outputs(y, ldy, p, t * QUADS * 4, n, rows, 4);
+        else outputs(y, ldy, p, t * QUADS * 4, n, rows, 8);
+    }
+}
+
+/* ---- bfloat16 activations, 4 bits, on a CPU with avx512_bf16 ---------------------------------------
+   The instruction multiplies 32 pairs of bfloat16 per step where the float path converts 16 values: each
+   packed value becomes the bfloat16 1 + q/16 (exponent of one, q in the top mantissa bits: a shift and one
+   bitwise select per 32 values, exact), and x (bfloat16 already, exact) is paired to match:
+   xp[r][k][word] = x[r, 8 word + k] | x[r, 8 word + k + 4] << 16 for k < 4, the two values a shift right by
+   4k - 3 brings to bits 3 and 19. Products are exact and summed in float32 (round to nearest even, inputs
+   below the smallest normal read as zero), so sum(x (1 + q/16)) = sum(x) + sum(x q)/16, and
+       y = sum_g 16 scale_g * dot_g - sum_g scale_g * (zero_g + 16) * (sum of x over g). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+
+ALWAYS_INLINE __m512bh ones_plus(__m512i w, const int k) {
+    const __m512i v = k == 0 ? _mm512_slli_epi32(w, 3) : _mm512_srli_epi32(w, 4 * k - 3);
+    /* (v & 0x00780078) | 0x3f803f80: ternary-logic table 0xea is (a & b) | c */
+    return (__m512bh)_mm512_ternarylogic_epi32(v, _mm512_set1_epi32(0x00780078), _mm512_set1_epi32(0x3f803f80), 0xea);
+}
+
+ALWAYS_INLINE __m512bh xpair(const struct problem *p, int64_t r, int k, int64_t j) {
+    return (__m512bh)_mm512_loadu_si512(p->xp + (r * 4 + k) * p->words + j);
+}
+
+ALWAYS_INLINE void finish_bf16(float *y, int64_t ldy, const struct problem *p, int64_t o, int64_t r, __m512 total) {
+    if (r >= p->rows) return;
+    const float *sc = p->scales + o * p->groups;
+    const int16_t *z = p->zeros + o * p->groups;
+    y[r * ldy + o] = sum_lanes((vf)total) - zero_term(sc, z, p->zx + r * p->groups, p->groups, 16.0f);
+}
+
+/* As one_row: one activation row, output rows o0 .. o0 + 3. */
+static void one_row_bf16(float *y, int64_t ldy, const struct problem *p, int64_t o0) {
+    const int64_t words = p->words;
+    FOR4(DECL)
+    for (int64_t c = 0; c < p->chunks; c++) {
+        const int64_t j = c * LANES;
+        FOR4(LOAD)
+        for (int k = 0; k < 4; k++) {
+            const __m512bh xv = xpair(p, 0, k, j);
+#define DOT(i) p##i = (vf)_mm512_dpbf16_ps((__m512)p##i, xv, ones_plus((__m512i)w##i, k));
+            FOR4(DOT)
+        }
+#define SCALE16(i) t##i += 16.0f * chunk_scales(p, sc##i, c) * p##i;
+        FOR4(SCALE16)
+    }
+#define FINISH16(i) finish_bf16(y, ldy, p, o0 + i, 0, (__m512)t##i);
+    FOR4(FINISH16)
+}
+
+/* As four_rows: activation rows r0 .. r0 + 3, output rows o0 and o0 + 1. */
+static void four_rows_bf16(float *y, int64_t ldy, const struct problem *p, int64_t o0, int64_t r0) {
+    const int64_t words = p->words;
+    const int32_t *qa = p->q + o0 * words, *qb = qa + words;
+    const float *sa = p->scales + o0 * p->groups, *sb = sa + p->groups;
+#define ZERO2(r) vf a##r = (vf){0}, b##r = (vf){0};
+    FOR4(ZERO2)
+    for (int64_t c = 0; c < p->chunks; c++) {
+        const int64_t j = c * LANES;
+        const __m512i wa = _mm512_loadu_si512(qa + j), wb = _mm512_loadu_si512(qb + j);
+#define PART(r) __m512 pa##r = _mm512_setzero_ps(), pb##r = _mm512_setzero_ps();
+        FOR4(PART)
+        for (int k = 0; k < 4; k++) {
+            const __m512bh fa = ones_plus(wa, k), fb = ones_plus(wb, k);
+#define ROW2(r) { const __m512bh xv = xpair(p, r0 + r, k, j); \
+                  pa##r = _mm512_dpbf16_ps(pa##r, xv, fa); pb##r = _mm512_dpbf16_ps(pb##r, xv, fb); }
+            FOR4(ROW2)
+        }
+        const vf ska = 16.0f * chunk_scales(p, sa, c), skb = 16.0f * chunk_scales(p, sb, c);
+#define ACC2(r) a##r += ska * (vf)pa##r; b##r += skb * (vf)pb##r;
+        FOR4(ACC2)
+    }
+#define DONE2(r) finish_bf16(y, ldy, p, o0, r0 + r, (__m512)a##r); finish_bf16(y, ldy, p, o0 + 1, r0 + r, (__m512)b##r);
+    FOR4(DONE2)
+}
+
+static void run_bf16(float *y, int64_t ldy, const struct problem *p, int64_t rows, int64_t out, int threads) {
+    const int64_t quads = out / 4, tiles = (quads + QUADS - 1) / QUADS;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {  /* as run */
+        const int64_t o0 = t * QUADS * 4, o1 = o0 + 4 * (quads - t * QUADS < QUADS ? quads - t * QUADS : QUADS);
+        if (rows == 1) {
+            for (int64_t o = o0; o < o1; o += 4) one_row_bf16(y, ldy, p, o);
+            continue;
+        }
+        for (int64_t r = 0; r < rows; r += 4)
+            for (int64_t o = o0; o < o1; o += 2) four_rows_bf16(y, ldy, p, o, r);
+    }
+}
+
+/* x's bfloat16 pairs (above), padded rows zero; NULL: no memory. */
+static uint32_t *pair_x(const uint16_t *x, int64_t rows, int64_t in) {
+    const int64_t words = in / 8;
+    uint32_t *xp = calloc((size_t)((rows + 3) / 4 * 4 * in / 2 + 1), sizeof(uint32_t));
+    if (!xp) return NULL;
+    for (int64_t r = 0; r < rows; r++)
+        for (int k = 0; k < 4; k++)
+            for (int64_t j = 0; j < words; j++)
+                xp[(r * 4 + k) * words + j] = x[r * in + 8 * j + k] | (uint32_t)x[r * in + 8 * j + k + 4] << 16;
+    return xp;
+}
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+int gptq_max_rows(void) { return MAX_ROWS; }
+
+/* The regrouped, pre-scaled x and each group's sums of x (freed by the caller); NULL: no memory. */
+static float *prepare_x(const float *x, const int32_t *g_idx, int64_t rows, int64_t in, int64_t groups, int bits,
+                        float **zx) {
     const int per = 32 / bits;
     const int64_t words = in / per;
-    /* Runs of whole vectors of words take the vector path (GPTQ's groups of 32 or more columns). */
-    int aligned = 1;
-    for (int64_t k = 0; k <= runs; k++)
-        aligned &= bounds[k] % (per * VL) == 0;
-    float *xsum = malloc(sizeof(float) * (size_t)(rows * runs + 1));
-    float *xt = aligned ? malloc(sizeof(float) * (size_t)(rows * in + 1)) : NULL;
-    if (!xsum || (aligned && !xt)) {
-        free(xsum);
+    const int64_t padded = (rows + 3) / 4 * 4;  /* the row blocks' padding rows: zeros */
+    float *xt = calloc((size_t)(padded * in + 1), sizeof(float));
+    *zx = calloc((size_t)(padded * groups + 1), sizeof(float));
+    if (!xt || !*zx) {
         free(xt);
-        return -2;
+        free(*zx);
+        *zx = NULL;
+        return NULL;
     }
-    if (aligned)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < words; j++)
-                for (int k = 0; k < per; k++)
-                    xt[r * in + k * words + j] = x[r * in + j * per + k];
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t k = 0; k < runs; k++) {
-            float s = 0.0f;
-            for (int64_t i = bounds[k]; i < bounds[k + 1]; i++)
-                s += x[r * in + i];
-            xsum[r * runs + k] = s;
+        for (int k = 0; k < per; k++) {
+            const float unit = 1.0f / (float)(1u << (bits * k));  /* 2^-(bits k): exact */
+            float *dst = xt + (r * per + k) * words;
+            const float *src = x + r * in + k;
+            for (int64_t j = 0; j < words; j++) dst[j] = src[j * per] * unit;
         }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < in; i++) (*zx)[r * groups + g_idx[i]] += x[r * in + i];
+    return xt;
+}
+
+/* The group of each packed word, then each chunk's group (-1: several); NULL: no memory. */
+static int32_t *word_groups(const int32_t *g_idx, int64_t words, int64_t chunks, int per) {
+    int32_t *wgroup = malloc(sizeof(int32_t) * (size_t)(words + chunks + 1));
+    if (!wgroup) return NULL;
+    int32_t *chunk_group = wgroup + words;
+    for (int64_t j = 0; j < words; j++) wgroup[j] = g_idx[j * per];
+    for (int64_t c = 0; c < chunks; c++) {
+        chunk_group[c] = wgroup[c * LANES];
+        for (int l = 1; l < LANES; l++)
+            if (wgroup[c * LANES + l] != chunk_group[c]) chunk_group[c] = -1;
+    }
+    return wgroup;
+}
+
+static float *widen(const uint16_t *x, int64_t n) {
+    float *f = malloc(sizeof(float) * (size_t)(n + 1));
+    if (f)
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t bits = (uint32_t)x[i] << 16;
+            memcpy(f + i, &bits, sizeof bits);
+        }
+    return f;
+}
+
+/* y[rows, out] (float32, row stride ldy) = x[rows, in] W^T for rows <= MAX_ROWS and out a multiple of 4;
+   x float32 (xbf16 = 0) or bfloat16 (1); g_idx [in]: each column's group (every packed word within one
+   group). Returns 0; -2: no memory; -3: rows or out not ones it takes. */
+int gptq_gemm(float *y, int64_t ldy, const void *x, int xbf16, const int32_t *qweight, const int16_t *zeros,
+              const float *scales, const int32_t *g_idx, int64_t rows, int64_t in, int64_t out, int64_t groups,
+              int bits, int threads) {
+    if (rows > MAX_ROWS || out % 4) return -3;
+    const int per = 32 / bits;
+    const int64_t words = in / per;
+    const int64_t chunks = words / LANES;
+    const int pairs = HAVE_BF16_DOT && xbf16 && bits == 4 && words % LANES == 0;
+    float *xf = xbf16 ? widen(x, rows * in) : NULL;  /* the sums of x, and the float path's x */
+    const float *x32 = xbf16 ? xf : x;
+    float *zx = NULL, *xt = NULL;
+    uint32_t *xp = NULL;
+    if (pairs) {
+#if HAVE_BF16_DOT
+        xp = pair_x(x, rows, in);
+        zx = calloc((size_t)((rows + 3) / 4 * 4 * groups + 1), sizeof(float));
+        if (x32 && zx)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t i = 0; i < in; i++) zx[r * groups + g_idx[i]] += x32[r * in + i];
+#endif
+    } else if (x32) {
+        xt = prepare_x(x32, g_idx, rows, in, groups, bits, &zx);
+    }
+    int32_t *wgroup = word_groups(g_idx, words, chunks, per);
+    int err = (!x32 || !zx || !wgroup || (pairs ? !xp : !xt)) ? -2 : 0;
+    if (!err) {
+        const struct problem p = {xt, zx, qweight, zeros, scales, wgroup, wgroup + words, xp, words, chunks, groups,
+                                  rows};
+#if HAVE_BF16_DOT
+        if (pairs) run_bf16(y, ldy, &p, rows, out, threads);
+#endif
+        if (!pairs) run(y, ldy, &p, rows, out, bits, threads);
+    }
+    free(xf);
+    free(xt);
+    free(zx);
+    free(xp);
+    free(wgroup);
+    return err;
+}
+
+/* float32 -> bfloat16 bits, rounded to nearest even (as torch rounds finite values). */
+ALWAYS_INLINE vu round_bf16(vf v) {
+    vu b;
+    memcpy(&b, &v, sizeof b);
+    return (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+}
+
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+
+/* Row o of W, (q - zero) * scale in float32 as the layer's own path computes it, LANES values at a time:
+   lane l of a step holds column l of the step's LANES / per words. A chunk of LANES words in one group
+   (GPTQ's groups of 128 at 4 bits) takes its scale and zero once; others per word. */
+ALWAYS_INLINE void dequantize_row(void *dst, const int bf16, const struct problem *p, int64_t o, const int BITS) {
+    const int per = 32 / BITS, wpv = LANES / per;
+    const uint32_t mask = (1u << BITS) - 1u;
+    const int64_t words = p->words;
+    const uint32_t *q = (const uint32_t *)p->q + o * words;
+    const float *sc = p->scales + o * p->groups;
+    const int16_t *z = p->zeros + o * p->groups;
+    vu idx, shift;
+    for (int l = 0; l < LANES; l++) {
+        idx[l] = (uint32_t)(l / per);
+        shift[l] = (uint32_t)(BITS * (l % per));
+    }
+    for (int64_t j = 0; j < words; j += wpv) {
+        const int32_t g = j / LANES < p->chunks ? p->chunk_group[j / LANES] : -1;
+        vu w = {0};
+        vf s = {0}, zf = {0};
+        if (j + LANES <= words)
+            memcpy(&w, q + j, sizeof w);  /* whole: a partial copy into w would stall its load */
+        else
+            memcpy(&w, q + j, sizeof(uint32_t) * (size_t)wpv);
+        if (g >= 0) {
+            s += sc[g];
+            zf += (float)z[g];
+        } else {
+            for (int l = 0; l < wpv; l++) {
+                s[l] = sc[p->wgroup[j + l]];
+                zf[l] = (float)z[p->wgroup[j + l]];
+            }
+            s = __builtin_shuffle(s, idx);
+            zf = __builtin_shuffle(zf, idx);
+        }
+        const vf v = (__builtin_convertvector((__builtin_shuffle(w, idx) >> shift) & mask, vf) - zf) * s;
+        if (bf16) {
+            const vh h = __builtin_convertvector(round_bf16(v), vh);
+            memcpy((uint16_t *)dst + j * per, &h, sizeof h);
+        } else {
+            memcpy((float *)dst + j * per, &v, sizeof v);
+        }
+    }
+}
+
+/* The weight W [out, in] as float32 (bf16 = 0) or bfloat16 (bf16 = 1), for the products of more rows than
+   gptq_gemm takes: one pass over the packed words. Same g_idx condition as gptq_gemm, and in a multiple
+   of 16. Returns 0; -2: no memory; -3: in is not. */
+int gptq_dequantize(void *w, int bf16, const int32_t *qweight, const int16_t *zeros, const float *scales,
+                    const int32_t *g_idx, int64_t in, int64_t out, int64_t groups, int bits, int threads) {
+    if (in % 16) return -3;
+    const int per = 32 / bits;
+    const int64_t words = in / per, chunks = words / LANES;
+    int32_t *wgroup = word_groups(g_idx, words, chunks, per);
+    if (!wgroup) return -2;
+    const struct problem p = {NULL, NULL, qweight, zeros, scales, wgroup, wgroup + words, NULL, words, chunks, groups,
+                              0};
+    const size_t size = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < out; o++) {
-        const int32_t *q = qweight + o * words;
-        const int16_t *z = zeros + o * groups;
-        const float *sc = scales + o * groups;
-        for (int64_t r = 0; r < rows; r++) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < runs; k++) {
-                const int32_t g = gid[k];
-                const float dot = aligned ? run_dot_vec(xt + r * in, words, q, bounds[k] / per, bounds[k + 1] / per, bits)
-                                          : run_dot(x + r * in, q, bounds[k], bounds[k + 1], bits);
-                acc += sc[g] * (dot - (float)z[g] * xsum[r * runs + k]);
-            }
-            y[r * ldy + o] = acc;
-        }
+        char *row = (char *)w + (size_t)(o * in) * size;
+        if (bits == 4 && bf16) dequantize_row(row, 1, &p, o, 4);
+        else if (bits == 4) dequantize_row(row, 0, &p, o, 4);
+        else if (bf16) dequantize_row(row, 1, &p, o, 8);
+        else dequantize_row(row, 0, &p, o, 8);
     }
-    free(xsum);
-    free(xt);
+    free(wgroup);
     return 0;
 }

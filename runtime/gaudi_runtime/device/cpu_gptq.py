@@ -1,11 +1,15 @@
-"""GPTQ's packed weights times a few activation rows on a CPU, through a small C kernel (``cpu_gptq.c``).
+"""GPTQ's packed weights times activation rows on a CPU, through a small C kernel (``cpu_gptq.c``).
 
 The layer (``quant/gptq.py``) holds its weight packed; without this kernel each product unpacks and
-dequantizes the whole layer first. The kernel reads only the packed words, applying each group's scale
-and zero once per group, for up to ``MAX_ROWS`` rows (decode); more rows keep the layer's own path. A
-desc_act layer's packed columns are sorted by group once (``quant.packing.sort_groups``), and each product
-takes the input columns in that order. Compiled at first use
-like ``cpu_gemv.c`` (``cpu_kernels``); no compiler: one warning, and the layer's own path everywhere.
+dequantizes the whole layer in torch first. Up to ``GEMM_ROWS`` rows (decode) the kernel reads only the
+packed words: 4x fewer bytes than bfloat16 at 4 bits, unpacked with a mask and a conversion per vector of
+values (bfloat16 activations at 4 bits: the CPU's bfloat16 dot product where it has one), each chunk's
+scales and each group's zeros applied once. More rows (prefill) dequantize each segment in one vector
+pass in C, then one matrix product (oneDNN). A desc_act layer's packed columns are sorted by group once
+(``quant.packing.sort_groups``), and each product takes the input columns in that order; a layer whose
+packed words mix groups (a row-parallel rank's share of desc_act columns can) keeps its own path.
+Compiled at first use like ``cpu_gemv.c`` (``cpu_kernels``); no compiler: one warning, and the layer's
+own path everywhere. Figures: docs/performance.md, "int4 kernel, issue 45".
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gaudi_runtime.device import cpu_kernels
@@ -25,70 +30,103 @@ from gaudi_runtime.quant.packing import sort_groups
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gptq.c")
-MAX_ROWS = 8
+GEMM_ROWS = 16  # more rows: dequantize in C, then oneDNN (at 16 the two cost about the same: docs/performance.md)
 
 
 class GptqKernel:
     def __init__(self, path: Path):
         self.path = path
-        fn = ctypes.CDLL(str(path)).gptq_gemm  # CDLL: the call runs without the GIL
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
+        lib = ctypes.CDLL(str(path))  # CDLL: the calls run without the GIL
+        ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        fn = lib.gptq_gemm
+        fn.argtypes = [ptr, i64, ptr, c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64, c_int, c_int]
+        fn.restype = c_int
         self._fn = fn
+        deq = lib.gptq_dequantize
+        deq.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, i64, i64, i64, c_int, c_int]
+        deq.restype = c_int
+        self._dequantize = deq
+        self.max_rows = int(lib.gptq_max_rows())
 
     def segment(self, y: torch.Tensor, x: torch.Tensor, layer: nn.Module, start: int, size: int,
-                plan: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """``y[:, start:start + size] = x @ W[start:start + size]^T`` (float32, contiguous)."""
+                g_idx: torch.Tensor) -> None:
+        """``y[:, start:start + size] = x @ W[start:start + size]^T`` (y float32, x float32 or bfloat16, both
+        contiguous; x's columns in the stored order, `g_idx` the segment's)."""
         q, z, s = layer.qweight, layer.qzeros, layer.scales
-        bounds, gid = plan
-        err = self._fn(y.data_ptr() + 4 * start, y.shape[1], x.data_ptr(), q.data_ptr() + 4 * start * q.shape[1],
+        err = self._fn(y.data_ptr() + 4 * start, y.shape[1], x.data_ptr(), int(x.dtype == torch.bfloat16), q.data_ptr() + 4 * start * q.shape[1],
                        z.data_ptr() + 2 * start * z.shape[1], s.data_ptr() + 4 * start * s.shape[1],
-                       bounds.data_ptr(), gid.data_ptr(), gid.numel(), x.shape[0], x.shape[1], size, z.shape[1],
-                       layer.bits, torch.get_num_threads())
+                       g_idx.data_ptr(), x.shape[0], x.shape[1], size, z.shape[1], layer.bits,
+                       torch.get_num_threads())
+        if err == -2:
+            raise MemoryError("gptq: no memory for the regrouped activations")
         if err:
-            raise MemoryError("gptq: no memory for the activation sums")
+            raise ValueError(f"gptq: {x.shape[0]} rows of {size} outputs are not ones the kernel takes")
+
+    def dequantize(self, layer: nn.Module, seg: int, dtype: torch.dtype) -> torch.Tensor:
+        """Segment `seg`'s rows of W in `dtype` (float32 or bfloat16), its columns in the stored order."""
+        q, z, s = layer.qweight, layer.qzeros, layer.scales
+        (start, size), g_idx = layer.segments[seg], layer.g_idx[seg]
+        w = torch.empty(size, g_idx.numel(), dtype=dtype)
+        err = self._dequantize(w.data_ptr(), int(dtype == torch.bfloat16), q.data_ptr() + 4 * start * q.shape[1],
+                         z.data_ptr() + 2 * start * z.shape[1], s.data_ptr() + 4 * start * s.shape[1],
+                         g_idx.data_ptr(), g_idx.numel(), size, z.shape[1], layer.bits, torch.get_num_threads())
+        if err:
+            raise MemoryError("gptq: no memory for the groups of the packed words")
+        return w
 
 
-def runs(g_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Groups as runs of consecutive columns: (bounds, group of each run); None where g_idx goes back."""
-    g = g_idx.long()
-    if g.numel() and bool((g[1:] < g[:-1]).any()):
-        return None
-    change = torch.nonzero(g[1:] != g[:-1]).flatten() + 1
-    bounds = torch.cat([torch.tensor([0]), change, torch.tensor([g.numel()])]).to(torch.int32)
-    return bounds, g[bounds[:-1].long()].to(torch.int32)
+def whole_words(g_idx: torch.Tensor, bits: int) -> bool:
+    """Whether every packed word's values belong to one group (what the kernel takes)."""
+    g = g_idx.view(-1, 32 // bits)
+    return bool((g == g[:, :1]).all())
 
 
-def _product(k: GptqKernel, layer: nn.Module, plans: list, x: torch.Tensor, bias: torch.Tensor | None):
+def _packed_product(k: GptqKernel, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x2.shape[0], layer.qweight.shape[0], dtype=torch.float32)
+    perms = layer.perms or [None] * len(layer.segments)
+    for (start, size), g_idx, perm in zip(layer.segments, layer.g_idx, perms):
+        k.segment(y, x2 if perm is None else x2[:, perm].contiguous(), layer, start, size, g_idx)
+    return y
+
+
+def _dense_product(k: GptqKernel, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+    """More rows: each segment's weight dequantized in one pass, then the matrix product (compute-bound)."""
+    perms = layer.perms or [None] * len(layer.segments)
+    parts = [F.linear(x2 if perm is None else x2[:, perm], k.dequantize(layer, seg, x2.dtype))
+             for seg, perm in enumerate(perms)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _product(k: GptqKernel, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None):
     rows = x.numel() // x.shape[-1]
-    if rows > MAX_ROWS:
-        return None  # the layer's own path: dequantize once, one matrix product
-    x2 = x.reshape(rows, x.shape[-1]).float().contiguous()
-    y = torch.empty(rows, layer.qweight.shape[0], dtype=torch.float32)
-    perms = layer.perms or [None] * len(plans)
-    for (start, size), plan, perm in zip(layer.segments, plans, perms):
-        k.segment(y, x2 if perm is None else x2[:, perm].contiguous(), layer, start, size, plan)
-    y = y.to(x.dtype).reshape(*x.shape[:-1], y.shape[1])
+    if rows <= GEMM_ROWS:
+        x2 = x.reshape(rows, x.shape[-1])
+        x2 = (x2 if x2.dtype == torch.bfloat16 else x2.float()).contiguous()
+        y = _packed_product(k, layer, x2).to(x.dtype)
+    elif x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 16 == 0:
+        y = _dense_product(k, layer, x.reshape(rows, x.shape[-1]).contiguous())
+    else:
+        return None  # the layer's own path
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
     return y if bias is None else y + bias
 
 
 def gptq_kernels(model: nn.Module) -> dict[nn.Module, LinearKernel]:
-    """The kernel of every GPTQ layer (``quant/gptq.py``) whose groups are runs of columns
-    (``LayerKernels.linear``); a desc_act layer's packed columns are sorted by group on the way."""
+    """The kernel of every GPTQ layer (``quant/gptq.py``) whose packed words each lie in one group (after
+    sorting desc_act columns by group): ``LayerKernels.linear``'s entries."""
     layers = [m for m in model.modules() if hasattr(m, "g_idx") and hasattr(m, "segments")]
     k = kernel() if layers else None
     if k is None:
         return {}
     kernels: dict[nn.Module, LinearKernel] = {}
     for m in layers:
-        if m.qweight.device.type == "cpu":
-            sort_groups(m)
-        plans = [runs(m.g_idx[i]) for i in range(len(m.segments))]
-        if all(p is not None for p in plans) and m.qweight.device.type == "cpu":
-            kernels[m] = functools.partial(_product, k, m, plans)
-    log.info("cpu: %d of %d GPTQ layers multiply packed weights in the C kernel (up to %d rows)", len(kernels),
-             len(layers), MAX_ROWS)
+        if m.qweight.device.type != "cpu":
+            continue
+        sort_groups(m)
+        if all(whole_words(m.g_idx[i], m.bits) and size % 4 == 0 for i, (_, size) in enumerate(m.segments)):
+            kernels[m] = functools.partial(_product, k, m)
+    log.info("cpu: %d of %d GPTQ layers multiply packed weights in the C kernel (up to %d rows; more: "
+             "dequantized in one pass)", len(kernels), len(layers), GEMM_ROWS)
     return kernels
 
 

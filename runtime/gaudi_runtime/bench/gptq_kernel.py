@@ -1,0 +1,93 @@
+"""Time one GPTQ int4 layer's product on a CPU against the same shape in bfloat16.
+
+    python -m gaudi_runtime.bench.gptq_kernel [--shapes 5632x2048 2048x5632] [--rows 1 4 16 17 64] [--threads 1]
+
+Each shape is a Llama MLP projection (out x in): GPTQ 4-bit, groups of 128, symmetric, no desc_act, random
+packed words, through the layer's ``matmul`` with the CPU kernel (``device/cpu_gptq``: up to GEMM_ROWS rows
+over the packed words, more dequantized in C then oneDNN); the bfloat16 side is what a bfloat16 layer runs
+(the few-row C kernel ``cpu_gemv`` where it takes the rows, else oneDNN's ``F.linear``). Activations are
+bfloat16, as served. Several copies of each weight are cycled so that they stream from memory, not the
+last-level cache. Printed per call: the minimum over repetitions of the calling thread's CPU time (on a
+shared machine wall time measures the neighbours) and the bytes of weights read per second of it; run
+with ``--threads 1`` that is one core's speed. glibc's malloc is tuned as the shard tunes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from gaudi_runtime.device import cpu_gemv, cpu_gptq
+from gaudi_runtime.device.host_allocator import tune_host_allocator
+from gaudi_runtime.layers.linear import ReplicatedLinear
+from gaudi_runtime.quant.checkpoint import CheckpointQuant
+from gaudi_runtime.quant.gptq import to_gptq
+
+
+def gptq_layer(out: int, inp: int, group: int = 128) -> ReplicatedLinear:
+    """A 4-bit GPTQ layer of random packed words, scales ~0.01, zeros 8, with the CPU kernel."""
+    m = ReplicatedLinear(inp, out, bias=False)
+    to_gptq("bench", m, CheckpointQuant("gptq", "int4", "group", group_size=group, desc_act=False, sym=True), inp)
+    m.qweight.data = torch.randint(-2**31, 2**31 - 1, tuple(m.qweight.shape), dtype=torch.int32)
+    m.qzeros.data.fill_(8)
+    m.scales.data = torch.rand(tuple(m.scales.shape)) * 0.01
+    m.g_idx.data = (torch.arange(inp) // group).to(torch.int32).expand_as(m.g_idx).contiguous()
+    cpu_gptq.use_gptq_kernel(m)
+    return m
+
+
+def cpu_ms(fn, calls: int, repeats: int) -> float:
+    """The least CPU time of this thread per call, in ms, over `repeats` rounds of `calls` calls."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        best = min(best, (time.thread_time() - start) / calls)
+    return best * 1e3
+
+
+def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int) -> None:
+    layers = [gptq_layer(out, inp) for _ in range(copies)]
+    weights = [torch.randn(out, inp).to(torch.bfloat16) for _ in range(copies)]
+    gemv = cpu_gemv.kernel()
+    for rows in rows_list:
+        x = torch.randn(rows, inp).to(torch.bfloat16)
+        use_gemv = gemv is not None and gemv.takes_rows(rows, torch.bfloat16)
+
+        def int4(x=x):
+            for m in layers:
+                m.matmul(x, None)
+
+        def bf16(x=x, use_gemv=use_gemv):
+            for w in weights:
+                gemv(x, w, None) if use_gemv else F.linear(x, w)
+
+        q_ms, b_ms = cpu_ms(int4, copies, repeats), cpu_ms(bf16, copies, repeats)
+        q_gb, b_gb = out * inp / 2 / q_ms / 1e6, out * inp * 2 / b_ms / 1e6
+        print(f"{out}x{inp} rows={rows}: int4 {q_ms:.3f} ms ({q_gb:.1f} GB/s packed), bf16 {b_ms:.3f} ms "
+              f"({b_gb:.1f} GB/s), bf16/int4 time {b_ms / q_ms:.2f}x, load {os.getloadavg()[0]:.1f}", flush=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["5632x2048", "2048x5632"], help="out x in")
+    p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 17, 64])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--copies", type=int, default=6, help="weights cycled per shape (more than the LLC holds)")
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args(argv)
+    tune_host_allocator()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    for shape in args.shapes:
+        out, inp = (int(v) for v in shape.split("x"))
+        compare(out, inp, args.rows, args.copies, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
