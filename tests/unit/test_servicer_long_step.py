@@ -1,12 +1,13 @@
-"""A step that holds the shard's event loop longer than gRPC's default wait for an unhandled call (30 s)
-must not fail the calls the router queued behind it.
+"""A step that holds the shard's event loop must not fail the calls the router queued behind it.
 
 The shard runs its steps on its event loop, so while one runs no new call reaches the servicer; the
-router keeps the next decode queued meanwhile (router/batching.py). With gRPC's defaults, a call not
-handed to the servicer within 30 s is cancelled, and the router fails its engine with
-`Decode failed: CANCELLED: CANCELLED` (seen at the first decode after a long warmup on a loaded machine).
-Here a shard process built by `shard.server.grpc_server` blocks its loop for BLOCK_S in the first decode,
-the real ShardClient queues three more behind it, and every one must be answered, in order.
+router keeps the next decode queued meanwhile (router/batching.py). gRPC cancels a call not handed to the
+servicer within `grpc.server_max_unrequested_time_in_server` (30 s by default), and the router then fails
+its engine with `Decode failed: CANCELLED: CANCELLED` (seen at the first decode after a long warmup on a
+loaded machine). Here a shard process built by `shard.server.grpc_server` blocks its loop in the first
+decode while the real ShardClient queues three more behind it: with a wait shorter than the block (the
+mechanism, in seconds rather than gRPC's 30) a queued call is cancelled; with the shard's own setting
+every one is answered, in order; and that setting outlasts the router's own call timeout.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from pathlib import Path
 
 from gaudi_runtime.proto import generate_pb2 as pb
 from gaudi_runtime.proto import generate_pb2_grpc as pb_grpc
-from gaudi_runtime.router.client import ShardClient
+from gaudi_runtime.router.client import DEFAULT_SHARD_TIMEOUT_S, ShardClient
+from gaudi_runtime.shard.server import UNHANDLED_CALL_WAIT_S
 
-BLOCK_S = 40.0  # past gRPC's default 30 s, with room for the queued calls to arrive
+BLOCK_S = 4.0
 QUEUED = 3
 
 
@@ -45,11 +47,11 @@ class SlowFirstStep(pb_grpc.TextGenerationServiceServicer):
         return pb.DecodeResponse(batch=pb.CachedBatch(id=request.sequence))
 
 
-def serve(path: str, started: str) -> None:
+def serve(path: str, started: str, wait_s: int) -> None:
     from gaudi_runtime.shard.server import grpc_server
 
     async def run() -> None:
-        server = grpc_server()
+        server = grpc_server(wait_s)
         pb_grpc.add_TextGenerationServiceServicer_to_server(SlowFirstStep(started), server)
         server.add_insecure_port(f"unix://{path}")
         await server.start()
@@ -58,7 +60,7 @@ def serve(path: str, started: str) -> None:
     asyncio.run(run())
 
 
-async def decode_behind_a_long_step(path: str, started: Path) -> list[int]:
+async def decode_behind_a_long_step(path: str, started: Path) -> list:
     client = ShardClient([path])
     await client.connect(timeout_s=120)
     try:
@@ -69,20 +71,33 @@ async def decode_behind_a_long_step(path: str, started: Path) -> list[int]:
             assert not first.done(), first.result()
             await asyncio.sleep(0.05)  # poll interval of a deadline-bounded wait
         queued = [client.decode([pb.CachedBatch(id=i)]) for i in range(QUEUED)]
-        answers = await asyncio.gather(first, *queued)
-        return [a.batch.id for a in answers]
+        answers = await asyncio.gather(first, *queued, return_exceptions=True)
+        return [a if isinstance(a, BaseException) else a.batch.id for a in answers]
     finally:
         await client.close()
 
 
-def test_calls_queued_behind_a_step_longer_than_grpcs_default_wait_are_answered(tmp_path):
+def decodes_with_wait(tmp_path: Path, wait_s: int) -> list:
     path, started = str(tmp_path / "shard.sock"), tmp_path / "started"
-    shard = multiprocessing.get_context("spawn").Process(target=serve, args=(path, str(started)), daemon=True)
+    shard = multiprocessing.get_context("spawn").Process(target=serve, args=(path, str(started), wait_s), daemon=True)
     shard.start()
     try:
-        assert asyncio.run(decode_behind_a_long_step(path, started)) == list(range(1, QUEUED + 2))
+        return asyncio.run(decode_behind_a_long_step(path, started))
     finally:
         shard.terminate()
         shard.join(timeout=30)
         if shard.is_alive():
             os.kill(shard.pid, 9)
+
+
+def test_a_call_waiting_longer_than_grpcs_unhandled_wait_is_cancelled(tmp_path):
+    answers = decodes_with_wait(tmp_path, wait_s=1)
+    assert any(isinstance(a, BaseException) and "CANCELLED" in str(a) for a in answers), answers
+
+
+def test_calls_queued_behind_a_long_step_are_answered_in_order(tmp_path):
+    assert decodes_with_wait(tmp_path, wait_s=UNHANDLED_CALL_WAIT_S) == list(range(1, QUEUED + 2))
+
+
+def test_the_shard_keeps_an_unhandled_call_longer_than_the_router_waits_for_it():
+    assert UNHANDLED_CALL_WAIT_S > DEFAULT_SHARD_TIMEOUT_S

@@ -80,7 +80,7 @@ def download_seconds(environ=None) -> float | None:
 UNHANDLED_CALL_WAIT_S = 7 * 24 * 3600
 
 
-def grpc_server() -> grpc.aio.Server:
+def grpc_server(unhandled_call_wait_s: int = UNHANDLED_CALL_WAIT_S) -> grpc.aio.Server:
     """The shard's gRPC server. Steps run on its event loop, which then hands no new call to the servicer:
     the router's next call (queued while a step runs, router/batching.py) waits as long as the step takes,
     a minute or more for a first step or a prefill of many prompts on a loaded machine. So gRPC must keep
@@ -88,7 +88,7 @@ def grpc_server() -> grpc.aio.Server:
     (GAUDI_SERVE_SHARD_TIMEOUT_S) is what decides that a shard hangs."""
     return grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                     ("grpc.max_send_message_length", 64 << 20),
-                                    ("grpc.server_max_unrequested_time_in_server", UNHANDLED_CALL_WAIT_S)])
+                                    ("grpc.server_max_unrequested_time_in_server", unhandled_call_wait_s)])
 
 
 async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None:
