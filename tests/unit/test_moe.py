@@ -134,27 +134,6 @@ def test_top_k_must_fit_the_experts():
         FusedMoE(8, 9, H, INTER)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_experts_path_with_the_few_row_kernel_gives_transformers_output(reference, dtype):
-    """The CPU backend's experts kernel multiplies each expert's few decode rows with the C kernel: the
-    same output as transformers' block (float32 exactly up to rounding; bfloat16 within its precision)."""
-    from gaudi_runtime.device import cpu_gemv
-    from gaudi_runtime.device.cpu import experts_kernel
-
-    gemv = cpu_gemv.kernel()
-    if gemv is None:
-        pytest.fail("the few-row kernel did not build here: is there a C compiler (cc or $CC)?")
-    moe = loaded(reference)
-    moe.kernel = experts_kernel(gemv)
-    x = tokens(6, seed=7)
-    with torch.no_grad():
-        want = reference(x)
-        moe.to(dtype)
-        got = moe(x.to(dtype)).float()
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
-    torch.testing.assert_close(got, want, **tol)
-
-
 def _moe_kernel():
     from gaudi_runtime.device import cpu_moe
 
@@ -166,14 +145,19 @@ def _moe_kernel():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_tokens", [1, 5, 32, 160])
-def test_the_cpu_experts_in_one_call_give_transformers_output(reference, dtype, n_tokens):
-    """The CPU backend's experts path, with the one-call kernel for steps of few rows per expert (and
-    grouped_experts past them: 160 tokens here), gives transformers' block output."""
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "per-expert"])
+def test_the_cpu_experts_path_gives_transformers_output(reference, dtype, n_tokens, one_call):
+    """The CPU backend's experts path gives transformers' block output: with the one-call kernel for steps
+    of few rows per expert (grouped_experts past them: 160 tokens here), and without it, each expert's few
+    decode rows through the few-row C kernel."""
     from gaudi_runtime.device import cpu_gemv
     from gaudi_runtime.device.cpu import experts_kernel
 
+    gemv = cpu_gemv.kernel()
+    if gemv is None:
+        pytest.fail("the few-row kernel did not build here: is there a C compiler (cc or $CC)?")
     moe = loaded(reference)
-    moe.kernel = experts_kernel(cpu_gemv.kernel(), _moe_kernel())
+    moe.kernel = experts_kernel(gemv, _moe_kernel() if one_call else None)
     x = tokens(n_tokens, seed=11)
     with torch.no_grad():
         want = reference(x)
