@@ -99,12 +99,15 @@ def metrics(url: str) -> str:
 
 def returns_after_a_restart(model_dir, tmp_path, disk, conversations) -> None:
     """A new server on the same disk tier: the conversations come back (their last turn again, one at a
-    time), their prefixes read from disk; one in three block files was truncated in between, and those
-    are skipped, never loaded: every answer is still transformers'."""
+    time), their prefixes read from disk; one in two block files was truncated in between, and those
+    are skipped, never loaded: every answer is still transformers'. (Which blocks reach the disk depends on
+    the eviction order, so which are read back is not known here: with one in two truncated, the chance
+    that the nine conversations read no truncated file, or no whole one, is about 1 in 500 each, where
+    one in three left about 1 in 40 that they read no truncated file.)"""
     last_turns = [turns[-1] for turns in conversations]
     files = sorted(p for p in disk.rglob("*") if p.is_file() and len(p.name) == 64)
     assert files
-    for path in files[::3]:
+    for path in files[::2]:
         path.write_bytes(path.read_bytes()[:-7])
     srv = serve_small(model_dir, tmp_path, "--max-batch-total-tokens", "384", *TIERS,
                       "--kv-offloading-disk-path", str(disk))
