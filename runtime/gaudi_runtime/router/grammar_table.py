@@ -58,8 +58,10 @@ class GrammarTable:
         self._entries.move_to_end(key)
         self._keys[grammar_id] = key
         excess = len(self._entries) - self.capacity
-        for k in [k for k, e in self._entries.items() if e.holds == 0 and k not in busy and k != key][:max(excess, 0)]:
-            self.forget(k)
+        if excess > 0:
+            unheld = [k for k, e in self._entries.items() if e.holds == 0 and k not in busy and k != key]
+            for k in unheld[:excess]:  # least recently used first
+                self.forget(k)
 
     def forget(self, key: GrammarKey) -> None:
         """The shards may drop `key` (a grammar nobody holds, or one that failed to compile)."""
@@ -74,12 +76,7 @@ class GrammarTable:
 
     def release(self, grammar_id: int) -> None:
         """A request that held `grammar_id` ended: no call made from now on names it for that request."""
-        entry = self._entries[self._keys[grammar_id]]
-        entry.holds -= 1
-
-    def held(self, key: GrammarKey) -> int:
-        entry = self._entries.get(key)
-        return 0 if entry is None else entry.holds
+        self._entries[self._keys[grammar_id]].holds -= 1
 
     def take_forgotten(self) -> list[int]:
         """The ids forgotten since the last call, for the next prefill to carry."""

@@ -4,7 +4,8 @@ A request waits in `Requests.waiting` until a prefill takes it and reserves its 
 live until `Requests.end`. Every way a request ends goes through `end`: finished (EOS, its token
 budget, a stop sequence: the output processor), cancelled (its caller stopped reading: the
 engine's `generate`), failed (the shards failed: the batching loop, or the engine for all). `end`
-gives the blocks back exactly once and delivers the request's last event or error.
+gives the blocks back (and releases the grammar it holds on the shards) exactly once and delivers the
+request's last event or error.
 
 The blocks go back at once, even while a call already made still names the request: the prefill
 of a request that takes them over is made later, so the shards run it after that call (see
