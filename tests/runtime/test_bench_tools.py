@@ -332,3 +332,13 @@ def test_the_lora_workload_sends_each_request_its_adapter(tiny_model_dir, tmp_pa
     counts = {a: float(n) for a, n in re.findall(r'^gaudi_serve_lora_requests_total{adapter="(\w+)"} (\S+)$',
                                                  metrics, re.M)}
     assert counts == {"a1": 4.0, "a2": 4.0}  # three each, and each warmed by one request first
+
+
+def test_moe_layer_benchmark_prints_both_paths_for_each_token_count(capsys):
+    from gaudi_runtime.bench import moe_layer
+
+    moe_layer.main(["--tokens", "2", "40", "--experts", "8", "--top-k", "2", "--hidden", "32", "--inter", "48",
+                    "--layers", "2", "--repeats", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["2", "40"]
+    assert all(float(v) > 0 for r in rows for v in r[1:])

@@ -75,6 +75,22 @@ def download_seconds(environ=None) -> float | None:
         return None
 
 
+# A call gRPC has received but not yet handed to the servicer waits at most this long before gRPC
+# cancels it (CANCELLED, the servicer never sees it); its default is 30 s.
+UNHANDLED_CALL_WAIT_S = 7 * 24 * 3600
+
+
+def grpc_server(unhandled_call_wait_s: int = UNHANDLED_CALL_WAIT_S) -> grpc.aio.Server:
+    """The shard's gRPC server. Steps run on its event loop, which then hands no new call to the servicer:
+    the router's next call (queued while a step runs, router/batching.py) waits as long as the step takes,
+    a minute or more for a first step or a prefill of many prompts on a loaded machine. So gRPC must keep
+    such a call, not cancel it after its default 30 s; the router's call timeout
+    (GAUDI_SERVE_SHARD_TIMEOUT_S) is what decides that a shard hangs."""
+    return grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                    ("grpc.max_send_message_length", 64 << 20),
+                                    ("grpc.server_max_unrequested_time_in_server", unhandled_call_wait_s)])
+
+
 async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None:
     # Each step of the load is a step of the pod's start (progress.py); the weights report one per tensor.
     progress.start_reporting(f"shard-{rank}")
@@ -94,8 +110,7 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
     progress.report("loading")
     runner = ModelRunner(cfg, model_dir, backend, rank, world_size, group, recipe_cache=recipes,
                          download_seconds=download_seconds())
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20)])
+    server = grpc_server()
     servicer = ShardServicer(runner, rank, world_size, threads=adaptive)
     pb_grpc.add_TextGenerationServiceServicer_to_server(servicer, server)
     path = cfg.server.shard_socket(rank)
