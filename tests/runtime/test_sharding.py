@@ -185,7 +185,11 @@ def _one_shard_sampled(model_dir, input_ids: list[int], seed: int, max_new_token
     runner = _RUNNERS[key]
     params = to_params(pb.NextTokenChooserParameters(seed=seed, **SAMPLING))
     blocks = list(range(1, 1 + (len(input_ids) + max_new_tokens + 3) // 4 + 1))
-    step = runner.prefill(1, [PrefillInput(1, input_ids, params, 0, blocks, False, grammar=grammar)])
+    grammar_id = None
+    if grammar is not None:
+        grammar_id = 1 + len(runner.grammars)
+        runner.grammars.compile(grammar_id, *grammar)  # CompileGrammar's work: the prefill names the id
+    step = runner.prefill(1, [PrefillInput(1, input_ids, params, 0, blocks, False, grammar=grammar_id)])
     out = step.sample.next_ids[:1].tolist()
     while len(out) < max_new_tokens:
         _, step = runner.decode([(1, [1])])

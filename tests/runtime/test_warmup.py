@@ -198,9 +198,10 @@ def test_grammar_masks_on_hpu_are_bucket_shaped_and_filled_while_the_step_runs(f
 
     backend.upload = recorded_upload
     schema = json.dumps({"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]})
+    runner.grammars.compile(7, "json", schema)  # CompileGrammar's work: the prefills name id 7
     reqs = [PrefillInput(i, [5, 6, 7], SamplingParameters(do_sample=True, seed=i), 0,
                          list(range(1 + 30 * i, 1 + 30 * (i + 1))), False,
-                         grammar=("json", schema) if i != 1 else None) for i in range(3)]
+                         grammar=7 if i != 1 else None) for i in range(3)]
     runner.prefill(1, reqs)
     fake_hpu["events"].clear()
     batch_id, _ = runner.decode([(1, [0, 1, 2])])

@@ -143,7 +143,8 @@ class ScriptedShards:
         for rid in ids:
             self._read(rid, self.fed[rid])
 
-    def prefill(self, batch: pb.Batch, kv_copies: list[pb.KvCopies] | None = None):
+    def prefill(self, batch: pb.Batch, kv_copies: list[pb.KvCopies] | None = None,
+                forget_grammars: list[int] | None = None):
         ids = [r.id for r in batch.requests]
         prompts = {r.id: (list(r.input_ids), list(r.blocks), r.cached_tokens) for r in batch.requests}
         self.calls.append(("prefill", {rid: (cached, len(prompt)) for rid, (prompt, _, cached) in prompts.items()}))

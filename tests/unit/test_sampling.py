@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -561,6 +562,16 @@ def grammars(tmp_path_factory):
     return cache
 
 
+_grammar_ids = itertools.count(1)
+
+
+def _matcher(cache, kind: str, value: str):
+    """A matcher of a grammar compiled under a fresh id, as a prefill gets one."""
+    grammar_id = next(_grammar_ids)
+    cache.compile(grammar_id, kind, value)
+    return cache.matcher(grammar_id)
+
+
 def test_allowed_tokens_unpacks_xgrammars_bit_order():
     from gaudi_runtime.shard.grammar import allowed_tokens
 
@@ -600,7 +611,7 @@ def test_grammar_rows_take_only_what_their_grammar_allows(grammars):
     tok, vocab = grammars.tokenizer, grammars.vocab_size
     regex = "(yes|no|maybe)-[0-9]{2}"
     params = [SamplingParameters(do_sample=True, seed=s) for s in range(4)] + [SamplingParameters()]
-    rows = GrammarRows.of(grammars, [grammars.matcher("regex", regex) for _ in range(4)] + [None])
+    rows = GrammarRows.of(grammars, [_matcher(grammars, "regex", regex) for _ in range(4)] + [None])
     sampler = BatchSampler(params, [0] * 5, [[]] * 5, vocab, CPU, rows)
     out = _generate(sampler, 12, vocab)
     for ids in out[:4]:
@@ -619,12 +630,12 @@ def test_grammar_state_survives_filter_and_concat(grammars):
     schema = json.dumps({"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "boolean"}},
                          "required": ["a", "b"]})
     first = BatchSampler([SamplingParameters(do_sample=True, seed=s) for s in range(3)], [0] * 3, [[]] * 3, vocab,
-                         CPU, GrammarRows.of(grammars, [grammars.matcher("json", schema), None,
-                                                        grammars.matcher("regex", "[a-c]{12}")]))
+                         CPU, GrammarRows.of(grammars, [_matcher(grammars, "json", schema), None,
+                                                        _matcher(grammars, "regex", "[a-c]{12}")]))
     head = _generate(first, 3, vocab, seed=1)
     kept = first.filter([2, 0])  # the unconstrained row leaves
     joining = BatchSampler([SamplingParameters(do_sample=True, seed=9)], [0], [[]], vocab, CPU,
-                           GrammarRows.of(grammars, [grammars.matcher("regex", "z+!")]))
+                           GrammarRows.of(grammars, [_matcher(grammars, "regex", "z+!")]))
     merged = BatchSampler.concat([kept, joining, make([SamplingParameters()], vocab=vocab)])
     tail = _generate(merged, 30, vocab, seed=2)
     assert json.loads(_text(tok, head[0] + tail[1])) in ({"a": a, "b": b} for a in "xy" for b in (True, False))
@@ -637,12 +648,31 @@ def test_bad_grammars_fail_with_xgrammars_reason_once(grammars):
     from gaudi_runtime.shard.grammar import GrammarError
 
     with pytest.raises(GrammarError, match="parenthesis is not closed"):
-        grammars.compile("regex", "(ab")
-    assert grammars.cached("regex", "(ab")  # the failure is remembered, not compiled again
+        grammars.compile(9001, "regex", "(ab")
+    assert not grammars.cached(9001)  # nothing kept: the router remembers the error
+    with pytest.raises(GrammarError, match="not compiled on this shard"):
+        grammars.matcher(9001)
     with pytest.raises(GrammarError, match="Type should be a string"):
-        grammars.compile("json", '{"type": 5}')
+        grammars.compile(9002, "json", '{"type": 5}')
     with pytest.raises(GrammarError, match="unknown grammar type"):
-        grammars.compile("yaml", "a: 1")
+        grammars.compile(9003, "yaml", "a: 1")
+
+
+def test_a_grammar_is_kept_by_id_until_forgotten_and_compiled_once(grammars):
+    from gaudi_runtime.shard.grammar import GrammarError
+
+    before = grammars.compilations
+    grammars.compile(8001, "regex", "[0-9]+")
+    grammars.compile(8001, "regex", "[0-9]+")  # asked again under its id: already there
+    assert grammars.compilations == before + 1 and grammars.cached(8001)
+    grammars.matcher(8001)
+    grammars.forget([8001])
+    assert not grammars.cached(8001)
+    with pytest.raises(GrammarError, match="not compiled on this shard"):
+        grammars.matcher(8001)
+    grammars.forget([8002])  # forgotten while its compilation was still to run (the router gave up on it)
+    grammars.compile(8002, "regex", "[a-z]+")
+    assert not grammars.cached(8002)
 
 
 def test_string_length_bounds_yield_valid_json_strings(grammars):
@@ -655,7 +685,7 @@ def test_string_length_bounds_yield_valid_json_strings(grammars):
                          "required": ["s"]})
     n = 16
     sampler = BatchSampler([SamplingParameters(do_sample=True, seed=s) for s in range(n)], [0] * n, [[]] * n, vocab,
-                           CPU, GrammarRows.of(grammars, [grammars.matcher("json", schema) for _ in range(n)]))
+                           CPU, GrammarRows.of(grammars, [_matcher(grammars, "json", schema) for _ in range(n)]))
     for ids in _generate(sampler, 30, vocab, seed=3):
         value = json.loads(_text(tok, ids))["s"]  # strict JSON: no raw control characters
         assert 2 <= len(value) <= 6 and "\ufffd" not in value  # nor a surrogate, decoded as U+FFFD

@@ -4,6 +4,7 @@ byte-level vocabulary that has `<think>` and `</think>` as single tokens."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -31,6 +32,16 @@ def grammars(tmp_path_factory):
     return cache
 
 
+_grammar_ids = itertools.count(1)
+
+
+def _matcher(cache, kind: str, value: str):
+    """A matcher of a grammar compiled under a fresh id, as a prefill gets one."""
+    grammar_id = next(_grammar_ids)
+    cache.compile(grammar_id, kind, value)
+    return cache.matcher(grammar_id)
+
+
 def _allowed(rows: GrammarRows, vocab: int) -> list[set[int]]:
     mask = allowed_tokens(rows.fill(len(rows)), vocab)
     return [set(r.nonzero().flatten().tolist()) for r in mask]
@@ -46,8 +57,8 @@ PREFIX = re.compile(r"y(e(s(-[0-9]{0,2})?)?)?|n(o(-[0-9]{0,2})?)?")  # where the
 def test_the_mask_is_off_while_thinking_and_on_after_the_end_token(grammars):
     tok, vocab = grammars.tokenizer, grammars.vocab_size
     start, end = grammars.think
-    gate = ThinkingGate(grammars.matcher("regex", REGEX), start, end, True)
-    rows = GrammarRows.of(grammars, [gate, grammars.matcher("regex", REGEX)])
+    gate = ThinkingGate(_matcher(grammars, "regex", REGEX), start, end, True)
+    rows = GrammarRows.of(grammars, [gate, _matcher(grammars, "regex", REGEX)])
     plain = _allowed(rows, vocab)[1]
     assert 0 < len(plain) < vocab // 4, "the same grammar without a gate masks from the first token"
     for t in _ids(tok, "hmm, {not json} no-12") + [start]:
@@ -70,7 +81,7 @@ def test_the_mask_is_off_while_thinking_and_on_after_the_end_token(grammars):
 def test_a_first_token_that_is_not_the_start_token_is_the_answer(grammars):
     tok, vocab = grammars.tokenizer, grammars.vocab_size
     start, end = grammars.think
-    gate = ThinkingGate(grammars.matcher("regex", REGEX), start, end, False)
+    gate = ThinkingGate(_matcher(grammars, "regex", REGEX), start, end, False)
     rows = GrammarRows.of(grammars, [gate])
     first = _allowed(rows, vocab)[0]
     assert start in first and len(first) < vocab // 4, "the grammar's first tokens, and the one opening a thought"
@@ -81,7 +92,7 @@ def test_a_first_token_that_is_not_the_start_token_is_the_answer(grammars):
 def test_an_output_that_opens_its_thinking_is_free_until_it_closes_it(grammars):
     tok, vocab = grammars.tokenizer, grammars.vocab_size
     start, end = grammars.think
-    gate = ThinkingGate(grammars.matcher("json", json.dumps({"type": "object"})), start, end, False)
+    gate = ThinkingGate(_matcher(grammars, "json", json.dumps({"type": "object"})), start, end, False)
     rows = GrammarRows.of(grammars, [gate])
     rows.accept([start])
     for t in _ids(tok, "free text"):
@@ -96,7 +107,7 @@ def test_sampled_rows_think_freely_then_answer_in_the_grammar(grammars):
     its thinking (the test forces `</think>` after a few steps) the rest follows the regex."""
     tok, vocab = grammars.tokenizer, grammars.vocab_size
     start, end = grammars.think
-    gates = [ThinkingGate(grammars.matcher("regex", REGEX), start, end, True) for _ in range(4)]
+    gates = [ThinkingGate(_matcher(grammars, "regex", REGEX), start, end, True) for _ in range(4)]
     sampler = BatchSampler([SamplingParameters(do_sample=True, seed=s) for s in range(4)], [0] * 4, [[]] * 4,
                            vocab, CPU, GrammarRows.of(grammars, gates))
     out = [[] for _ in range(4)]
@@ -123,7 +134,7 @@ def test_a_forced_deepseek_call_follows_the_thinking(grammars):
     start, end = grammars.think
     spec = call_grammar("deepseek_v3", [("get_time", {"type": "object", "properties": {"zone": {"enum": ["utc"]}},
                                                        "required": ["zone"]})], several=False)
-    gate = ThinkingGate(grammars.matcher(spec.kind, spec.value), start, end, True)
+    gate = ThinkingGate(_matcher(grammars, spec.kind, spec.value), start, end, True)
     rows = GrammarRows.of(grammars, [gate])
     for t in _ids(tok, "no call yet") + [end]:
         assert _allowed(rows, vocab)[0] == set(range(vocab))

@@ -1,5 +1,6 @@
-"""What a grammar costs on a shard: compiling a JSON schema (the first time, then from the cache),
-filling the token masks of a batch for one step, and a whole decode step of a batch whose every
+"""What a grammar costs on a shard: compiling a JSON schema (the first time, then asked again under
+its id), what a prefill row carries of it (its id, against the schema's text that only CompileGrammar
+carries), filling the token masks of a batch for one step, and a whole decode step of a batch whose every
 request has the schema against one with none.
 
     python -m gaudi_runtime.bench.grammar --model-dir DIR [--properties 20] [--batch 16] [--device cpu] [--threads N]
@@ -19,6 +20,7 @@ def measure(model_dir: str, properties: int, batch: int, steps: int = 50) -> dic
     from transformers import AutoConfig
 
     from gaudi_runtime.bench.online import string_properties_schema
+    from gaudi_runtime.proto import generate_pb2 as pb
     from gaudi_runtime.shard.grammar import GrammarCache, GrammarRows
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -27,12 +29,12 @@ def measure(model_dir: str, properties: int, batch: int, steps: int = 50) -> dic
     cache.prepare()  # the engine and the vocabulary are loaded once per shard, at warmup: not a compile
     schema = json.dumps(string_properties_schema(properties))
     t0 = time.perf_counter()
-    cache.compile("json", schema)
+    cache.compile(1, "json", schema)
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    cache.compile("json", schema)
+    cache.compile(1, "json", schema)
     cached = time.perf_counter() - t0
-    rows = GrammarRows(cache, [cache.matcher("json", schema) for _ in range(batch)])
+    rows = GrammarRows(cache, [cache.matcher(1) for _ in range(batch)])
     prefix = '{"field_0": "'  # fill inside a string, the common state of a long output
     for m in rows.matchers:
         m.accept_string(prefix)
@@ -41,7 +43,9 @@ def measure(model_dir: str, properties: int, batch: int, steps: int = 50) -> dic
         rows.fill(batch)
     fill = (time.perf_counter() - t0) / steps
     return {"properties": properties, "vocab_size": config.vocab_size, "compile_first_ms": first * 1e3,
-            "compile_cached_us": cached * 1e6, "batch": batch, "mask_fill_per_step_us": fill * 1e6}
+            "compile_cached_us": cached * 1e6, "schema_bytes": len(schema.encode()),
+            "prefill_row_grammar_bytes": pb.Grammar(id=1).ByteSize(), "batch": batch,
+            "mask_fill_per_step_us": fill * 1e6}
 
 
 def decode_steps(model_dir: str, properties: int, batch: int, device: str, rounds: int = 12,
@@ -61,6 +65,7 @@ def decode_steps(model_dir: str, properties: int, batch: int, device: str, round
     runner = ModelRunner(cfg, model_dir, select_device(device))
     runner.grammars.prepare()
     schema = json.dumps(string_properties_schema(properties))
+    runner.grammars.compile(1, "json", schema)  # CompileGrammar's work: the prefills name id 1
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 400) for _ in range(64)] for _ in range(batch)]
     times: dict[str, list[float]] = {"none": [], "json": []}
@@ -68,7 +73,7 @@ def decode_steps(model_dir: str, properties: int, batch: int, device: str, round
         for mode in ("none", "json") if r % 2 == 0 else ("json", "none"):
             reqs = [PrefillInput(i, p, SamplingParameters(do_sample=True, seed=i), 0,
                                  list(range(1 + 6 * i, 7 + 6 * i)), False,
-                                 grammar=("json", schema) if mode == "json" else None)
+                                 grammar=1 if mode == "json" else None)
                     for i, p in enumerate(prompts)]
             runner.prefill(1, reqs)
             ids = list(range(batch))

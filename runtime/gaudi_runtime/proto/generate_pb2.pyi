@@ -262,14 +262,12 @@ class Request(_message.Message):
     def __init__(self, id: _Optional[int] = ..., input_ids: _Optional[_Iterable[int]] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., prefill_logprobs: _Optional[bool] = ..., images: _Optional[_Iterable[bytes]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., adapter_index: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., sequence_tokens: _Optional[int] = ...) -> None: ...
 
 class Grammar(_message.Message):
-    __slots__ = ("type", "value", "thinking")
-    TYPE_FIELD_NUMBER: _ClassVar[int]
-    VALUE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("thinking", "id")
     THINKING_FIELD_NUMBER: _ClassVar[int]
-    type: str
-    value: str
+    ID_FIELD_NUMBER: _ClassVar[int]
     thinking: Thinking
-    def __init__(self, type: _Optional[str] = ..., value: _Optional[str] = ..., thinking: _Optional[_Union[Thinking, _Mapping]] = ...) -> None: ...
+    id: int
+    def __init__(self, thinking: _Optional[_Union[Thinking, _Mapping]] = ..., id: _Optional[int] = ...) -> None: ...
 
 class Thinking(_message.Message):
     __slots__ = ("start_token", "end_token", "open")
@@ -324,14 +322,16 @@ class Generations(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_n: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., prefill: _Optional[_Iterable[_Union[PrefillLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch", "sequence", "kv_copies")
+    __slots__ = ("batch", "sequence", "kv_copies", "forget_grammars")
     BATCH_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KV_COPIES_FIELD_NUMBER: _ClassVar[int]
+    FORGET_GRAMMARS_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
     sequence: int
     kv_copies: _containers.RepeatedCompositeFieldContainer[KvCopies]
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., sequence: _Optional[int] = ..., kv_copies: _Optional[_Iterable[_Union[KvCopies, _Mapping]]] = ...) -> None: ...
+    forget_grammars: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., sequence: _Optional[int] = ..., kv_copies: _Optional[_Iterable[_Union[KvCopies, _Mapping]]] = ..., forget_grammars: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("generations", "batch", "forward_ns", "unwarmed_shapes", "kv_copy_ns", "kv_disk_write_failures", "kv_disk_writes")
@@ -384,10 +384,14 @@ class DecodeResponse(_message.Message):
     def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., next_steps: _Optional[_Iterable[_Union[Generations, _Mapping]]] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompileGrammarRequest(_message.Message):
-    __slots__ = ("grammar",)
-    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
-    grammar: Grammar
-    def __init__(self, grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+    __slots__ = ("type", "value", "id")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    value: str
+    id: int
+    def __init__(self, type: _Optional[str] = ..., value: _Optional[str] = ..., id: _Optional[int] = ...) -> None: ...
 
 class CompileGrammarResponse(_message.Message):
     __slots__ = ("error", "compile_ns")

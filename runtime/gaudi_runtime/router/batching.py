@@ -305,7 +305,8 @@ class BatchingLoop:
     def _make_chunk(self, batch: RunningBatch, state: RequestState, request: pb.Request) -> None:
         """A chunk that is not the prompt's last: its KV is kept, its batch dropped at once."""
         batch_id = next(self._batch_ids)
-        rpc = asyncio.ensure_future(self.client.prefill(pb.Batch(id=batch_id, requests=[request]), self._copies()))
+        rpc = asyncio.ensure_future(self.client.prefill(pb.Batch(id=batch_id, requests=[request]), self._copies(),
+                                                        self.requests.grammars.take_forgotten()))
         batch.inflight.append(Call(rpc, self._answer_chunk(state, rpc, time.monotonic()), chunk=True))
         batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(batch_id))))
 
@@ -346,7 +347,7 @@ class BatchingLoop:
         batch_id = next(self._batch_ids)
         chosen = [state for state, _ in encoded]
         batch = pb.Batch(id=batch_id, requests=[request for _, request in encoded])
-        rpc = asyncio.ensure_future(self.client.prefill(batch, self._copies()))
+        rpc = asyncio.ensure_future(self.client.prefill(batch, self._copies(), self.requests.grammars.take_forgotten()))
         return batch_id, Call(rpc, self._answer_prefill(chosen, rpc, time.monotonic()))
 
     async def _answer_prefill(self, chosen: list[RequestState], rpc: Awaitable[pb.PrefillResponse],
@@ -424,7 +425,7 @@ def prefill_request(state: RequestState, start: int | None = None, end: int | No
         blocks=state.blocks, prefill_logprobs=r.decoder_input_details, images=r.images,
         cached_tokens=state.cached_tokens if start is None else start, adapter_index=r.adapter,
         max_new_tokens=r.stopping.max_new_tokens, sequence_tokens=len(r.input_ids),
-        grammar=shard_grammar(r.grammar) if r.grammar is not None else None,
+        grammar=shard_grammar(r.grammar, state.grammar_id) if r.grammar is not None else None,
         parameters=pb.NextTokenChooserParameters(
             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
             do_sample=s.do_sample, seed=s.seed, repetition_penalty=s.repetition_penalty,
@@ -444,7 +445,8 @@ def reprefill_request(state: RequestState) -> pb.Request:
     return request
 
 
-def shard_grammar(g: GrammarSpec) -> pb.Grammar:
+def shard_grammar(g: GrammarSpec, grammar_id: int) -> pb.Grammar:
+    """The request's grammar by the id the shards compiled it under (its text crossed then, once)."""
     thinking = None if g.thinking is None else \
         pb.Thinking(start_token=g.thinking[0], end_token=g.thinking[1], open=g.thinking[2])
-    return pb.Grammar(type=g.kind, value=g.value, thinking=thinking)
+    return pb.Grammar(id=grammar_id, thinking=thinking)

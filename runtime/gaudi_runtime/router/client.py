@@ -87,14 +87,18 @@ class ShardClient:
         except grpc.aio.AioRpcError as e:
             raise ShardError(f"Warmup failed: {e.code().name}: {e.details()}") from e
 
-    async def compile_grammar(self, grammar: pb.Grammar, timeout: float) -> pb.CompileGrammarResponse:
-        """Every shard compiles `grammar` into its cache (not numbered: it changes no batch)."""
-        return await self._all("CompileGrammar", pb.CompileGrammarRequest(grammar=grammar), timeout=timeout)
+    async def compile_grammar(self, kind: str, value: str, grammar_id: int, timeout: float) -> pb.CompileGrammarResponse:
+        """Every shard compiles the grammar and keeps it under `grammar_id` (not numbered: it changes
+        no batch; a prefill names the id)."""
+        req = pb.CompileGrammarRequest(type=kind, value=value, id=grammar_id)
+        return await self._all("CompileGrammar", req, timeout=timeout)
 
     # Not coroutines themselves: each call takes its number when made, before the caller awaits it.
 
-    def prefill(self, batch: pb.Batch, kv_copies: list[pb.KvCopies] | None = None) -> Awaitable[pb.PrefillResponse]:
-        return self._all("Prefill", pb.PrefillRequest(batch=batch, sequence=next(self._sequence), kv_copies=kv_copies))
+    def prefill(self, batch: pb.Batch, kv_copies: list[pb.KvCopies] | None = None,
+                forget_grammars: list[int] | None = None) -> Awaitable[pb.PrefillResponse]:
+        return self._all("Prefill", pb.PrefillRequest(batch=batch, sequence=next(self._sequence), kv_copies=kv_copies,
+                                                      forget_grammars=forget_grammars))
 
     async def fetch_blocks(self, hashes: list[bytes], discard: list[bytes]) -> list[pb.FetchBlocksResponse]:
         """Every shard reads these disk-tier blocks into staging (not numbered: it changes no batch);

@@ -24,6 +24,7 @@ from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.errors import ValidationError
 from gaudi_runtime.router.grammar_check import ShardGrammars, check_grammars
+from gaudi_runtime.router.grammar_table import GrammarTable
 from gaudi_runtime.router.kv_events import AllBlocksCleared, make_kv_events
 from gaudi_runtime.router.kv_tiers import INFO_COUNTS, KvTiers, tier_sizes
 from gaudi_runtime.router.live_requests import Requests
@@ -61,12 +62,13 @@ class BatchingEngine:
         self.shard_info: pb.InfoResponse | None = None
         self.in_flight = 0  # generate() iterators open (--max-concurrent-requests)
         self.adapters = AdapterTable(cfg.adapters, cfg.model)  # the LoRA adapters served now (router/adapters.py)
-        self.requests = Requests(cfg, self.metrics, self.adapters)
+        grammar_table = GrammarTable()  # the grammars the shards keep compiled, held by live requests
+        self.requests = Requests(cfg, self.metrics, self.adapters, grammar_table)
         self.kv_events = self.requests.prefix.events = make_kv_events(cfg.scheduling.kv_events_config)
         self.output = OutputProcessor(tokenizer, self.requests)
         structured = cfg.structured_output
         self.grammars = None if structured.disable_grammar_support else \
-            ShardGrammars(client, structured.grammar_compile_timeout_s)
+            ShardGrammars(client, structured.grammar_compile_timeout_s, grammar_table)
         self.batching = BatchingLoop(cfg, client, self.requests, self.output, self.metrics)
         self._task: asyncio.Task | None = None
 
@@ -218,6 +220,9 @@ class BatchingEngine:
         return out
 
     async def generate_groups(self, request: ValidRequest):
+        # Checked at admission as a rule; compiled again here if forgotten since (or never checked).
+        grammar_id = 0 if request.grammar is None or self.grammars is None else \
+            await self.grammars.compiled_id(request.grammar)
         if self.state == "failed":
             raise GenerationError(f"the shards failed: {self.failure}")
         if self.in_flight >= self.cfg.limits.max_concurrent_requests:
@@ -226,7 +231,7 @@ class BatchingEngine:
             # Unloaded (or reloaded) between its validation and now: its slot may hold another adapter.
             raise ValidationError(f"the LoRA adapter {self.adapters.name(request.adapter)!r} was unloaded "
                                   "before the request started")
-        state = self.requests.add(request, self.tokenizer)
+        state = self.requests.add(request, self.tokenizer, grammar_id)  # no await since: it holds the grammar
         self.in_flight += 1
         self.batching.wake()
         try:

@@ -4,7 +4,8 @@ A request waits in `Requests.waiting` until a prefill takes it and reserves its 
 live until `Requests.end`. Every way a request ends goes through `end`: finished (EOS, its token
 budget, a stop sequence: the output processor), cancelled (its caller stopped reading: the
 engine's `generate`), failed (the shards failed: the batching loop, or the engine for all). `end`
-gives the blocks back exactly once and delivers the request's last event or error.
+gives the blocks back (and releases the grammar it holds on the shards) exactly once and delivers the
+request's last event or error.
 
 The blocks go back at once, even while a call already made still names the request: the prefill
 of a request that takes them over is made later, so the shards run it after that call (see
@@ -26,6 +27,7 @@ from gaudi_runtime.router.adapters import AdapterTable
 from gaudi_runtime.router.blocks import BlockAllocator
 from gaudi_runtime.router.detokenizer import IncrementalDetokenizer, StopSequenceMatcher
 from gaudi_runtime.router.engine_metrics import EngineMetrics
+from gaudi_runtime.router.grammar_table import GrammarTable
 from gaudi_runtime.router.prefix_cache import PrefixCache
 from gaudi_runtime.router.scheduler import Waiting, blocks_needed, chunk_end
 from gaudi_runtime.router.types import StreamEvent, Token, ValidRequest
@@ -63,26 +65,32 @@ class RequestState:
     ended: bool = False
     disk_fetch: str = ""  # its blocks on the disk tier: "" not asked, "wanted", "running", "done"
     disk_hashes: list[bytes] = field(default_factory=list)  # those it waits for while "wanted" or "running"
+    grammar_id: int = 0  # the compiled grammar it holds on the shards (router/grammar_table.py); 0: none
 
 
 class Requests:
     """The waiting queue, the live requests and the KV blocks they hold."""
 
-    def __init__(self, cfg: Config, metrics: EngineMetrics, adapters: AdapterTable | None = None):
+    def __init__(self, cfg: Config, metrics: EngineMetrics, adapters: AdapterTable | None = None,
+                 grammars: GrammarTable | None = None):
         self.cfg = cfg
         self.metrics = metrics
         self.adapters = adapters or AdapterTable(cfg.adapters, cfg.model)
+        self.grammars = grammars if grammars is not None else GrammarTable()
         self.waiting: deque[RequestState] = deque()
         self.allocator: BlockAllocator | None = None  # set once the shards said how many blocks they hold
         self.prefix = PrefixCache(cfg, metrics, self.adapters)
         self._live: dict[int, RequestState] = {}
         self._ids = itertools.count(1)
 
-    def add(self, request: ValidRequest, tokenizer) -> RequestState:
-        """Queue a request; its text is decoded with `tokenizer`."""
+    def add(self, request: ValidRequest, tokenizer, grammar_id: int = 0) -> RequestState:
+        """Queue a request; its text is decoded with `tokenizer`. `grammar_id`: its grammar's, which it
+        holds on the shards until it ends."""
         state = RequestState(id=next(self._ids), req=request,
                              detok=IncrementalDetokenizer(tokenizer, prompt_ids=request.input_ids),
-                             stop=StopSequenceMatcher(list(request.stopping.stop_sequences)))
+                             stop=StopSequenceMatcher(list(request.stopping.stop_sequences)), grammar_id=grammar_id)
+        if grammar_id:
+            self.grammars.hold(grammar_id)
         self._live[state.id] = state
         self.waiting.append(state)
         if request.adapter:
@@ -178,6 +186,9 @@ class Requests:
             self.prefix.release(self.allocator, state, failed=isinstance(last, Exception))
             state.blocks = []
         del self._live[state.id]
+        if state.grammar_id:
+            # As with the blocks: a call made from now on names it no more, and a forget rides a later prefill.
+            self.grammars.release(state.grammar_id)
         if state.started is None:
             self.waiting.remove(state)
         self.report_load()

@@ -2,7 +2,7 @@
 of a batch's constrained rows.
 
 A grammar (a JSON schema, a regular expression or an xgrammar structural tag) is compiled once
-against the model's vocabulary and kept in a cache keyed by its text. Each constrained row of a
+against the model's vocabulary and kept under the id the router gave it, until the router forgets it. Each constrained row of a
 batch has a matcher, which knows the tokens it may take next; before each step the matchers fill a
 bitmask of the batch (one bit per vocabulary entry, `ceil(V / 32)` int32 words per row, the same
 shape every step of a bucket), the sampler sets the logits of the tokens it forbids to -inf, and
@@ -57,20 +57,27 @@ class Compiled:
 
 
 class GrammarCache:
-    """Compiled grammars by (kind, text), least recently used dropped past `capacity`; a grammar
-    that failed to compile is remembered with its error (the same text fails the same way).
+    """Compiled grammars by the id the router gave each: a grammar's text crosses to the shard once,
+    in the CompileGrammar that compiles it, and its prefills name the id. An entry stays until the
+    router forgets it (it knows which grammars its live requests use), so a prefill always finds its
+    grammar. A grammar that fails to compile is not kept: the router remembers the error.
 
     Thread-safe: compilation runs in a worker thread while the shard's loop serves steps."""
 
-    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int], capacity: int = 256):
+    def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: Sequence[int], forgotten_kept: int = 1024):
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self.capacity = capacity
-        self._compiled: OrderedDict[tuple[str, str], Compiled | str] = OrderedDict()  # str: why it failed
+        self._compiled: dict[int, Compiled] = {}
+        # Forgotten ids that were not here: compilations the router stopped waiting for may still be
+        # queued or running, and must not be kept when they end. Ids are never reused, and the router
+        # gives up on few compilations, so the oldest may go.
+        self._forgotten: OrderedDict[int, None] = OrderedDict()
+        self._forgotten_kept = forgotten_kept
         self._lock = threading.Lock()
         self._compiler = None
         self._batch_matcher = None
+        self.compilations = 0  # grammars compiled since start (a reused one is not compiled again)
 
     def prepare(self) -> None:
         """Load the grammar engine and read the vocabulary now (at warmup), so that the first
@@ -94,26 +101,37 @@ class GrammarCache:
             self._batch_matcher = xgr.BatchGrammarMatcher()
         return self._compiler
 
-    def compile(self, kind: str, value: str) -> Compiled:
-        """The compiled grammar (from the cache when it is there), or GrammarError."""
-        key = (kind, value)
+    def compile(self, grammar_id: int, kind: str, value: str) -> Compiled:
+        """The grammar compiled and kept under `grammar_id` (already there: as it is), or GrammarError."""
         with self._lock:
-            found = self._compiled.get(key)
-            if found is not None:
-                self._compiled.move_to_end(key)
-        if found is None:
-            found = self._compile(kind, value)
-            with self._lock:
-                self._compiled[key] = found
-                while len(self._compiled) > self.capacity:
-                    self._compiled.popitem(last=False)
+            found = self._compiled.get(grammar_id)
+        if found is not None:
+            return found
+        found = self._compile(kind, value)
         if isinstance(found, str):
-            raise GrammarError(found)  # a new one each time: a stored exception would gather tracebacks
+            raise GrammarError(found)
+        with self._lock:
+            self.compilations += 1
+            if grammar_id not in self._forgotten:
+                self._compiled[grammar_id] = found
         return found
 
-    def cached(self, kind: str, value: str) -> bool:
+    def cached(self, grammar_id: int) -> bool:
         with self._lock:
-            return (kind, value) in self._compiled
+            return grammar_id in self._compiled
+
+    def forget(self, ids: Sequence[int]) -> None:
+        """Drop these grammars: no request the router holds uses them."""
+        with self._lock:
+            for i in ids:
+                if self._compiled.pop(i, None) is None:
+                    self._forgotten[i] = None
+                    while len(self._forgotten) > self._forgotten_kept:
+                        self._forgotten.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._compiled)
 
     def _compile(self, kind: str, value: str) -> Compiled | str:
         if kind not in KINDS:
@@ -135,10 +153,15 @@ class GrammarCache:
             return error_message(e)
         return Compiled(grammar, time.perf_counter_ns() - t0)
 
-    def matcher(self, kind: str, value: str):
+    def matcher(self, grammar_id: int):
+        """A new matcher of the grammar kept under `grammar_id`; GrammarError when it is not kept."""
         import xgrammar as xgr
 
-        return xgr.GrammarMatcher(self.compile(kind, value).grammar)
+        with self._lock:
+            found = self._compiled.get(grammar_id)
+        if found is None:
+            raise GrammarError(f"grammar {grammar_id} was not compiled on this shard (or was forgotten)")
+        return xgr.GrammarMatcher(found.grammar)
 
     def fill(self, matchers: list, bitmask: torch.Tensor, indices: list[int]) -> None:
         """Fill the rows `indices` of `bitmask` from `matchers` (xgrammar's threads when several)."""

@@ -33,7 +33,7 @@ class PrefillInput:
     blocks: list[int]
     prefill_logprobs: bool
     images: list[bytes] = field(default_factory=list)  # encoded images of a multimodal prompt, in order
-    grammar: tuple[str, str] | None = None  # (kind, text) the output must follow (shard/grammar.py)
+    grammar: int | None = None  # the id of the compiled grammar the output must follow (shard/grammar.py)
     thinking: tuple[int, int, bool] | None = None  # a reasoning model's (start, end, open): grammar.ThinkingGate
     cached_tokens: int = 0  # prompt tokens the first blocks already hold (prefix caching): not computed
     adapter: int = 0  # LoRA adapter slot (layers/lora.py): 0 none, i the i-th adapter served

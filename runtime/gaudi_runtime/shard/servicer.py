@@ -111,12 +111,14 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
                          top_n_tokens=r.top_n_tokens, blocks=list(r.blocks), prefill_logprobs=r.prefill_logprobs,
                          images=list(r.images), cached_tokens=r.cached_tokens, adapter=r.adapter_index,
                          max_new_tokens=r.max_new_tokens, sequence_tokens=r.sequence_tokens,
-                         grammar=(r.grammar.type, r.grammar.value) if r.HasField("grammar") else None,
+                         grammar=r.grammar.id if r.HasField("grammar") else None,
                          thinking=_thinking(r))
             for r in request.batch.requests
         ]
         async with self.order.turn(request.sequence):
             self._adjust_threads()
+            if request.forget_grammars and self.runner.grammars is not None:
+                self.runner.grammars.forget(request.forget_grammars)
             copy_ns = self.tiers.apply(request.kv_copies) if self.tiers is not None and request.kv_copies else 0
             try:
                 step = self.runner.prefill(request.batch.id, reqs)
@@ -181,16 +183,11 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         grammars = self.runner.grammars
         if grammars is None:
             return pb.CompileGrammarResponse(error="grammar is not supported")
-        g = request.grammar
-        if grammars.cached(g.type, g.value):
-            try:
-                grammars.compile(g.type, g.value)
-            except GrammarError as e:
-                return pb.CompileGrammarResponse(error=str(e))
+        if grammars.cached(request.id):  # asked again after the router stopped waiting: it finished since
             return pb.CompileGrammarResponse()
         try:
             compiled = await asyncio.get_running_loop().run_in_executor(
-                self.compiler, grammars.compile, g.type, g.value)
+                self.compiler, grammars.compile, request.id, request.type, request.value)
         except GrammarError as e:
             return pb.CompileGrammarResponse(error=str(e))
         return pb.CompileGrammarResponse(compile_ns=compiled.compile_ns)

@@ -18,8 +18,8 @@ from gaudi_runtime.shard.sampling import BatchSampler, SampleOutput
 
 
 def grammar_rows(grammars: GrammarCache | None, reqs: list[PrefillInput]) -> GrammarRows | None:
-    """A matcher per constrained request (the router had the grammar compiled; a grammar dropped
-    from the cache since is compiled again here). `grammars` is None where grammars are turned off."""
+    """A matcher per constrained request, from the grammar the router had compiled under the id the
+    request names. `grammars` is None where grammars are turned off."""
     if grammars is None or all(r.grammar is None for r in reqs):
         if any(r.grammar is not None for r in reqs):
             raise ValueError("grammar is not supported")
@@ -32,7 +32,7 @@ def grammar_rows(grammars: GrammarCache | None, reqs: list[PrefillInput]) -> Gra
 
 def _matcher(grammars: GrammarCache, r: PrefillInput):
     """The request's matcher; a reasoning model's behind a gate that holds it until the thinking ends."""
-    m = grammars.matcher(*r.grammar)
+    m = grammars.matcher(r.grammar)
     return m if r.thinking is None else ThinkingGate(m, *r.thinking)
 
 
