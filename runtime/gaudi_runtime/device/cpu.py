@@ -92,7 +92,7 @@ def _fixed_order(model: torch.nn.Module) -> LayerKernels:
 
 
 def experts_kernel(gemv, moe=None):
-    """The MoE experts' CPU path: a step whose experts average a few rows through `moe` (``cpu_moe``: every
+    """The MoE experts' CPU path: a step whose experts average up to 32 rows through `moe` (``cpu_moe``: every
     routed expert in one C call), else `grouped_experts`, an expert's few bfloat16 rows multiplied by the
     few-row C kernel (`gemv`), which reads each expert's weight once where oneDNN's bf16 product of two or
     three rows runs far below the memory's speed (float32 keeps F.linear: MKL's is as fast). None: that
