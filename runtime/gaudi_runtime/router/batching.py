@@ -138,9 +138,10 @@ class BatchingLoop:
         """Make the next decode call, over the running requests and those a prefill adds now, after the
         next chunk of a prompt being chunked; False: nothing was made."""
         ids = [rid for rid in batch.request_ids if self._sendable(rid)]
-        # A parked request no call has left out yet is still in the shards' batch: it goes on there.
-        batch.parked = [rid for rid in batch.parked if rid not in ids]
-        batch.parked += [rid for rid in batch.request_ids if rid not in batch.parked and self._parks(rid)]
+        if self.requests.prefix.long_rope_from is not None:  # only LongRoPE parks a request (`_room`)
+            # A parked request no call has left out yet is still in the shards' batch: it goes on there.
+            batch.parked = [rid for rid in batch.parked if rid not in ids]
+            batch.parked += [rid for rid in batch.request_ids if rid not in batch.parked and self._parks(rid)]
         chunked = batch.chunking is not None
         joined = [self._next_chunk(batch)] if chunked else []
         joined += self._reprefills(batch)
