@@ -55,21 +55,38 @@ def test_kernel_matches_the_layers_own_product(bits, group, desc_act, cols, rows
     torch.testing.assert_close(layer.matmul(x, None), gptq_reference(x, dense), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("bits,group,desc_act", [(4, 128, False), (4, 32, True), (8, 64, False)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])
+def rounds_weights(layer, x: torch.Tensor) -> bool:
+    """Whether the kernel multiplies these bfloat16 rows by the weight rounded to bfloat16 (folded or
+    dequantized), rather than by the exact one."""
+    rows = x.numel() // x.shape[-1]
+    low, high = cpu_gptq.FOLD_ROWS
+    return rows > cpu_gptq.GEMM_ROWS or (low <= rows <= high and cpu_gptq.kernel().takes_folded(layer, x))
+
+
+@pytest.mark.parametrize("bits,group,desc_act", [
+    (4, 128, False), (4, 32, True), (8, 64, False), (4, -1, False), (4, 16, False)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 13, 16, 17, 40, 48, 49])
 def test_bfloat16_activations_give_the_float_product_rounded(bits, group, desc_act, rows):
-    """bfloat16 rows (a served model's): up to GEMM_ROWS, 4-bit weights go through the bfloat16 dot product
-    where the CPU has one, others through float32, both the float32 product of the exact weights; more
-    rows multiply the weight dequantized to bfloat16, as the layer's own path does. Then rounded to
-    bfloat16."""
+    """bfloat16 rows (a served model's): a few rows' 4-bit weights go through the bfloat16 dot product
+    where the CPU has one, others through float32, both the float32 product of the exact weights; from
+    FOLD_ROWS on such a CPU, and past GEMM_ROWS everywhere, the rows multiply the weight dequantized to
+    bfloat16, as the layer's own path does. Then rounded to bfloat16."""
     layer = fused_layer(bits, group, desc_act)
     dense = layer.matmul(torch.eye(384), None).t()
     assert cpu_gptq.use_gptq_kernel(layer) == 1
     x = torch.randn(1, rows, 384).to(torch.bfloat16)
     got = layer.matmul(x, None)
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 128)
-    weight = dense if rows <= cpu_gptq.GEMM_ROWS else dense.bfloat16().float()
+    weight = dense.bfloat16().float() if rounds_weights(layer, x) else dense
     torch.testing.assert_close(got.float(), gptq_reference(x.float(), weight), rtol=4e-3, atol=1e-3)  # bf16: 2^-8
+
+
+def test_a_cpu_with_the_bfloat16_dot_product_folds_4_bit_weights_for_several_rows():
+    layer = fused_layer(4, 128, False)
+    assert cpu_gptq.use_gptq_kernel(layer) == 1
+    x = torch.randn(16, 384).to(torch.bfloat16)
+    assert cpu_gptq.kernel().takes_folded(layer, x) == cpu_gptq.kernel().folds
+    assert cpu_gptq.kernel().folds == ("avx512_bf16" in open("/proc/cpuinfo").read())
 
 
 def test_the_rows_of_a_batch_do_not_depend_on_each_other():
@@ -79,6 +96,17 @@ def test_the_rows_of_a_batch_do_not_depend_on_each_other():
     together = layer.matmul(x, None)
     for r in (0, 5, 15):
         torch.testing.assert_close(layer.matmul(x[r:r + 1], None)[0], together[r], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [128, 32])
+def test_folded_rows_do_not_depend_on_the_rows_beside_them(group):
+    """Any block of rows the folded path takes: each row's sums run in its own fixed order."""
+    layer = fused_layer(4, group, False)
+    assert cpu_gptq.use_gptq_kernel(layer) == 1
+    x = torch.randn(47, 384).to(torch.bfloat16)
+    together = layer.matmul(x, None)
+    for rows in (slice(0, 5), slice(9, 22), slice(30, 47)):
+        assert torch.equal(layer.matmul(x[rows], None), together[rows])
 
 
 def test_packed_words_that_mix_groups_keep_the_layers_own_path():

@@ -50,6 +50,8 @@ struct problem {
     int64_t words, chunks, groups, rows;
 };
 
+static int32_t *word_groups(const int32_t *g_idx, int64_t words, int64_t chunks, int per);
+
 /* The lanes of v summed pairwise in a fixed order (lane l += lane l + width, width halving), in registers. */
 ALWAYS_INLINE float sum_lanes(vf v) {
 #if LANES == 16
@@ -280,6 +282,142 @@ static void run_bf16(float *y, int64_t ldy, const struct problem *p, int64_t row
     }
 }
 
+/* ---- several bfloat16 rows, 4 bits: each weight dequantized once, in registers ----------------------
+   From a few rows up, the path above spends more on partial sums and their scaling than on the dot
+   products. Here each vector of 32 unpacked values of one output row becomes the bfloat16 of
+   scale * (q - zero) (exact in float32 before the rounding: the same bfloat16 weight the layer's own
+   dequantizing path multiplies), and meets up to FOLD_BLOCK activation rows held in registers; no partial
+   sums and no zeros' term. The unpacked 1 + q/16 pairs (ones_plus) split into two float vectors (lo:
+   value 8 word + k, hi: that + 4), each 16 scale * v - scale * (16 + zero) in one multiply-add, then
+   packed: bfloat16 slot t < 16 holds lane t of lo, slot 16 + t lane t of hi. x is laid out to match,
+   once per call (fold_x). Rows blocks run inside a tile of outputs whose
+   packed words stay in the cache, so the weights come from memory once whatever the rows. */
+enum { FOLD_BLOCK = 12, FOLD_TILE = 32 };
+
+ALWAYS_INLINE __m512bh folded(__m512i w, const int k, __m512 a, __m512 b) {
+    const __m512i v = (__m512i)ones_plus(w, k);
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, a, b), _mm512_fmadd_ps(lo, a, b));
+}
+
+/* The multiplier (16 scale) and addend (-scale (16 + zero)) of chunk c's lanes, for output row o. */
+ALWAYS_INLINE void chunk_affine(const struct problem *p, int64_t o, int64_t c, __m512 *a, __m512 *b) {
+    const float *sc = p->scales + o * p->groups;
+    const int16_t *z = p->zeros + o * p->groups;
+    const int32_t g = p->chunk_group[c];
+    vf s, zf;
+    if (g >= 0) {
+        s = (vf){0} + sc[g];
+        zf = (vf){0} + (float)z[g];
+    } else {
+        for (int l = 0; l < LANES; l++) {
+            s[l] = sc[p->wgroup[c * LANES + l]];
+            zf[l] = (float)z[p->wgroup[c * LANES + l]];
+        }
+    }
+    *a = (__m512)(16.0f * s);
+    *b = (__m512)(-(s * (zf + 16.0f)));
+}
+
+/* Outputs o, o + 1 for activation rows r0 .. r0 + ROWS - 1 (rows past p->rows: zeros in xf, not written):
+   each x vector meets both outputs' weights. */
+ALWAYS_INLINE void folded_rows(float *y, int64_t ldy, const struct problem *p, const uint16_t *xf, int64_t padded,
+                               int64_t o, int64_t r0, const int ROWS) {
+    const int32_t *q = p->q + o * p->words, *q2 = q + p->words;
+    __m512 acc[FOLD_BLOCK], acc2[FOLD_BLOCK];
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; r++) acc[r] = acc2[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < p->chunks; c++) {
+        __m512 a, b, a2, b2;
+        chunk_affine(p, o, c, &a, &b);
+        chunk_affine(p, o + 1, c, &a2, &b2);
+        const __m512i w = _mm512_loadu_si512(q + c * LANES), w2 = _mm512_loadu_si512(q2 + c * LANES);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; k++) {
+            const __m512bh wf = folded(w, k, a, b), wf2 = folded(w2, k, a2, b2);
+            const uint16_t *xk = xf + ((c * 4 + k) * padded + r0) * 32;
+#pragma GCC unroll 16
+            for (int r = 0; r < ROWS; r++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(xk + r * 32);
+                acc[r] = _mm512_dpbf16_ps(acc[r], xv, wf);
+                acc2[r] = _mm512_dpbf16_ps(acc2[r], xv, wf2);
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; r++)
+        if (r0 + r < p->rows) {
+            y[(r0 + r) * ldy + o] = sum_lanes((vf)acc[r]);
+            y[(r0 + r) * ldy + o + 1] = sum_lanes((vf)acc2[r]);
+        }
+}
+
+/* Activation rows r0 .. r0 + min(size, rows - r0) - 1 against outputs o0 .. o1 - 1 (o1 - o0 even). */
+static void folded_block(float *y, int64_t ldy, const struct problem *p, const uint16_t *xf, int64_t o0,
+                         int64_t o1, int64_t r0, int64_t size) {
+    const int64_t left = p->rows - r0 < size ? p->rows - r0 : size;
+    const int64_t padded = (p->rows + FOLD_BLOCK - 1) / FOLD_BLOCK * FOLD_BLOCK;
+    for (int64_t o = o0; o < o1; o += 2) {
+        if (left > 8) folded_rows(y, ldy, p, xf, padded, o, r0, 12);
+        else if (left > 4) folded_rows(y, ldy, p, xf, padded, o, r0, 8);
+        else folded_rows(y, ldy, p, xf, padded, o, r0, 4);
+    }
+}
+
+/* Rows in blocks of at most FOLD_BLOCK, as even as multiples of four allow (16 rows: two of 8, not 12 and
+   4, since each block unpacks the weights again). */
+static void run_folded(float *y, int64_t ldy, const struct problem *p, const uint16_t *xf, int64_t out,
+                       int threads) {
+    const int64_t tiles = (out + FOLD_TILE - 1) / FOLD_TILE, blocks = (p->rows + FOLD_BLOCK - 1) / FOLD_BLOCK;
+    const int64_t size = ((p->rows + blocks - 1) / blocks + 3) / 4 * 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t o0 = t * FOLD_TILE, o1 = o0 + FOLD_TILE < out ? o0 + FOLD_TILE : out;
+        for (int64_t r = 0; r < p->rows; r += size) folded_block(y, ldy, p, xf, o0, o1, r, size);
+    }
+}
+
+/* x in the folded path's order (above), the rows of one (chunk, k) side by side so that a block of rows
+   reads consecutive lines: xf[(chunk * 4 + k) * padded + r][t], rows padded with zeros to a multiple of
+   FOLD_BLOCK; NULL: no memory. */
+static uint16_t *fold_x(const uint16_t *x, int64_t rows, int64_t in) {
+    const int64_t padded = (rows + FOLD_BLOCK - 1) / FOLD_BLOCK * FOLD_BLOCK, chunks = in / 128;
+    uint16_t *xf = calloc((size_t)(padded * in + 1), sizeof(uint16_t));
+    if (!xf) return NULL;
+    for (int64_t c = 0; c < chunks; c++)
+        for (int k = 0; k < 4; k++)
+            for (int64_t r = 0; r < rows; r++) {
+                uint16_t *dst = xf + ((c * 4 + k) * padded + r) * 32;
+                const uint16_t *src = x + r * in + 128 * c + k;
+                for (int t = 0; t < 16; t++) {
+                    dst[t] = src[8 * t];
+                    dst[16 + t] = src[8 * t + 4];
+                }
+            }
+    return xf;
+}
+
+/* y[rows, out] = x W^T for bfloat16 x, 4-bit W whose packed rows are whole chunks (in % 128 == 0): any
+   number of rows. Returns 0; -2: no memory; -3: not a problem it takes (gptq_folds says which). */
+int gptq_folded_gemm(float *y, int64_t ldy, const uint16_t *x, const int32_t *qweight, const int16_t *zeros,
+                     const float *scales, const int32_t *g_idx, int64_t rows, int64_t in, int64_t out,
+                     int64_t groups, int threads) {
+    if (in % 128 || out % 2) return -3;
+    const int64_t words = in / 8, chunks = words / LANES;
+    uint16_t *xf = fold_x(x, rows, in);
+    int32_t *wgroup = word_groups(g_idx, words, chunks, 8);
+    int err = (!xf || !wgroup) ? -2 : 0;
+    if (!err) {
+        const struct problem p = {NULL, NULL, qweight, zeros, scales, wgroup, wgroup + words, NULL, words, chunks,
+                                  groups, rows};
+        run_folded(y, ldy, &p, xf, out, threads);
+    }
+    free(xf);
+    free(wgroup);
+    return err;
+}
+
 /* x's bfloat16 pairs (above), padded rows zero; NULL: no memory. */
 static uint32_t *pair_x(const uint16_t *x, int64_t rows, int64_t in) {
     const int64_t words = in / 8;
@@ -293,9 +431,17 @@ static uint32_t *pair_x(const uint16_t *x, int64_t rows, int64_t in) {
 }
 #else
 #define HAVE_BF16_DOT 0
+int gptq_folded_gemm(float *y, int64_t ldy, const uint16_t *x, const int32_t *qweight, const int16_t *zeros,
+                     const float *scales, const int32_t *g_idx, int64_t rows, int64_t in, int64_t out,
+                     int64_t groups, int threads) {
+    return -3;
+}
 #endif
 
 int gptq_max_rows(void) { return MAX_ROWS; }
+
+/* Whether gptq_folded_gemm exists in this build (a CPU with the bfloat16 dot product). */
+int gptq_folds(void) { return HAVE_BF16_DOT; }
 
 /* The regrouped, pre-scaled x and each group's sums of x (freed by the caller); NULL: no memory. */
 static float *prepare_x(const float *x, const int32_t *g_idx, int64_t rows, int64_t in, int64_t groups, int bits,

@@ -4,8 +4,10 @@ The layer (``quant/gptq.py``) holds its weight packed; without this kernel each 
 dequantizes the whole layer in torch first. Up to ``GEMM_ROWS`` rows (decode) the kernel reads only the
 packed words: 4x fewer bytes than bfloat16 at 4 bits, unpacked with a mask and a conversion per vector of
 values (bfloat16 activations at 4 bits: the CPU's bfloat16 dot product where it has one), each chunk's
-scales and each group's zeros applied once. More rows (prefill) dequantize each segment in one vector
-pass in C, then one matrix product (oneDNN). A desc_act layer's packed columns are sorted by group once
+scales and each group's zeros applied once. Between ``FOLD_ROWS`` bfloat16 rows at 4 bits on such a CPU,
+each unpacked weight is rounded to bfloat16 once in registers and meets a block of rows there (the
+weight the layer's own path multiplies, so the rows give its products). More rows (prefill) dequantize
+each segment in one vector pass in C, then one matrix product (oneDNN). A desc_act layer's packed columns are sorted by group once
 (``quant.packing.sort_groups``), and each product takes the input columns in that order; a layer whose
 packed words mix groups (a row-parallel rank's share of desc_act columns can) keeps its own path.
 Compiled at first use like ``cpu_gemv.c`` (``cpu_kernels``); no compiler: one warning, and the layer's
@@ -31,6 +33,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gptq.c")
 GEMM_ROWS = 16  # more rows: dequantize in C, then oneDNN (at 16 the two cost about the same: docs/performance.md)
+# bfloat16 rows a 4-bit product takes with each weight rounded to bfloat16 in registers (where the CPU has
+# the bfloat16 dot product): fewer rows unpack faster on the packed path, more multiply faster dequantized
+# (docs/performance.md, "int4 at 16 rows").
+FOLD_ROWS = (5, 48)
 
 
 class GptqKernel:
@@ -47,6 +53,11 @@ class GptqKernel:
         deq.restype = c_int
         self._dequantize = deq
         self.max_rows = int(lib.gptq_max_rows())
+        folded = lib.gptq_folded_gemm
+        folded.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, c_int]
+        folded.restype = c_int
+        self._folded = folded
+        self.folds = bool(lib.gptq_folds())
 
     def segment(self, y: torch.Tensor, x: torch.Tensor, layer: nn.Module, start: int, size: int,
                 g_idx: torch.Tensor) -> None:
@@ -61,6 +72,22 @@ class GptqKernel:
             raise MemoryError("gptq: no memory for the regrouped activations")
         if err:
             raise ValueError(f"gptq: {x.shape[0]} rows of {size} outputs are not ones the kernel takes")
+
+    def folded_segment(self, y: torch.Tensor, x: torch.Tensor, layer: nn.Module, start: int, size: int,
+                       g_idx: torch.Tensor) -> None:
+        """As `segment`, for bfloat16 x and 4-bit W (`takes_folded`): each weight rounded to bfloat16 once,
+        in registers, then any number of rows."""
+        q, z, s = layer.qweight, layer.qzeros, layer.scales
+        err = self._folded(y.data_ptr() + 4 * start, y.shape[1], x.data_ptr(), q.data_ptr() + 4 * start * q.shape[1],
+                           z.data_ptr() + 2 * start * z.shape[1], s.data_ptr() + 4 * start * s.shape[1],
+                           g_idx.data_ptr(), x.shape[0], x.shape[1], size, z.shape[1], torch.get_num_threads())
+        if err == -2:
+            raise MemoryError("gptq: no memory for the reordered activations")
+        if err:
+            raise ValueError(f"gptq: {x.shape[1]} input columns are not whole chunks of 128")
+
+    def takes_folded(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        return self.folds and layer.bits == 4 and x.dtype == torch.bfloat16 and x.shape[-1] % 128 == 0
 
     def dequantize(self, layer: nn.Module, seg: int, dtype: torch.dtype) -> torch.Tensor:
         """Segment `seg`'s rows of W in `dtype` (float32 or bfloat16), its columns in the stored order."""
@@ -81,11 +108,12 @@ def whole_words(g_idx: torch.Tensor, bits: int) -> bool:
     return bool((g == g[:, :1]).all())
 
 
-def _packed_product(k: GptqKernel, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+def _packed_product(k: GptqKernel, layer: nn.Module, x2: torch.Tensor, folded: bool) -> torch.Tensor:
     y = torch.empty(x2.shape[0], layer.qweight.shape[0], dtype=torch.float32)
     perms = layer.perms or [None] * len(layer.segments)
+    segment = k.folded_segment if folded else k.segment
     for (start, size), g_idx, perm in zip(layer.segments, layer.g_idx, perms):
-        k.segment(y, x2 if perm is None else x2[:, perm].contiguous(), layer, start, size, g_idx)
+        segment(y, x2 if perm is None else x2[:, perm].contiguous(), layer, start, size, g_idx)
     return y
 
 
@@ -99,10 +127,11 @@ def _dense_product(k: GptqKernel, layer: nn.Module, x2: torch.Tensor) -> torch.T
 
 def _product(k: GptqKernel, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None):
     rows = x.numel() // x.shape[-1]
-    if rows <= GEMM_ROWS:
+    folded = FOLD_ROWS[0] <= rows <= FOLD_ROWS[1] and k.takes_folded(layer, x)
+    if rows <= GEMM_ROWS or folded:
         x2 = x.reshape(rows, x.shape[-1])
         x2 = (x2 if x2.dtype == torch.bfloat16 else x2.float()).contiguous()
-        y = _packed_product(k, layer, x2).to(x.dtype)
+        y = _packed_product(k, layer, x2, folded).to(x.dtype)
     elif x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 16 == 0:
         y = _dense_product(k, layer, x.reshape(rows, x.shape[-1]).contiguous())
     else:
