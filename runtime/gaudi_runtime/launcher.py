@@ -185,7 +185,8 @@ def write_termination_message(path: str, message: str) -> None:
 
 
 def check_quantized(cfg: Config, model_dir: str) -> None:
-    """A pre-quantized checkpoint against --quantize / QUANT_CONFIG / LoRA (ConfigError before any shard starts)."""
+    """A pre-quantized checkpoint against --quantize / QUANT_CONFIG / LoRA / --batch-invariant (ConfigError before
+    any shard starts)."""
     from gaudi_runtime.models.registry import safetensors_files
     from gaudi_runtime.quant.checkpoint import check_checkpoint
 
@@ -197,6 +198,9 @@ def check_quantized(cfg: Config, model_dir: str) -> None:
     if cfg.adapters.lora_adapters or cfg.adapters.allow_runtime_lora_updating:
         raise ConfigError(f"--lora-adapters: LoRA over a quantized base model ({found.describe()}) is not served "
                           "(the adapters' products are not built beside quantized layers)")
+    if cfg.device.batch_invariant:
+        raise ConfigError(f"--batch-invariant cannot be combined with a quantized checkpoint ({found.describe()}): "
+                          "its products round the weights by how many rows a step has")
     log.info("checkpoint quantization: %s", found.describe())
 
 

@@ -128,6 +128,15 @@ def test_lora_over_a_quantized_checkpoint_is_refused(ct_model):
         check_quantized(cfg, str(ct_model))
 
 
+def test_batch_invariant_mode_refuses_a_quantized_checkpoint(ct_model):
+    from gaudi_runtime.launcher import check_quantized
+
+    cfg = resolve(None, {"MODEL_ID": str(ct_model), "BATCH_INVARIANT": "true"})
+    with pytest.raises(ConfigError, match=r"^--batch-invariant cannot be combined with a quantized checkpoint "
+                                          r"\(compressed-tensors"):
+        check_quantized(cfg, str(ct_model))
+
+
 def test_gptq_packing_matches_hand_packed_words():
     """The format's documented packing, on words written by hand: input rows 0..7 of a 4-bit column are
     the nibbles of 0x87654321 lowest first; 8-bit: bytes of 0x04030201; a symmetric 4-bit zero is stored
