@@ -287,61 +287,78 @@ static void run_bf16(float *y, int64_t ldy, const struct problem *p, int64_t row
    products. Here each vector of 32 unpacked values of one output row becomes the bfloat16 of
    scale * (q - zero) (exact in float32 before the rounding: the same bfloat16 weight the layer's own
    dequantizing path multiplies), and meets up to FOLD_BLOCK activation rows held in registers; no partial
-   sums and no zeros' term. The unpacked 1 + q/16 pairs (ones_plus) split into two float vectors (lo:
-   value 8 word + k, hi: that + 4), each 16 scale * v - scale * (16 + zero) in one multiply-add, then
-   packed: bfloat16 slot t < 16 holds lane t of lo, slot 16 + t lane t of hi. x is laid out to match,
-   once per call (fold_x). Rows blocks run inside a tile of outputs whose
-   packed words stay in the cache, so the weights come from memory once whatever the rows. */
+   sums and no zeros' term. The pairs are the bfloat16 path's (xp above: lane l of step k holds the
+   values 8 word + k and + 4), so x is laid out as pair_x does, rows of one step side by side (fold_x).
+   A chunk in one group (GPTQ's groups of 128) looks its 16 possible weights up in a table (a shift, a
+   mask and one permute per 32 values); a chunk that mixes groups computes each from 1 + q/16 with one
+   multiply-add per 16 values and interleaves the two halves. Row blocks run inside a tile of outputs
+   whose packed words stay in the cache, so the weights come from memory once whatever the rows. */
 enum { FOLD_BLOCK = 12, FOLD_TILE = 32 };
 
-ALWAYS_INLINE __m512bh folded(__m512i w, const int k, __m512 a, __m512 b) {
+/* The bfloat16 weights scale * (q - zero) for q = 0..15, in the low 16 entries of a permute table. */
+ALWAYS_INLINE __m512i weight_table(float scale, float zero) {
+    const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m256bh w = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(q, _mm512_set1_ps(zero)), _mm512_set1_ps(scale)));
+    return _mm512_zextsi256_si512((__m256i)w);
+}
+
+ALWAYS_INLINE __m512bh looked_up(__m512i w, const int k, __m512i table) {
+    const __m512i q = _mm512_and_si512(k ? _mm512_srli_epi32(w, 4 * k) : w, _mm512_set1_epi32(0x000f000f));
+    return (__m512bh)_mm512_permutexvar_epi16(q, table);
+}
+
+/* A chunk whose lanes' groups differ: 16 scale * (1 + q/16) - scale * (16 + zero), a and b per lane. */
+ALWAYS_INLINE __m512bh computed(__m512i w, const int k, __m512 a, __m512 b) {
     const __m512i v = (__m512i)ones_plus(w, k);
     const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
-    return _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, a, b), _mm512_fmadd_ps(lo, a, b));
+    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, a, b), _mm512_fmadd_ps(lo, a, b));
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return (__m512bh)_mm512_permutexvar_epi16(pairs, halves);
 }
 
-/* The multiplier (16 scale) and addend (-scale (16 + zero)) of chunk c's lanes, for output row o. */
-ALWAYS_INLINE void chunk_affine(const struct problem *p, int64_t o, int64_t c, __m512 *a, __m512 *b) {
+/* Chunk c's four steps of output row o as bfloat16 pair vectors. */
+ALWAYS_INLINE void chunk_weights(const struct problem *p, int64_t o, int64_t c, __m512bh wf[4]) {
     const float *sc = p->scales + o * p->groups;
     const int16_t *z = p->zeros + o * p->groups;
+    const __m512i w = _mm512_loadu_si512(p->q + o * p->words + c * LANES);
     const int32_t g = p->chunk_group[c];
-    vf s, zf;
     if (g >= 0) {
-        s = (vf){0} + sc[g];
-        zf = (vf){0} + (float)z[g];
-    } else {
-        for (int l = 0; l < LANES; l++) {
-            s[l] = sc[p->wgroup[c * LANES + l]];
-            zf[l] = (float)z[p->wgroup[c * LANES + l]];
-        }
+        const __m512i table = weight_table(sc[g], (float)z[g]);
+        wf[0] = looked_up(w, 0, table), wf[1] = looked_up(w, 1, table);
+        wf[2] = looked_up(w, 2, table), wf[3] = looked_up(w, 3, table);
+        return;
     }
-    *a = (__m512)(16.0f * s);
-    *b = (__m512)(-(s * (zf + 16.0f)));
+    vf s, zf;
+    for (int l = 0; l < LANES; l++) {
+        s[l] = sc[p->wgroup[c * LANES + l]];
+        zf[l] = (float)z[p->wgroup[c * LANES + l]];
+    }
+    const __m512 a = (__m512)(16.0f * s), b = (__m512)(-(s * (zf + 16.0f)));
+    wf[0] = computed(w, 0, a, b), wf[1] = computed(w, 1, a, b);
+    wf[2] = computed(w, 2, a, b), wf[3] = computed(w, 3, a, b);
 }
 
 /* Outputs o, o + 1 for activation rows r0 .. r0 + ROWS - 1 (rows past p->rows: zeros in xf, not written):
    each x vector meets both outputs' weights. */
 ALWAYS_INLINE void folded_rows(float *y, int64_t ldy, const struct problem *p, const uint16_t *xf, int64_t padded,
                                int64_t o, int64_t r0, const int ROWS) {
-    const int32_t *q = p->q + o * p->words, *q2 = q + p->words;
     __m512 acc[FOLD_BLOCK], acc2[FOLD_BLOCK];
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; r++) acc[r] = acc2[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < p->chunks; c++) {
-        __m512 a, b, a2, b2;
-        chunk_affine(p, o, c, &a, &b);
-        chunk_affine(p, o + 1, c, &a2, &b2);
-        const __m512i w = _mm512_loadu_si512(q + c * LANES), w2 = _mm512_loadu_si512(q2 + c * LANES);
+        __m512bh wf[4], wf2[4];
+        chunk_weights(p, o, c, wf);
+        chunk_weights(p, o + 1, c, wf2);
 #pragma GCC unroll 4
         for (int k = 0; k < 4; k++) {
-            const __m512bh wf = folded(w, k, a, b), wf2 = folded(w2, k, a2, b2);
             const uint16_t *xk = xf + ((c * 4 + k) * padded + r0) * 32;
 #pragma GCC unroll 16
             for (int r = 0; r < ROWS; r++) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(xk + r * 32);
-                acc[r] = _mm512_dpbf16_ps(acc[r], xv, wf);
-                acc2[r] = _mm512_dpbf16_ps(acc2[r], xv, wf2);
+                acc[r] = _mm512_dpbf16_ps(acc[r], xv, wf[k]);
+                acc2[r] = _mm512_dpbf16_ps(acc2[r], xv, wf2[k]);
             }
         }
     }
@@ -378,9 +395,9 @@ static void run_folded(float *y, int64_t ldy, const struct problem *p, const uin
     }
 }
 
-/* x in the folded path's order (above), the rows of one (chunk, k) side by side so that a block of rows
-   reads consecutive lines: xf[(chunk * 4 + k) * padded + r][t], rows padded with zeros to a multiple of
-   FOLD_BLOCK; NULL: no memory. */
+/* x in the folded path's order: pair_x's pairs, the rows of one (chunk, k) side by side so that a block of
+   rows reads consecutive lines: xf[(chunk * 4 + k) * padded + r][2 l + h] = x[r, 8 (16 chunk + l) + k + 4 h],
+   rows padded with zeros to a multiple of FOLD_BLOCK; NULL: no memory. */
 static uint16_t *fold_x(const uint16_t *x, int64_t rows, int64_t in) {
     const int64_t padded = (rows + FOLD_BLOCK - 1) / FOLD_BLOCK * FOLD_BLOCK, chunks = in / 128;
     uint16_t *xf = calloc((size_t)(padded * in + 1), sizeof(uint16_t));
@@ -390,9 +407,9 @@ static uint16_t *fold_x(const uint16_t *x, int64_t rows, int64_t in) {
             for (int64_t r = 0; r < rows; r++) {
                 uint16_t *dst = xf + ((c * 4 + k) * padded + r) * 32;
                 const uint16_t *src = x + r * in + 128 * c + k;
-                for (int t = 0; t < 16; t++) {
-                    dst[t] = src[8 * t];
-                    dst[16 + t] = src[8 * t + 4];
+                for (int l = 0; l < 16; l++) {
+                    dst[2 * l] = src[8 * l];
+                    dst[2 * l + 1] = src[8 * l + 4];
                 }
             }
     return xf;
