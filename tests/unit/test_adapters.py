@@ -215,17 +215,28 @@ def test_an_unloaded_adapters_slot_waits_for_its_requests_and_a_reload_is_a_new_
     assert table.free_slot(busy={2}) is None and table.free_slot(busy=set()) == 2
 
 
-@pytest.mark.parametrize("env, slots, max_loras", [
+@pytest.mark.parametrize("env, cached, max_loras", [
     ({}, 1, 1), ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}, 5, 5),
     ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "MAX_LORAS": "8"}, 8, 8),
     ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "MAX_CPU_LORAS": "2", "MAX_LORAS": "1"}, 2, 1)])
-def test_adapter_slots_are_fixed_at_start(env, slots, max_loras):
+def test_adapter_slots_are_fixed_at_start(env, cached, max_loras):
     cfg = config(LORA_ADAPTERS="a=/x", **env)
-    assert (cfg.adapters.max_cpu_loras, cfg.adapters.max_loras) == (slots, max_loras)
+    assert (cfg.adapters.max_cpu_loras, cfg.adapters.max_loras) == (cached, max_loras)
 
 
-@pytest.mark.parametrize("env, message", [({"MAX_CPU_LORAS": "0"}, "fewer than the 1 adapters"),
-                                          ({"MAX_CPU_LORAS": "2", "MAX_LORAS": "3"}, "must be >= --max-loras")])
+def test_more_adapters_than_device_slots_are_kept_in_host_memory_by_default(caplog):
+    three = "a=/x,b=/y,c=/z"
+    assert (config(LORA_ADAPTERS=three, MAX_LORAS="1").adapters.max_cpu_loras, caplog.text) == (3, "")
+    # --max-cpu-loras alone (its meaning before: the device slots) keeps that many device slots, saying so once.
+    old = config(LORA_ADAPTERS=three, MAX_CPU_LORAS="2").adapters
+    assert (old.max_loras, old.max_cpu_loras) == (2, 2)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "--max-cpu-loras 2 without --max-loras: 2 device slots" in caplog.text
+
+
+@pytest.mark.parametrize("env, message", [({"MAX_CPU_LORAS": "0"}, "--max-cpu-loras must be positive"),
+                                          ({"MAX_CPU_LORAS": "2", "MAX_LORAS": "3"},
+                                           r"^--max-cpu-loras \(2\) must be >= --max-loras \(3\)$")])
 def test_bad_slot_counts_are_refused(env, message):
     with pytest.raises(ConfigError, match=message):
         config(LORA_ADAPTERS="a=/x", **env)
