@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 from gaudi_runtime.adapters import AdapterSpec
 
-
 log = logging.getLogger(__name__)
 
 

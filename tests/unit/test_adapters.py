@@ -187,32 +187,32 @@ def test_one_batch_mixes_the_base_model_and_adapters_as_peft_computes_them(tiny,
 
 def test_requests_select_adapters_by_name():
     table = router_adapters.AdapterTable(*parts(config(LORA_ADAPTERS="a=/x,b=/y", MODEL_NAME="base")))
-    assert [router_adapters.tgi_slot(table, n)[0] for n in (None, "base", "/m", "a", "b")] == [0, 0, 0, 1, 2]
-    assert router_adapters.openai_slot(table, "b") == (2, 2) and table.name(2) == "b"
+    assert [router_adapters.tgi_adapter(table, n)[0] for n in (None, "base", "/m", "a", "b")] == [0, 0, 0, 1, 2]
+    assert router_adapters.openai_adapter(table, "b") == (2, 2) and table.name(2) == "b"
     with pytest.raises(ValidationError, match="not a served adapter"):
-        router_adapters.tgi_slot(table, "c")
+        router_adapters.tgi_adapter(table, "c")
     with pytest.raises(ModelNotFoundError):
-        router_adapters.openai_slot(table, "c")
+        router_adapters.openai_adapter(table, "c")
     # No adapters: `model` is ignored, as TGI does; unless adapters may be loaded while serving.
-    assert router_adapters.openai_slot(router_adapters.AdapterTable(*parts(config())), "anything") == (0, 0)
+    assert router_adapters.openai_adapter(router_adapters.AdapterTable(*parts(config())), "anything") == (0, 0)
     runtime = router_adapters.AdapterTable(*parts(config(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")))
     with pytest.raises(ModelNotFoundError):
-        router_adapters.openai_slot(runtime, "anything")
+        router_adapters.openai_adapter(runtime, "anything")
 
 
-def test_an_unloaded_adapters_slot_waits_for_its_requests_and_a_reload_is_a_new_load():
+def test_an_unloaded_adapters_index_waits_for_its_requests_and_a_reload_is_a_new_load():
     table = router_adapters.AdapterTable(*parts(config(LORA_ADAPTERS="a=/x", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
-                                                MAX_CPU_LORAS="2")))
-    assert len(table.slots) == 3 and table.free_slot(busy=set()) == 2
-    first = table.slot("a"), table.entry(1).load_id
-    assert table.remove("a").name == "a" and table.slot("a") is None
-    assert table.free_slot(busy={1}) == 2  # a request still runs with `a`: its slot is not reused
+                                                MAX_LORAS="1")))
+    assert table.free_index(busy=set()) == 2  # registered adapters are not bounded by the device slots
+    first = table.index("a"), table.entry(1).load_id
+    assert table.remove("a").name == "a" and table.index("a") is None
+    assert table.free_index(busy={1}) == 2  # a request still runs with `a`: its index is not reused
     assert table.name(1) == "a" and not table.current(*first)  # ... and still names it; new requests 404
     table.put(2, AdapterSpec("b", "/y", digest="d"))
-    assert table.free_slot(busy={1}) is None and table.free_slot(busy=set()) == 1
-    table.put(1, AdapterSpec("b", "/y2", digest="d2"))  # `b` reloaded in place: slot 1 now, slot 2 drains
-    assert table.slot("b") == 1 and [a.source for a in table.served()] == ["/y2"]
-    assert table.free_slot(busy={2}) is None and table.free_slot(busy=set()) == 2
+    assert table.free_index(busy={1}) == 3 and table.free_index(busy=set()) == 1
+    table.put(1, AdapterSpec("b", "/y2", digest="d2"))  # `b` reloaded in place: index 1 now, index 2 drains
+    assert table.index("b") == 1 and [a.source for a in table.served()] == ["/y2"]
+    assert table.free_index(busy={2}) == 3 and table.free_index(busy=set()) == 2
 
 
 @pytest.mark.parametrize("env, cached, max_loras", [
