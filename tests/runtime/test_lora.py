@@ -207,10 +207,15 @@ def slot_writes(url: str) -> dict[str, float]:
 def test_one_device_slot_swaps_three_adapters_through_a_host_cache_of_two(made, tmp_path):
     """--max-loras 1 --max-cpu-loras 2, three adapters: requests alternating between them, then all at
     once, each give peft's tokens; the host cache keeps the two most recently used adapters (hits), the
-    third is read from its files again."""
+    third is read from its files again. A fourth adapter whose files went away after the start fails its
+    request with the reason, and the others go on."""
+    import shutil
+
     model_dir, adapters = made("llama")
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["sql"], gone)
     srv = launch(model_dir, tmp_path, "--device", "cpu", *SMALL_ARGS, "--max-loras", "1", "--max-cpu-loras", "2",
-                 "--lora-adapters", ",".join(f"{n}={p}" for n, p in adapters.items()), env=SMALL_ENV)
+                 "--lora-adapters", ",".join(f"{n}={p}" for n, p in {**adapters, "gone": gone}.items()), env=SMALL_ENV)
     srv.model_dir, srv.adapters = model_dir, adapters
     # sql starts in the slot and chat/sql in host memory; code's read drops sql (least recently used).
     alternating = ["sql", "chat", "code", "chat", "code", "chat", "sql"]
@@ -223,9 +228,13 @@ def test_one_device_slot_swaps_three_adapters_through_a_host_cache_of_two(made, 
                 one_by_one = [await generate_ids(s, srv.url, PROMPTS[0], 8, a) for a in alternating]
                 writes = slot_writes(srv.url)
                 together = await asyncio.gather(*[stream_ids(s, srv.url, p, 10, a) for a, p in jobs])
-                return one_by_one, writes, together
+                shutil.rmtree(gone)
+                body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 4, "adapter_id": "gone"}}
+                async with s.post(srv.url + "/generate", json=body) as r:
+                    failed = r.status, await r.json()
+                return one_by_one, writes, together, failed, await generate_ids(s, srv.url, PROMPTS[0], 8, "code")
 
-        one_by_one, writes, together = asyncio.run(run())
+        one_by_one, writes, together, failed, after = asyncio.run(run())
         info = get_json(srv.url + "/info")[1]
     finally:
         srv.stop()
@@ -234,7 +243,9 @@ def test_one_device_slot_swaps_three_adapters_through_a_host_cache_of_two(made, 
     assert writes == {"host_copy": 4, "read": 2}  # chat, code, chat, code from memory; code, then sql, read
     for (adapter, prompt), ids in zip(jobs, together):
         assert ids == reference(srv, adapter, prompt, 10), (adapter, prompt)
-    assert (info["lora_adapters"], info["max_loras"], info["max_cpu_loras"]) == (list(ADAPTERS), 1, 2)
+    assert failed[0] >= 400 and "the LoRA adapter 'gone' could not be loaded" in failed[1]["error"], failed
+    assert after == reference(srv, "code", PROMPTS[0], 8)
+    assert (info["lora_adapters"], info["max_loras"], info["max_cpu_loras"]) == ([*ADAPTERS, "gone"], 1, 2)
 
 
 @pytest.mark.parametrize("bad, message", [("rank", "above --max-lora-rank 2"), ("dir", "is no directory")])
