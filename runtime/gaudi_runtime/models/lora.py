@@ -1,9 +1,10 @@
 """LoRA adapters into a loaded model: each targeted linear layer gets its stacked slots (layers/lora.py).
 
-Slot i (1-based) starts with the i-th adapter of `--lora-adapters`/`--lora-modules`, in the order the router
-numbers them, for the first --max-loras of them (the device slots); slot 0 is no adapter. An adapter in no
-slot is written into one while serving (`write_adapter`) when the router has a request need it there. Each rank copies the slices its layer holds (`lora_output_slices`
-of a column-parallel layer, the input rows of a row-parallel one), so A and B split as the weight does.
+There are --max-loras device slots besides slot 0 (no adapter); slot i (1-based) starts with the i-th
+adapter of `--lora-adapters`/`--lora-modules`, in the order the router numbers them, up to that count.
+An adapter in no slot is written into one while serving (`write_adapter`) when the router has a request
+need it there. Each rank copies the slices its layer holds (`lora_output_slices` of a column-parallel
+layer, the input rows of a row-parallel one), so A and B split as the weight does.
 
 With `--allow-runtime-lora-updating` every linear layer an adapter may target gets its slots at start
 (`--max-loras` of them besides slot 0), so that an adapter loaded later (`write_adapter`, in one slot,
@@ -44,8 +45,8 @@ def attach_adapters(model, adapters: list[tuple[str, str]], model_config: dict, 
 
 
 def attach_read(model, read: list[dict[str, list]], max_rank: int, slots: int, every_layer: bool = False) -> AdapterRows:
-    """Give every linear layer one of the `read` adapters targets `slots` + 1 stacked slots, the i-th adapter
-    in slot i up to `slots` (the others are only checked). Every adapter is padded to `max_rank`
+    """Give every linear layer that one of the `read` adapters targets `slots` + 1 stacked slots, the i-th
+    adapter in slot i up to `slots` (the others were only read and checked). Every adapter is padded to `max_rank`
     (--max-lora-rank), so shapes do not depend on which are loaded. `every_layer`: every linear layer an
     adapter may target gets slots, not only those these adapters target (adapters loaded later)."""
     rows = AdapterRows()

@@ -50,9 +50,12 @@ class HostAdapters:
 def load_with_host_copies(model, cfg, model_dir: str):
     """`models/lora.load_adapters` (`cfg`: the configuration's adapters part), and the host cache at start:
     copies of the adapters given, the first --max-cpu-loras of them, under the router's load ids for them
-    (their place in the list, 1-based). Returns (the rows object or None, the cache)."""
+    (their place in the list, 1-based). None are kept when no adapter can ever leave its slot (every one
+    given has a device slot and none can be loaded while serving): they would only take memory. Returns
+    (the rows object or None, the cache)."""
     rows, read = load_adapters(model, cfg, model_dir)
     cache = HostAdapters(cfg.max_cpu_loras)
-    for load_id, parts in enumerate(read[:cfg.max_cpu_loras], start=1):
-        cache.put(load_id, parts)
+    if cfg.allow_runtime_lora_updating or len(read) > cfg.max_loras:
+        for load_id, parts in enumerate(read[:cfg.max_cpu_loras], start=1):
+            cache.put(load_id, parts)
     return rows, cache
