@@ -1,10 +1,22 @@
-"""More adapters than device slots: which slot an adapter goes into (router/adapter_slots.py) and the
-shard's host copies (shard/adapter_cache.py), least recently used first."""
+"""More adapters than device slots: which slot an adapter goes into (router/adapter_slots.py), the
+write before the prefill (router/adapter_placement.py) and the shard's host copies
+(shard/adapter_cache.py), least recently used first."""
 
 from __future__ import annotations
 
+import asyncio
+
+from gaudi_runtime.config import resolve
+from gaudi_runtime.proto import generate_pb2 as pb
+from gaudi_runtime.router.adapter_placement import AdapterPlacement
 from gaudi_runtime.router.adapter_slots import DeviceSlots, choose_slots
+from gaudi_runtime.router.blocks import BlockAllocator
+from gaudi_runtime.router.client import ShardError
+from gaudi_runtime.router.engine_metrics import EngineMetrics
+from gaudi_runtime.router.live_requests import Requests
+from gaudi_runtime.router.types import GenerationError
 from gaudi_runtime.shard.adapter_cache import HostAdapters
+from tests.unit.test_prefix_cache import valid
 
 
 def test_an_adapter_in_a_slot_stays_there_and_another_takes_an_empty_slot_first():
@@ -45,3 +57,55 @@ def test_host_copies_keep_the_most_recently_used_and_count_hits_and_reads():
     cache.put(3, "three")
     assert cache.held() == [1, 3] and cache.get(2) is None
     assert (cache.hits, cache.reads) == (1, 1)
+
+
+class _Refused(Exception):
+    """What gRPC raises when a shard answers INVALID_ARGUMENT."""
+
+    def code(self):
+        return type("Code", (), {"name": "INVALID_ARGUMENT"})()
+
+    def details(self) -> str:
+        return "no adapter_config.json"
+
+
+class _Shards:
+    """Every shard as one: records each slot write, refuses the adapters named in `refuse`."""
+
+    def __init__(self, refuse: tuple[str, ...] = ()):
+        self.writes: list[tuple] = []
+        self.refuse = refuse
+
+    async def load_adapter(self, slot: int, name: str, path: str, load_id: int):
+        self.writes.append((slot, name, path, load_id))
+        if name in self.refuse:
+            raise ShardError("LoadAdapter failed") from _Refused()
+        return pb.LoadAdapterResponse(host_hit=False)
+
+
+def _placement(shards: _Shards):
+    cfg = resolve(None, {"MODEL_ID": "unused", "DEVICE": "cpu", "LORA_ADAPTERS": "a=/x,b=/y,c=/z", "MAX_LORAS": "1"})
+    requests = Requests(cfg, EngineMetrics(None))
+    requests.allocator = BlockAllocator(32)
+    return requests, AdapterPlacement(cfg.adapters.max_loras, shards, requests, EngineMetrics(None))
+
+
+def _taken(requests, adapter: int):
+    requests.add(valid([1, 2, 3], adapter=adapter, adapter_load=adapter), None)
+    return requests.take(1)
+
+
+def test_a_taken_request_gets_its_adapter_written_into_the_slot_first_and_a_refusal_ends_it():
+    shards = _Shards(refuse=("c",))
+    requests, placement = _placement(shards)
+    [b] = asyncio.run(placement.place(_taken(requests, 2)))
+    assert shards.writes == [(1, "b", "/y", 2)] and b.device_slot == 1
+    assert asyncio.run(placement.place(_taken(requests, 2)))[0].device_slot == 1  # in the slot: no write
+    requests.end(b)
+    requests.end(requests.get(2))
+    taken = _taken(requests, 3)
+    assert asyncio.run(placement.place(taken)) == [] and taken[0].ended
+    error = taken[0].events.get_nowait()
+    assert isinstance(error, GenerationError) and "'c' could not be loaded: no adapter_config.json" in str(error)
+    assert placement.slots.held == [0, 0]  # written again next time
+    assert len(shards.writes) == 2
