@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gaudi_runtime.adapters import AdapterSpec
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -84,17 +87,19 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
      "(/generate) or `model` (/v1). PEFT format: adapter_config.json and adapter_model.safetensors."),
     ("--lora-modules", None, _words, None, "vLLM's spelling of --lora-adapters: `name=path` entries, "
      "space- or comma-separated; both flags may be given."),
-    ("--max-loras", None, int, None, "Most distinct adapters in one running batch; a request for another "
-     "waits until one leaves (default: every adapter given)."),
+    ("--max-loras", None, int, None, "Adapters that can run in one batch: the device slots of the adapters' "
+     "stacked weights, fixed at start; a request for an adapter in no slot waits until a slot no running "
+     "request uses takes it (default: the adapters given, 4 more with --allow-runtime-lora-updating; with only "
+     "--max-cpu-loras given, that number, as before)."),
     ("--max-lora-rank", None, int, 16, "Largest adapter rank; every adapter is padded to it, so shapes "
      "stay the same whichever adapters a batch uses."),
     ("--allow-runtime-lora-updating", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", _bool, False, "Serve vLLM's "
      "`POST /v1/load_lora_adapter` and `POST /v1/unload_lora_adapter` (absent otherwise: 404), to add and "
      "remove adapters while serving. Anyone who can reach the API can then load files the server can read."),
-    ("--max-cpu-loras", None, int, None, "Most adapters loaded at once: the slots of the adapters' stacked "
-     "weights, allocated at start and all held on the device (vLLM's name; it keeps them in host memory). A "
-     "load with every slot taken is refused (default: the adapters given; with --allow-runtime-lora-updating "
-     "4 more, and at least --max-loras)."),
+    ("--max-cpu-loras", None, int, None, "Adapters whose weights are kept in host memory (an LRU cache, vLLM's "
+     "meaning): one copied into a device slot from there is not read from its source again; at least "
+     "--max-loras (default: --max-loras, or the adapters given if more). Registered adapters (given and "
+     "loaded while serving) are not bounded by either."),
     ("--max-concurrent-requests", None, int, 128, "Requests in flight before new ones get 429."),
     ("--max-stop-sequences", None, int, 4, "Most stop sequences in one request."),
     ("--max-top-n-tokens", None, int, 5, "Largest top_n_tokens a request may ask for."),
@@ -387,10 +392,10 @@ class AdaptersConfig:
 
     # In slot order; the launcher resolves each (its path and digest) before any shard starts.
     lora_adapters: tuple[AdapterSpec, ...] = ()
-    max_loras: int = 0
+    max_loras: int = 0  # device slots besides slot 0 (the base model): the adapters one batch may use
     max_lora_rank: int = 16
     allow_runtime_lora_updating: bool = False
-    max_cpu_loras: int = 0  # adapter slots besides slot 0 (the base model)
+    max_cpu_loras: int = 0  # adapters' weights each shard keeps in host memory (LRU)
 
     def __post_init__(self):
         # from_json hands each adapter over as the JSON object `asdict` made of it.
@@ -753,25 +758,32 @@ def _derive_batch_invariant(v: dict[str, object]) -> None:
                               "kernels, for bfloat16 and float32 dense weights")
 
 
-# Free adapter slots at start when adapters may be loaded while serving and --max-cpu-loras is not given.
+# Device slots beyond the adapters given when adapters may be loaded while serving and no slot count is given.
 RUNTIME_LORA_SLOTS = 4
 
 
 def _derive_adapter_slots(v: dict[str, object], given: int) -> None:
-    """--max-cpu-loras (the slots, fixed at start: shapes never change) and --max-loras (per batch)."""
-    runtime = v["allow_runtime_lora_updating"]
-    if v["max_loras"] is not None and (given or runtime) and v["max_loras"] < 1:
-        raise ConfigError("--max-loras must be positive")
-    slots = v["max_cpu_loras"]
-    if slots is None:
-        slots = max(given + RUNTIME_LORA_SLOTS, v["max_loras"] or 0) if runtime else given
-    elif slots < given:
-        raise ConfigError(f"--max-cpu-loras {slots} is fewer than the {given} adapters given")
-    elif v["max_loras"] is not None and slots < v["max_loras"]:
-        raise ConfigError(f"--max-cpu-loras ({slots}) must be >= --max-loras ({v['max_loras']})")
-    v["max_cpu_loras"] = slots
-    if v["max_loras"] is None:
-        v["max_loras"] = slots  # every adapter loaded may run in one batch
+    """--max-loras (the device slots, fixed at start: shapes never change) and --max-cpu-loras (the host
+    cache of adapters' weights, at least the device slots)."""
+    if not given and not v["allow_runtime_lora_updating"]:
+        v["max_loras"], v["max_cpu_loras"] = v["max_loras"] or 0, v["max_cpu_loras"] or 0
+        return
+    for flag, n in (("--max-loras", v["max_loras"]), ("--max-cpu-loras", v["max_cpu_loras"])):
+        if n is not None and n < 1:
+            raise ConfigError(f"{flag} must be positive")
+    slots, cached = v["max_loras"], v["max_cpu_loras"]
+    if slots is None and cached is not None:
+        slots = cached  # its meaning before it sized the host cache: the server keeps its device slots
+        log.warning("--max-cpu-loras %d without --max-loras: %d device slots, as before; --max-loras now sets the "
+                    "device slots and --max-cpu-loras the adapters kept in host memory (vLLM's meanings): give "
+                    "--max-loras to set them apart", cached, cached)
+    elif slots is None:
+        slots = given + (RUNTIME_LORA_SLOTS if v["allow_runtime_lora_updating"] else 0)
+    if cached is None:
+        cached = max(slots, given)
+    elif cached < slots:
+        raise ConfigError(f"--max-cpu-loras ({cached}) must be >= --max-loras ({slots})")
+    v["max_loras"], v["max_cpu_loras"] = slots, cached
 
 
 # --quantize values, as TGI names them (fp8 also means "quantize at load" on a checkpoint that is not quantized),

@@ -137,7 +137,7 @@ def test_adapters_loaded_after_warmup_replay_its_graphs_and_give_the_start_adapt
     from gaudi_runtime.models.lora import read_new_adapter, write_adapter
 
     a, b = lora_dirs
-    cfg = config(model_dir, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", MAX_CPU_LORAS="2")
+    cfg = config(model_dir, VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", MAX_LORAS="2")
     hpu = ModelRunner(cfg, str(model_dir), HpuBackend(torch_device=torch.device("cpu")))
     list(hpu.warmup())
     warmed = len(fake_hpu["captures"])

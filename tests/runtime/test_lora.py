@@ -5,7 +5,9 @@
 * a mixed batch (the base model and three adapters, concurrently, more requests than
   --max-batch-size) gives each request what it gives alone; a prompt repeated under two adapters
   never reads the other's KV blocks, while repeats under one adapter hit the prefix cache;
-* --max-loras 1 still serves every adapter (a request for another waits for the batch to drain);
+* one device slot (--max-loras 1) serves three adapters, swapped in from a host cache of two
+  (--max-cpu-loras 2, least recently used dropped, the others read again), one after another and
+  all at once (a request for an adapter in no slot waits for one no running request uses);
 * real clients: `openai` selecting by `model`, huggingface_hub's InferenceClient by `adapter_id`
   (text-generation 0.7.0, the latest on PyPI, has no adapter_id);
 * an unknown adapter: 422 in TGI's shape on /generate, OpenAI's 404 model_not_found on /v1; the
@@ -190,24 +192,60 @@ async def _get(url: str) -> tuple[int, dict]:
             return r.status, await r.json()
 
 
-def test_max_loras_1_serves_every_adapter_one_at_a_time(made, tmp_path):
-    """Requests for three adapters at once, one adapter per running batch: each still gets its own tokens."""
+def slot_writes(url: str) -> dict[str, float]:
+    """gaudi_serve_lora_slot_writes_total by source: adapters written from the shards' host copies or read."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {source: float(m.group(1)) if (m := re.search(
+        rf'^gaudi_serve_lora_slot_writes_total{{source="{source}"}} (\S+)$', text, re.M)) else 0.0
+        for source in ("host_copy", "read")}
+
+
+def test_one_device_slot_swaps_three_adapters_through_a_host_cache_of_two(made, tmp_path):
+    """--max-loras 1 --max-cpu-loras 2, three adapters: requests alternating between them, then all at
+    once, each give peft's tokens; the host cache keeps the two most recently used adapters (hits), the
+    third is read from its files again. A fourth adapter whose files went away after the start fails its
+    request with the reason, and the others go on."""
+    import shutil
+
     model_dir, adapters = made("llama")
-    srv = launch(model_dir, tmp_path, "--device", "cpu", *SMALL_ARGS, "--max-loras", "1",
-                 "--lora-adapters", ",".join(f"{n}={p}" for n, p in adapters.items()), env=SMALL_ENV)
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["sql"], gone)
+    srv = launch(model_dir, tmp_path, "--device", "cpu", *SMALL_ARGS, "--max-loras", "1", "--max-cpu-loras", "2",
+                 "--lora-adapters", ",".join(f"{n}={p}" for n, p in {**adapters, "gone": gone}.items()), env=SMALL_ENV)
     srv.model_dir, srv.adapters = model_dir, adapters
+    # sql starts in the slot and chat/sql in host memory; code's read drops sql (least recently used).
+    alternating = ["sql", "chat", "code", "chat", "code", "chat", "sql"]
     jobs = [(a, p) for a in (*ADAPTERS, None) for p in PROMPTS[:2]]
     try:
         srv.wait_ready()
 
         async def run():
             async with aiohttp.ClientSession() as s:
-                return await asyncio.gather(*[stream_ids(s, srv.url, p, 10, a) for a, p in jobs])
+                one_by_one = [await generate_ids(s, srv.url, PROMPTS[0], 8, a) for a in alternating]
+                writes = slot_writes(srv.url)
+                together = await asyncio.gather(*[stream_ids(s, srv.url, p, 10, a) for a, p in jobs])
+                shutil.rmtree(gone)
+                body = {"inputs": PROMPTS[0], "parameters": {"max_new_tokens": 4, "adapter_id": "gone"}}
+                async with s.post(srv.url + "/generate", json=body) as r:
+                    failed = r.status, await r.json()
+                return one_by_one, writes, together, failed, await generate_ids(s, srv.url, PROMPTS[0], 8, "code")
 
-        for (adapter, prompt), ids in zip(jobs, asyncio.run(run())):
-            assert ids == reference(srv, adapter, prompt, 10), (adapter, prompt)
+        one_by_one, writes, together, failed, after = asyncio.run(run())
+        info = get_json(srv.url + "/info")[1]
     finally:
         srv.stop()
+    for adapter, ids in zip(alternating, one_by_one):
+        assert ids == reference(srv, adapter, PROMPTS[0], 8), adapter
+    assert writes == {"host_copy": 4, "read": 2}  # chat, code, chat, code from memory; code, then sql, read
+    for (adapter, prompt), ids in zip(jobs, together):
+        assert ids == reference(srv, adapter, prompt, 10), (adapter, prompt)
+    assert failed[0] >= 400 and "the LoRA adapter 'gone' could not be loaded" in failed[1]["error"], failed
+    assert after == reference(srv, "code", PROMPTS[0], 8)
+    assert (info["lora_adapters"], info["max_loras"], info["max_cpu_loras"]) == ([*ADAPTERS, "gone"], 1, 2)
 
 
 @pytest.mark.parametrize("bad, message", [("rank", "above --max-lora-rank 2"), ("dir", "is no directory")])

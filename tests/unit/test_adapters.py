@@ -187,45 +187,56 @@ def test_one_batch_mixes_the_base_model_and_adapters_as_peft_computes_them(tiny,
 
 def test_requests_select_adapters_by_name():
     table = router_adapters.AdapterTable(*parts(config(LORA_ADAPTERS="a=/x,b=/y", MODEL_NAME="base")))
-    assert [router_adapters.tgi_slot(table, n)[0] for n in (None, "base", "/m", "a", "b")] == [0, 0, 0, 1, 2]
-    assert router_adapters.openai_slot(table, "b") == (2, 2) and table.name(2) == "b"
+    assert [router_adapters.tgi_adapter(table, n)[0] for n in (None, "base", "/m", "a", "b")] == [0, 0, 0, 1, 2]
+    assert router_adapters.openai_adapter(table, "b") == (2, 2) and table.name(2) == "b"
     with pytest.raises(ValidationError, match="not a served adapter"):
-        router_adapters.tgi_slot(table, "c")
+        router_adapters.tgi_adapter(table, "c")
     with pytest.raises(ModelNotFoundError):
-        router_adapters.openai_slot(table, "c")
+        router_adapters.openai_adapter(table, "c")
     # No adapters: `model` is ignored, as TGI does; unless adapters may be loaded while serving.
-    assert router_adapters.openai_slot(router_adapters.AdapterTable(*parts(config())), "anything") == (0, 0)
+    assert router_adapters.openai_adapter(router_adapters.AdapterTable(*parts(config())), "anything") == (0, 0)
     runtime = router_adapters.AdapterTable(*parts(config(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")))
     with pytest.raises(ModelNotFoundError):
-        router_adapters.openai_slot(runtime, "anything")
+        router_adapters.openai_adapter(runtime, "anything")
 
 
-def test_an_unloaded_adapters_slot_waits_for_its_requests_and_a_reload_is_a_new_load():
+def test_an_unloaded_adapters_index_waits_for_its_requests_and_a_reload_is_a_new_load():
     table = router_adapters.AdapterTable(*parts(config(LORA_ADAPTERS="a=/x", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1",
-                                                MAX_CPU_LORAS="2")))
-    assert len(table.slots) == 3 and table.free_slot(busy=set()) == 2
-    first = table.slot("a"), table.entry(1).load_id
-    assert table.remove("a").name == "a" and table.slot("a") is None
-    assert table.free_slot(busy={1}) == 2  # a request still runs with `a`: its slot is not reused
+                                                MAX_LORAS="1")))
+    assert table.free_index(busy=set()) == 2  # registered adapters are not bounded by the device slots
+    first = table.index("a"), table.entry(1).load_id
+    assert table.remove("a").name == "a" and table.index("a") is None
+    assert table.free_index(busy={1}) == 2  # a request still runs with `a`: its index is not reused
     assert table.name(1) == "a" and not table.current(*first)  # ... and still names it; new requests 404
     table.put(2, AdapterSpec("b", "/y", digest="d"))
-    assert table.free_slot(busy={1}) is None and table.free_slot(busy=set()) == 1
-    table.put(1, AdapterSpec("b", "/y2", digest="d2"))  # `b` reloaded in place: slot 1 now, slot 2 drains
-    assert table.slot("b") == 1 and [a.source for a in table.served()] == ["/y2"]
-    assert table.free_slot(busy={2}) is None and table.free_slot(busy=set()) == 2
+    assert table.free_index(busy={1}) == 3 and table.free_index(busy=set()) == 1
+    table.put(1, AdapterSpec("b", "/y2", digest="d2"))  # `b` reloaded in place: index 1 now, index 2 drains
+    assert table.index("b") == 1 and [a.source for a in table.served()] == ["/y2"]
+    assert table.free_index(busy={2}) == 3 and table.free_index(busy=set()) == 2
 
 
-@pytest.mark.parametrize("env, slots, max_loras", [
+@pytest.mark.parametrize("env, cached, max_loras", [
     ({}, 1, 1), ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}, 5, 5),
     ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "MAX_LORAS": "8"}, 8, 8),
     ({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true", "MAX_CPU_LORAS": "2", "MAX_LORAS": "1"}, 2, 1)])
-def test_adapter_slots_are_fixed_at_start(env, slots, max_loras):
+def test_adapter_slots_are_fixed_at_start(env, cached, max_loras):
     cfg = config(LORA_ADAPTERS="a=/x", **env)
-    assert (cfg.adapters.max_cpu_loras, cfg.adapters.max_loras) == (slots, max_loras)
+    assert (cfg.adapters.max_cpu_loras, cfg.adapters.max_loras) == (cached, max_loras)
 
 
-@pytest.mark.parametrize("env, message", [({"MAX_CPU_LORAS": "0"}, "fewer than the 1 adapters"),
-                                          ({"MAX_CPU_LORAS": "2", "MAX_LORAS": "3"}, "must be >= --max-loras")])
+def test_more_adapters_than_device_slots_are_kept_in_host_memory_by_default(caplog):
+    three = "a=/x,b=/y,c=/z"
+    assert (config(LORA_ADAPTERS=three, MAX_LORAS="1").adapters.max_cpu_loras, caplog.text) == (3, "")
+    # --max-cpu-loras alone (its meaning before: the device slots) keeps that many device slots, saying so once.
+    old = config(LORA_ADAPTERS=three, MAX_CPU_LORAS="2").adapters
+    assert (old.max_loras, old.max_cpu_loras) == (2, 2)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "--max-cpu-loras 2 without --max-loras: 2 device slots" in caplog.text
+
+
+@pytest.mark.parametrize("env, message", [({"MAX_CPU_LORAS": "0"}, "--max-cpu-loras must be positive"),
+                                          ({"MAX_CPU_LORAS": "2", "MAX_LORAS": "3"},
+                                           r"^--max-cpu-loras \(2\) must be >= --max-loras \(3\)$")])
 def test_bad_slot_counts_are_refused(env, message):
     with pytest.raises(ConfigError, match=message):
         config(LORA_ADAPTERS="a=/x", **env)

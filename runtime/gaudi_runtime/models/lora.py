@@ -1,11 +1,13 @@
 """LoRA adapters into a loaded model: each targeted linear layer gets its stacked slots (layers/lora.py).
 
-Slot i (1-based) is the i-th adapter of `--lora-adapters`/`--lora-modules`, in the order the router
-numbers them; slot 0 is no adapter. Each rank copies the slices its layer holds (`lora_output_slices`
-of a column-parallel layer, the input rows of a row-parallel one), so A and B split as the weight does.
+There are --max-loras device slots besides slot 0 (no adapter); slot i (1-based) starts with the i-th
+adapter of `--lora-adapters`/`--lora-modules`, in the order the router numbers them, up to that count.
+An adapter in no slot is written into one while serving (`write_adapter`) when the router has a request
+need it there. Each rank copies the slices its layer holds (`lora_output_slices` of a column-parallel
+layer, the input rows of a row-parallel one), so A and B split as the weight does.
 
 With `--allow-runtime-lora-updating` every linear layer an adapter may target gets its slots at start
-(`--max-cpu-loras` of them besides slot 0), so that an adapter loaded later (`write_adapter`, in one slot,
+(`--max-loras` of them besides slot 0), so that an adapter loaded later (`write_adapter`, in one slot,
 whatever it targets) changes no tensor's shape: captured graphs stay valid.
 """
 
@@ -21,34 +23,43 @@ from ..layers.linear import LinearBase
 from ..layers.lora import AdapterRows, LoraWeights, stacked
 
 
-def load_adapters(model, cfg, model_dir: str) -> AdapterRows | None:
+def load_adapters(model, cfg, model_dir: str) -> tuple[AdapterRows | None, list[dict[str, list]]]:
     """The adapters of `cfg`, the configuration's adapters part (--lora-adapters, --lora-modules), into
-    `model`; None when there are none and none may be loaded later."""
+    `model`'s --max-loras device slots; the rows object (None when there are none and none may be loaded
+    later) and every adapter read, in order (the shard keeps host copies of them: shard/adapter_cache.py)."""
     if not cfg.lora_adapters and not cfg.allow_runtime_lora_updating:
-        return None
+        return None, []
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
-    adapters = [(a.name, a.path or a.source) for a in cfg.lora_adapters]
-    return attach_adapters(model, adapters, model_config, cfg.max_lora_rank,
-                           slots=max(cfg.max_cpu_loras, len(adapters)), every_layer=cfg.allow_runtime_lora_updating)
+    read = [read_adapter(model, a.name, a.path or a.source, model_config, cfg.max_lora_rank)
+            for a in cfg.lora_adapters]
+    rows = attach_read(model, read, cfg.max_lora_rank, cfg.max_loras, every_layer=cfg.allow_runtime_lora_updating)
+    return rows, read
 
 
 def attach_adapters(model, adapters: list[tuple[str, str]], model_config: dict, max_rank: int,
                     slots: int | None = None, every_layer: bool = False) -> AdapterRows:
     """Check and load `(name, directory)` adapters into `model`, the i-th in slot i of `slots` (default: as
-    many as adapters); return the rows object its step sets. Every adapter is padded to `max_rank`
+    many as adapters); return the rows object its step sets."""
+    read = [read_adapter(model, name, path, model_config, max_rank) for name, path in adapters]
+    return attach_read(model, read, max_rank, slots or len(adapters), every_layer)
+
+
+def attach_read(model, read: list[dict[str, list]], max_rank: int, slots: int, every_layer: bool = False) -> AdapterRows:
+    """Give every linear layer that one of the `read` adapters targets `slots` + 1 stacked slots, the i-th
+    adapter in slot i up to `slots` (the others were only read and checked). Every adapter is padded to `max_rank`
     (--max-lora-rank), so shapes do not depend on which are loaded. `every_layer`: every linear layer an
     adapter may target gets slots, not only those these adapters target (adapters loaded later)."""
     rows = AdapterRows()
     parts = {}  # our module path -> [(slot, shard id, A, B, scale)]
-    for slot, (name, path) in enumerate(adapters, start=1):
-        for module, part in read_adapter(model, name, path, model_config, max_rank).items():
-            parts.setdefault(module, []).extend((slot, *p) for p in part)
+    for slot, adapter in enumerate(read, start=1):
+        for module, part in adapter.items():
+            parts.setdefault(module, []).extend((slot, *p) for p in part if slot <= slots)
     modules = set(parts) | (set(targetable(model)) if every_layer else set())
     for module in sorted(modules):
         layer = model.get_submodule(module)
         if not isinstance(layer, LinearBase):
             raise ValueError(f"{module} is not a linear layer: it takes no adapter")
-        layer.lora = _stack(layer, parts.get(module, []), (slots or len(adapters)) + 1, max_rank, rows)
+        layer.lora = _stack(layer, parts.get(module, []), slots + 1, max_rank, rows)
     return rows
 
 
@@ -76,10 +87,8 @@ def read_adapter(model, name: str, path: str, model_config: dict, max_rank: int,
 
 
 def read_new_adapter(model, cfg, model_dir: str, name: str, path: str) -> dict[str, list]:
-    """`read_adapter` for a load while serving (--allow-runtime-lora-updating): the model's slots exist.
-    `cfg`: the configuration's adapters part."""
-    if not cfg.allow_runtime_lora_updating:
-        raise ValueError("adapters are loaded while serving only with --allow-runtime-lora-updating")
+    """`read_adapter` for a slot written while serving (an adapter swapped into a device slot, or loaded
+    with --allow-runtime-lora-updating): the model's slots exist. `cfg`: the configuration's adapters part."""
     model_config = json.loads((Path(model_dir) / "config.json").read_text())
     return read_adapter(model, name, path, model_config, cfg.max_lora_rank, attached=True)
 

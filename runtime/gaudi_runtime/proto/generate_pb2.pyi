@@ -402,19 +402,23 @@ class CompileGrammarResponse(_message.Message):
     def __init__(self, error: _Optional[str] = ..., compile_ns: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("slot", "name", "path", "sequence")
+    __slots__ = ("slot", "name", "path", "sequence", "load_id")
     SLOT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ID_FIELD_NUMBER: _ClassVar[int]
     slot: int
     name: str
     path: str
     sequence: int
-    def __init__(self, slot: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+    load_id: int
+    def __init__(self, slot: _Optional[int] = ..., name: _Optional[str] = ..., path: _Optional[str] = ..., sequence: _Optional[int] = ..., load_id: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
-    __slots__ = ("load_ns",)
+    __slots__ = ("load_ns", "host_hit")
     LOAD_NS_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_FIELD_NUMBER: _ClassVar[int]
     load_ns: int
-    def __init__(self, load_ns: _Optional[int] = ...) -> None: ...
+    host_hit: bool
+    def __init__(self, load_ns: _Optional[int] = ..., host_hit: _Optional[bool] = ...) -> None: ...

@@ -3,15 +3,15 @@
 
 A load resolves `lora_path` (a local directory, or a hub id fetched into the hub cache as the model
 is), checks it against the model and `--max-lora-rank` here (`adapters.check_adapter`: nothing
-changes when it fails), takes a free slot (`AdapterTable.free_slot`: no adapter served there and no
-request holding it), has every shard write it there (`ShardClient.load_adapter`, numbered like the
-batch calls), and only then serves the name: a request for it is made after the write, so the
-shards run it after the write. Its digest salts its prefix-cache root, so an adapter reloaded with
-other weights under the same name never reads the old one's blocks.
+changes when it fails) and registers it under a free index (`AdapterTable.free_index`: no adapter
+served there and no request holding it). The shards read it when a request first needs it in a device
+slot (router/adapter_slots.py), as they read any adapter no longer in their host cache. Its digest
+salts its prefix-cache root, so an adapter reloaded with other weights under the same name never
+reads the old one's blocks.
 
 An unload stops serving the name at once (a new request for it: 404 on /v1, 422 on TGI's routes);
-requests that already have the adapter keep its slot until they end, and only then may a load reuse
-the slot. Loads and unloads run one at a time.
+requests that already have the adapter keep its index (and its device slot while they run) until
+they end. Loads and unloads run one at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import logging
 from gaudi_runtime.adapters import AdapterSpec
 from gaudi_runtime.config import AdaptersConfig, ServedModelConfig
 from gaudi_runtime.router.adapters import AdapterTable
-from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.live_requests import Requests
 
 log = logging.getLogger(__name__)
@@ -56,9 +55,9 @@ class AdapterUpdates:
     """What /v1/load_lora_adapter and /v1/unload_lora_adapter do (router/lora_api.py answers)."""
 
     def __init__(self, model: ServedModelConfig, adapters: AdaptersConfig, model_dir: str, table: AdapterTable,
-                 client: ShardClient, requests: Requests):
+                 requests: Requests):
         self.model, self.adapters, self.model_dir = model, adapters, model_dir
-        self.table, self.client, self.requests = table, client, requests
+        self.table, self.requests = table, requests
         self._one_at_a_time = asyncio.Lock()
 
     async def load(self, name: str, lora_path: str, inplace: bool = False) -> str:
@@ -68,35 +67,15 @@ class AdapterUpdates:
             raise UpdateError(400, "InvalidUserInput",
                               f"The lora adapter name '{name}' conflicts with a served base model.")
         async with self._one_at_a_time:
-            if self.table.slot(name) is not None and not inplace:
+            if self.table.index(name) is not None and not inplace:
                 raise UpdateError(400, "InvalidUserInput", f"The lora adapter '{name}' has already been loaded. "
                                   "If you want to load the adapter in place, set 'load_inplace' to True.")
             spec = await asyncio.to_thread(resolve, self.model, self.adapters, self.model_dir, name, lora_path)
-            slot = self.table.free_slot(self.requests.busy_adapters())
-            if slot is None:
-                raise UpdateError(400, "BadRequestError", self._full(name))
-            await self._write(slot, name, spec.path)
-            self.table.put(slot, spec)
+            index = self.table.free_index(self.requests.busy_adapters())
+            served = self.table.put(index, spec)
             self.requests.report_load()
-        log.info("Loaded new LoRA adapter: name '%s', path '%s' (slot %d)", name, spec.path, slot)
+        log.info("Loaded new LoRA adapter: name '%s', path '%s' (load %d)", name, spec.path, served.load_id)
         return f"Success: LoRA adapter '{name}' added successfully."
-
-    def _full(self, name: str) -> str:
-        served = [a.name for a in self.table.served()]
-        draining = len(self.table.slots) - 1 - len(served)
-        held = f"; {draining} more held by requests of unloaded or reloaded adapters" if draining else ""
-        return (f"Loading lora {name} failed: all {len(self.table.slots) - 1} adapter slots (--max-cpu-loras) "
-                f"are in use (loaded: {', '.join(served) or 'none'}{held}); unload an adapter first, or start "
-                "with a larger --max-cpu-loras")
-
-    async def _write(self, slot: int, name: str, path: str) -> None:
-        try:
-            await self.client.load_adapter(slot, name, path)
-        except ShardError as e:
-            cause = e.__cause__
-            if cause is not None and cause.code().name == "INVALID_ARGUMENT":
-                raise UpdateError(400, "BadRequestError", f"Loading lora {name} failed: {cause.details()}") from None
-            raise UpdateError(500, "InternalServerError", f"Loading lora {name} failed: {e}") from None
 
     async def unload(self, name: str) -> str:
         if not name:

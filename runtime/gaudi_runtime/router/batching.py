@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from gaudi_runtime.config import Config
 from gaudi_runtime.proto import generate_pb2 as pb
+from gaudi_runtime.router.adapter_placement import AdapterPlacement
 from gaudi_runtime.router.client import ShardClient, ShardError
 from gaudi_runtime.router.engine_metrics import EngineMetrics
 from gaudi_runtime.router.live_requests import Requests, RequestState
@@ -103,6 +104,8 @@ class BatchingLoop:
         self._wake = asyncio.Event()
         self._batch_ids = itertools.count(1)
         self._step_ms: float | None = None  # the shards' recent time per decode step (forward passes)
+        selects = requests.adapters.selects
+        self.placement = AdapterPlacement(cfg.adapters.max_loras, client, requests, metrics) if selects else None
 
     def wake(self) -> None:
         """A request arrived or left: serve, if the loop is idle."""
@@ -238,6 +241,11 @@ class BatchingLoop:
         oldest = (time.monotonic() - self.requests.waiting[0].enqueued) * 1000
         min_size = join_min_size(running, batch.waiting_steps, oldest, self.cfg.scheduling)
         taken = self._take_waiting(running, min_size, chunks=batch.chunking is None)
+        if self.placement is not None and taken:
+            taken = await self.placement.place(taken)  # their adapters into device slots
+            if not taken:
+                self.wake()  # any put back wait again: serve them even if nothing else runs
+                return True, None
         if len(taken) == 1 and taken[0].prefilled < len(taken[0].req.input_ids):
             self._first_chunk(batch, taken[0])
             return True, None
@@ -424,7 +432,7 @@ def prefill_request(state: RequestState, start: int | None = None, end: int | No
     return pb.Request(
         id=state.id, input_ids=r.input_ids if end is None else r.input_ids[:end], top_n_tokens=r.top_n_tokens,
         blocks=state.blocks, prefill_logprobs=r.decoder_input_details, images=r.images,
-        cached_tokens=state.cached_tokens if start is None else start, adapter_index=r.adapter,
+        cached_tokens=state.cached_tokens if start is None else start, adapter_index=state.device_slot,
         max_new_tokens=r.stopping.max_new_tokens, sequence_tokens=len(r.input_ids),
         grammar=shard_grammar(r.grammar, state.grammar_id) if r.grammar is not None else None,
         parameters=pb.NextTokenChooserParameters(

@@ -112,9 +112,10 @@ class ShardClient:
     def decode(self, batches: list[pb.CachedBatch], steps: int = 1) -> Awaitable[pb.DecodeResponse]:
         return self._all("Decode", pb.DecodeRequest(batches=batches, sequence=next(self._sequence), steps=steps))
 
-    def load_adapter(self, slot: int, name: str, path: str) -> Awaitable[pb.LoadAdapterResponse]:
-        """Every shard writes the LoRA adapter at `path` into `slot`, between two steps in call order."""
-        return self._all("LoadAdapter", pb.LoadAdapterRequest(slot=slot, name=name, path=path,
+    def load_adapter(self, slot: int, name: str, path: str, load_id: int) -> Awaitable[pb.LoadAdapterResponse]:
+        """Every shard writes the LoRA adapter at `path` (load `load_id`: the key of its host copy) into device
+        slot `slot`, between two steps in call order."""
+        return self._all("LoadAdapter", pb.LoadAdapterRequest(slot=slot, name=name, path=path, load_id=load_id,
                                                               sequence=next(self._sequence)))
 
     def clear(self, batch_id: int | None) -> Awaitable[pb.ClearCacheResponse]:

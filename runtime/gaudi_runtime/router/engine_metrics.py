@@ -50,6 +50,11 @@ class EngineMetrics:
         if self._m is not None:
             self._m.gaudi_serve_lora_requests_total.labels(adapter).inc()
 
+    def lora_slot_write(self, host_hit: bool) -> None:
+        """An adapter written into a device slot: from the shards' host copy, or read from its files."""
+        if self._m is not None:
+            self._m.gaudi_serve_lora_slot_writes_total.labels("host_copy" if host_hit else "read").inc()
+
     def lora_load(self, max_loras: int, running: list[str], waiting: list[str]) -> None:
         """The adapters of the running and waiting requests, under vLLM's gauge, once serving."""
         if self._m is not None and self.serving:

@@ -66,6 +66,7 @@ class RequestState:
     disk_fetch: str = ""  # its blocks on the disk tier: "" not asked, "wanted", "running", "done"
     disk_hashes: list[bytes] = field(default_factory=list)  # those it waits for while "wanted" or "running"
     grammar_id: int = 0  # the compiled grammar it holds on the shards (router/grammar_table.py); 0: none
+    device_slot: int = 0  # the shards' slot its adapter is in while it runs (router/adapter_slots.py); 0: none
 
 
 class Requests:
@@ -128,12 +129,16 @@ class Requests:
         return out
 
     def busy_adapters(self) -> set[int]:
-        """The adapter slots of every live request, waiting or running: none of them may be reused."""
+        """The adapter indices of every live request, waiting or running: none of them may be reused."""
         return {s.req.adapter for s in self._live.values()}
 
     def running_adapters(self) -> frozenset[int]:
-        """The adapter slots of the requests taken for a prefill and not ended (0: the base model)."""
+        """The adapter indices of the requests taken for a prefill and not ended (0: the base model)."""
         return frozenset(s.req.adapter for s in self._live.values() if s.started is not None)
+
+    def pinned_slots(self) -> set[int]:
+        """The device slots the requests taken for a prefill and not ended run with: none may be rewritten."""
+        return {s.device_slot for s in self._live.values() if s.started is not None and s.device_slot}
 
     def take(self, count: int) -> list[RequestState]:
         """Move the first `count` waiting requests into a prefill, reserving their KV blocks: the
@@ -172,6 +177,7 @@ class Requests:
         for state in reversed(states):
             self.prefix.release(self.allocator, state, failed=True)
             state.blocks, state.cached_tokens, state.prefilled, state.started, state.sent = [], 0, 0, None, 0
+            state.device_slot = 0
             state.answered, state.prefill_pending = 0, False
             self.waiting.appendleft(state)
         self.report_load()

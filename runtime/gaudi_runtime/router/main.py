@@ -64,7 +64,7 @@ async def serve(cfg: Config, model_dir: str) -> int:
     app = build_app(cfg, engine, tokenizer, metrics=metrics, images=ImagePrompter.load(model_dir, cfg.limits))
     app[STATE].tracer = tracer = make_tracer(cfg.server)
     if cfg.adapters.allow_runtime_lora_updating:
-        app[STATE].adapter_updates = AdapterUpdates(cfg.model, cfg.adapters, model_dir, engine.adapters, client,
+        app[STATE].adapter_updates = AdapterUpdates(cfg.model, cfg.adapters, model_dir, engine.adapters,
                                                     engine.requests)
     log_tool_format(cfg.structured_output, tokenizer)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)

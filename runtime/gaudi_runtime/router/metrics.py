@@ -190,6 +190,10 @@ class Metrics:
         whose value is when they were seen (seconds since the epoch), as vLLM sets it."""
         self.gaudi_serve_lora_requests_total = Counter(
             "gaudi_serve_lora_requests_total", "Sequences queued for each LoRA adapter", ("adapter",), registry=c)
+        self.gaudi_serve_lora_slot_writes_total = Counter(
+            "gaudi_serve_lora_slot_writes_total", "Adapters written into a device slot (--max-loras), by where the "
+            "weights came from: the shards' host copy (--max-cpu-loras) or the adapter's files", ("source",),
+            registry=c)
         self.vllm_lora_requests_info = Gauge(
             "vllm:lora_requests_info", "Running stats on lora requests.",
             ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), registry=r)

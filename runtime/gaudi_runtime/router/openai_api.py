@@ -174,11 +174,11 @@ async def run_completions(request: web.Request, body: dict, rec: RequestRecorder
     limits, structured = state.config.limits, state.config.structured_output
     with recorded(rec):
         req = parse_request(CompletionRequest, body)
-        slot, load = adapters.openai_slot(state.adapters, req.model)
-        reqs = completion_requests(req, limits, structured, state.tokenizer, adapter=(slot, load),
+        index, load = adapters.openai_adapter(state.adapters, req.model)
+        reqs = completion_requests(req, limits, structured, state.tokenizer, adapter=(index, load),
                                    thinking=state.thinking)
         await admit(state, rec, reqs)
-    envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", served_name(state, slot))
+    envelope = Envelope(f"cmpl-{uuid.uuid4().hex}", served_name(state, index))
     if req.stream:
         return await _stream(request, reqs, req, rec, envelope, "text_completion",
                              _completion_chunk_choice(reqs, req))
@@ -288,7 +288,7 @@ class ChatJob:
     req: ChatCompletionRequest
     reqs: list[ValidRequest]
     fmt: str | None  # the tool-call format its output is parsed in, when it has tools
-    slot: int  # its adapter's slot (0: the base model)
+    adapter: int  # its adapter's index (router/adapters.py; 0: the base model)
     thinking: str | None = None  # where its output starts (reasoning.start_state), with a reasoning parser
 
 
@@ -297,24 +297,24 @@ async def prepare_chat(request: web.Request, body: dict, rec: RequestRecorder) -
     limits, structured = state.config.limits, state.config.structured_output
     with recorded(rec):
         req = parse_request(ChatCompletionRequest, body)
-        slot, load = adapters.openai_slot(state.adapters, req.model)
+        index, load = adapters.openai_adapter(state.adapters, req.model)
         measured = check_chat_schemas(req, structured)
         max_tokens, top = chat_limits(req, limits)
         tools = chat_tools(req, structured, state.tokenizer.chat_template)
-        chat = ChatBody(req, measured, max_tokens, top, tools, (slot, load))
+        chat = ChatBody(req, measured, max_tokens, top, tools, (index, load))
         prompt = chat_prompt(req, state.tokenizer, tools, images_allowed=state.images is not None)
         images = await prompt_images(state, prompt)
         thinking = reasoning.start_state(state.thinking.parser, prompt) if state.thinking is not None else None
         reqs = chat_requests(prompt, images, chat, limits, structured, state.tokenizer, state.thinking)
         await admit(state, rec, reqs)
-    return ChatJob(req, reqs, tools.fmt, slot, thinking)
+    return ChatJob(req, reqs, tools.fmt, index, thinking)
 
 
 async def run_chat(request: web.Request, body: dict, rec: RequestRecorder) -> web.StreamResponse:
     state = get_state(request)
     job = await prepare_chat(request, body, rec)
     req, reqs = job.req, job.reqs
-    envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", served_name(state, job.slot))
+    envelope = Envelope(f"chatcmpl-{uuid.uuid4().hex}", served_name(state, job.adapter))
     if req.stream:
         return await _stream(request, reqs, req, rec, envelope, "chat.completion.chunk",
                              _chat_chunk_choice(req, job.fmt, job.thinking))
@@ -329,9 +329,9 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     return await run_chat(request, await read_body(request, rec), rec)
 
 
-def served_name(state: AppState, slot: int) -> str:
+def served_name(state: AppState, index: int) -> str:
     """The `model` of a response: the adapter's name, else the base model's."""
-    return state.adapters.name(slot) or model_name(state)
+    return state.adapters.name(index) or model_name(state)
 
 
 async def handle_models(request: web.Request) -> web.Response:

@@ -132,11 +132,15 @@ class Info(Open):
     prefill_chunks: int | None = Field(None, description="Chunks of long prompts prefilled before their last "
                                        "one (prompts longer than max_batch_prefill_tokens)")
     unwarmed_shapes: int | None = Field(None, description="Shapes run after warmup that it had not warmed")
-    lora_adapters: list[str] | None = Field(None, description="The LoRA adapters served beside the base model "
-                                            "(--lora-adapters), selected by `parameters.adapter_id` or `model`")
-    max_loras: int | None = Field(None, description="Most distinct adapters in one running batch")
+    lora_adapters: list[str] | None = Field(None, description="The LoRA adapters registered beside the base model "
+                                            "(--lora-adapters, and those loaded while serving), selected by "
+                                            "`parameters.adapter_id` or `model`")
+    max_loras: int | None = Field(None, description="Device slots of the adapters' weights (--max-loras): the most "
+                                  "distinct adapters in one running batch")
     max_lora_rank: int | None = None
-    max_cpu_loras: int | None = Field(None, description="Most adapters loaded at once (--max-cpu-loras)")
+    max_cpu_loras: int | None = Field(None, description="Adapters whose weights the shards keep in host memory "
+                                      "(--max-cpu-loras, least recently used dropped); registered adapters may "
+                                      "be more")
     runtime_lora_updating: bool | None = Field(None, description="/v1/load_lora_adapter and "
                                                "/v1/unload_lora_adapter are served")
 

@@ -56,7 +56,7 @@ async def handle_create(request: web.Request) -> web.StreamResponse:
         chat, conversation = chat_body(req, history, req.stream)
     job = await prepare_chat(request, chat, rec)
     state = get_state(request)
-    rid, model = new_id("resp"), served_name(state, job.slot)
+    rid, model = new_id("resp"), served_name(state, job.adapter)
 
     def render(output: list[dict], status: str, usage_: dict | None) -> dict:
         return response_object(rid, req, model, output, status=status, usage_=usage_)

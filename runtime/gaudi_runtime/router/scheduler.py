@@ -18,7 +18,7 @@ class Waiting:
     cached_tokens: int = 0  # prompt tokens cached blocks hold (prefix cache): the prefill computes the rest
     held_blocks: int = 0  # of those blocks, the ones other requests hold: they cost no free block
     chunkable: bool = True  # False: prefilled whole, however long (images, prompt log-probabilities)
-    adapter: int = 0  # its LoRA adapter slot (0: none)
+    adapter: int = 0  # its LoRA adapter's index (router/adapters.py; 0: none)
 
 
 # A decode call's steps are bounded so the call lasts about this long: a prompt arriving meanwhile waits
@@ -79,7 +79,8 @@ def select_prefill(waiting: list[Waiting], running: int, free_blocks: int, cfg: 
     --max-batch-prefill-tokens (prompt tokens to compute: cached ones are not), and
     the free KV blocks (cached blocks no request holds count as free: taking one
     costs a block as a fresh one does), and --max-loras distinct adapters over the
-    running requests (`running_adapters`) and the new ones. Stops at the first
+    running requests (`running_adapters`) and the new ones (the shards' device slots: each
+    adapter a request runs with is in one, router/adapter_slots.py). Stops at the first
     request that does not fit, so that no request is overtaken forever. A prompt
     prefilled in chunks goes alone: its first chunk fills the prefill; with
     `chunks` False (one is being chunked already) it waits at the head of the queue.

@@ -110,7 +110,7 @@ async def validated_job(state: AppState, body: dict | GenerateRequest, *, stream
     """A TGI body, its images fetched for a vision model, validated."""
     req = body if isinstance(body, GenerateRequest) else parse_generate(body)
     images = await prompt_images(state, req.inputs)
-    adapter = adapters.tgi_slot(state.adapters, req.parameters.adapter_id)
+    adapter = adapters.tgi_adapter(state.adapters, req.parameters.adapter_id)
     return validate_generate(req, state.config.limits, state.config.structured_output, state.tokenizer,
                              stream=stream, images=images, thinking=state.thinking, adapter=adapter)
 

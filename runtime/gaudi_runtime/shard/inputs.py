@@ -61,10 +61,10 @@ def check_cached(reqs: list[PrefillInput], block_size: int) -> None:
 
 
 def check_adapters(reqs: list[PrefillInput], served: int) -> None:
-    """Every request names an adapter slot this shard holds."""
+    """Every request names an adapter slot this shard holds (`served`: slots besides slot 0)."""
     for r in reqs:
         if not 0 <= r.adapter <= served:
-            raise ValueError(f"request {r.id}: adapter slot {r.adapter}, this shard serves {served} adapters")
+            raise ValueError(f"request {r.id}: adapter slot {r.adapter}, this shard has {served} adapter slots")
 
 
 def adapter_slots(reqs: list[PrefillInput], rows: int, pad: bool = True) -> np.ndarray | None:

@@ -21,10 +21,10 @@ from gaudi_runtime.device.base import Backend
 from gaudi_runtime.layers.attention import AttentionMetadata, attention_in_use, use_attention
 from gaudi_runtime.layers.kv_cache import allocate_cache, cache_bytes_per_block, model_token_shapes
 from gaudi_runtime.models import load_model
-from gaudi_runtime.models.lora import load_adapters
 from gaudi_runtime.quant.setup import kv_cache_dtype, quantize_loaded
 from gaudi_runtime.recipe_cache import RecipeCache
 from gaudi_runtime.shard import inputs
+from gaudi_runtime.shard.adapter_cache import load_with_host_copies
 from gaudi_runtime.shard.batch import ShardBatch
 from gaudi_runtime.shard.grammar import GrammarCache
 from gaudi_runtime.shard.inputs import PrefillInput
@@ -73,7 +73,7 @@ class ModelRunner:
         rope = (cfg.model.rope_scaling, cfg.model.rope_factor) if cfg.model.rope_scaling else None  # --rope-scaling
         self.model = load_model(model_dir, self.dtype, device, rank, world_size, process_group, rope=rope)
         self.model_dir = model_dir
-        self.adapter_rows = load_adapters(self.model, cfg.adapters, model_dir)  # None: no adapters now or later
+        self.adapter_rows, self.host_adapters = load_with_host_copies(self.model, cfg.adapters, model_dir)  # rows None: no adapters
         use_attention(self.model, attention)
         # FP8 (--quantize / QUANT_CONFIG) swaps layers after load; --kv-cache-dtype sets the cache's scales.
         self.model = quantize_loaded(self.model, cfg, backend, self.dtype, rank, world_size)
@@ -180,7 +180,7 @@ class ModelRunner:
     def prefill(self, batch_id: int, reqs: list[PrefillInput]) -> StepResult:
         """Compute each prompt after its cached tokens (all of it when none are), keep the batch."""
         inputs.check_cached(reqs, self.cfg.device.block_size)
-        inputs.check_adapters(reqs, self.cfg.adapters.max_cpu_loras if self.adapter_rows is not None else 0)
+        inputs.check_adapters(reqs, self.cfg.adapters.max_loras if self.adapter_rows is not None else 0)
         tables = inputs.block_tables(reqs, self.cfg)
         sampler = prefill_sampler(reqs, self.model.vocab_size, self.device, self.grammars)
         t0 = time.perf_counter_ns()

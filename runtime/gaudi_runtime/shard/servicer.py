@@ -154,26 +154,33 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         )
 
     async def LoadAdapter(self, request, context):
-        """Read and check the adapter beside the serving loop, then write its slot in call order (the
-        turn is taken even when the adapter is refused: later calls wait for this number)."""
+        """Take the adapter from its host copy, or read and check it beside the serving loop (then keep a
+        copy), then write its slot in call order (the turn is taken even when the adapter is refused:
+        later calls wait for this number)."""
         t0 = time.perf_counter_ns()
-        runner = self.runner
-        try:
-            parts = await asyncio.get_running_loop().run_in_executor(
-                None, read_new_adapter, runner.model, runner.cfg.adapters, runner.model_dir, request.name, request.path)
-            error = None
-        except (AdapterError, OSError, ValueError) as e:
-            parts, error = None, str(e)
+        runner, cache = self.runner, self.runner.host_adapters
+        parts, error = cache.get(request.load_id), None
+        hit = parts is not None
+        if not hit:
+            try:
+                parts = await asyncio.get_running_loop().run_in_executor(
+                    None, read_new_adapter, runner.model, runner.cfg.adapters, runner.model_dir, request.name,
+                    request.path)
+                cache.put(request.load_id, parts)
+            except (AdapterError, OSError, ValueError) as e:
+                error = str(e)
         async with self.order.turn(request.sequence):
-            if parts is not None and not 0 < request.slot <= runner.cfg.adapters.max_cpu_loras:
-                error = f"adapter slot {request.slot}: this shard has slots 1..{runner.cfg.adapters.max_cpu_loras}"
+            if parts is not None and not 0 < request.slot <= runner.cfg.adapters.max_loras:
+                error = f"adapter slot {request.slot}: this shard has slots 1..{runner.cfg.adapters.max_loras}"
             elif parts is not None:
                 write_adapter(runner.model, request.slot, parts)
                 runner.backend.mark_step()  # the writes reach the device before the next step reads them
         if error is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
-        log.info("LoRA adapter %r loaded into slot %d from %s", request.name, request.slot, request.path)
-        return pb.LoadAdapterResponse(load_ns=time.perf_counter_ns() - t0)
+        log.info("LoRA adapter %r (load %d) written into slot %d %s; host copies: %d hits, %d reads",
+                 request.name, request.load_id, request.slot, "from its host copy" if hit else f"read from {request.path}",
+                 cache.hits, cache.reads)
+        return pb.LoadAdapterResponse(load_ns=time.perf_counter_ns() - t0, host_hit=hit)
 
     def _adjust_threads(self) -> None:
         if self.threads is not None:
