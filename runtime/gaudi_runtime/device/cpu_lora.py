@@ -48,6 +48,9 @@ class LoraKernel:
         self._add = lib.lora_add
         self._add.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_int] * 2
         self._add.restype = ctypes.c_int
+        lib.lora_dot_bf16.restype = ctypes.c_int
+        # bfloat16's x A on the CPU's dot product (a build with avx512_bf16), else widened to float32
+        self.dot_bf16 = bool(lib.lora_dot_bf16())
 
     def add(self, slices: torch.Tensor, lora: LoraWeights, x: torch.Tensor, y: torch.Tensor,
             index: torch.Tensor) -> torch.Tensor | None:
