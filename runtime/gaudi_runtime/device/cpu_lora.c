@@ -120,52 +120,109 @@ ALWAYS_INLINE void shrink_widened(float *const *tr, int64_t n, const float *cons
 }
 
 #if DOT_BF16
-/* Rows i and i + 1 of A (one slot's [in, k], bfloat16), n (<= 16) columns from c, as the dot product's
-   pairs: lane l holds A[i][c + l] in its low half and A[i + 1][c + l] in its high half (0 with last: i is
-   A's last row). */
-ALWAYS_INLINE __m512bh row_pairs(const uint16_t *a, int64_t k, int64_t i, int64_t c, int64_t n, const int last) {
-    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
-    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, a + i * k + c));
+/* Rows r and r + 1 of a bfloat16 matrix m (rows `stride` apart), n (<= 16) columns from c, as the dot
+   product's pairs: lane l holds m[r][c + l] in its low half and m[r + 1][c + l] in its high half (0 with
+   last: r is the last row). */
+ALWAYS_INLINE __m512bh row_pairs(const uint16_t *m, int64_t stride, int64_t r, int64_t c, int64_t n, const int last) {
+    const __mmask16 mask = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, m + r * stride + c));
     if (last) return (__m512bh)lo;
-    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, a + (i + 1) * k + c));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, m + (r + 1) * stride + c));
     return (__m512bh)_mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
-/* One dot-product step of a tile: inputs i and i + 1 (i alone with last) of its TB rows. */
-ALWAYS_INLINE void dot_step(__m512 acc[TB][KT], const uint16_t *const *xr, const uint16_t *a, int64_t k, int64_t i,
-                            int64_t k0, int64_t w, const int vectors, const int last) {
-    __m512bh av[KT];
-    for (int v = 0; v < vectors; v++) av[v] = row_pairs(a, k, i, k0 + v * LANES, w - v * LANES, last);
+/* The same for 32 columns at two instructions: unpacklo interleaves the low four of every eight columns,
+   unpackhi the high four (lane 4L + i of p[0]: column 8L + i; of p[1]: column 8L + 4 + i); unpair puts the
+   sums back in column order. */
+ALWAYS_INLINE void pairs32(__m512bh p[2], const uint16_t *m, int64_t stride, int64_t r, int64_t c, const int last) {
+    const __m512i r0 = _mm512_loadu_si512(m + r * stride + c);
+    const __m512i r1 = last ? _mm512_setzero_si512() : _mm512_loadu_si512(m + (r + 1) * stride + c);
+    p[0] = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+    p[1] = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+}
+
+ALWAYS_INLINE void unpair(f32xL out[2], __m512 lo, __m512 hi) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    out[0] = (f32xL)_mm512_permutex2var_ps(lo, first, hi);
+    out[1] = (f32xL)_mm512_permutex2var_ps(lo, second, hi);
+}
+
+/* One step of a dot-product tile: rows r and r + 1 of m (r alone with last) times inputs r and r + 1 of
+   the TB rows xr. */
+ALWAYS_INLINE void dot_step(__m512 acc[TB][KT], const uint16_t *const *xr, const uint16_t *m, int64_t stride,
+                            int64_t r, int64_t c, int64_t w, const int vectors, const int full, const int last) {
+    __m512bh mv[KT];
+    if (full && vectors == KT) pairs32(mv, m, stride, r, c, last);
+    else
+        for (int v = 0; v < vectors; v++) mv[v] = row_pairs(m, stride, r, c + v * LANES, w - v * LANES, last);
     for (int j = 0; j < TB; j++) {
-        uint32_t pair = xr[j][i];
-        if (!last) memcpy(&pair, xr[j] + i, sizeof pair);
+        uint32_t pair = xr[j][r];
+        if (!last) memcpy(&pair, xr[j] + r, sizeof pair);
         const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
-        for (int v = 0; v < vectors; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], xv, av[v]);
+        for (int v = 0; v < vectors; v++) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], xv, mv[v]);
     }
 }
 
-/* shrink_tile on the bfloat16 dot product: x and A as stored, two inputs per instruction. */
-ALWAYS_INLINE void shrink_dot_tile(float *const *tr, int64_t n, const uint16_t *const *xr, const uint16_t *a,
-                                   int64_t in, int64_t k, int64_t k0, int64_t width, const int vectors, const int full) {
+/* sums[j][v] = xr[j][0 ... depth] m[:, c + v * LANES ...] for a tile's TB bfloat16 rows, m bfloat16 [depth,
+   stride]: two inputs per instruction, x and m as stored. Constants as in shrink_tile. */
+ALWAYS_INLINE void dot_tile(f32xL sums[TB][KT], const uint16_t *const *xr, const uint16_t *m, int64_t depth,
+                            int64_t stride, int64_t c, int64_t width, const int vectors, const int full) {
     const int64_t w = full ? vectors * LANES : width;
     __m512 acc[TB][KT];
     for (int j = 0; j < TB; j++)
         for (int v = 0; v < KT; v++) acc[j][v] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 2 <= in; i += 2) dot_step(acc, xr, a, k, i, k0, w, vectors, 0);
-    if (i < in) dot_step(acc, xr, a, k, i, k0, w, vectors, 1);
-    f32xL sums[TB][KT];
-    for (int j = 0; j < TB; j++)
-        for (int v = 0; v < KT; v++) sums[j][v] = (f32xL)acc[j][v];
-    store_sums(tr, n, k0, w, sums, vectors);
+    int64_t r = 0;
+    for (; r + 2 <= depth; r += 2) dot_step(acc, xr, m, stride, r, c, w, vectors, full, 0);
+    if (r < depth) dot_step(acc, xr, m, stride, r, c, w, vectors, full, 1);
+    for (int j = 0; j < TB; j++) {
+        if (full && vectors == KT) unpair(sums[j], acc[j][0], acc[j][1]);
+        else
+            for (int v = 0; v < KT; v++) sums[j][v] = (f32xL)acc[j][v];
+    }
 }
 
-static void shrink_dot(float *const *tr, int64_t n, const uint16_t *const *xr, const uint16_t *a, int64_t in,
+/* t = x A on the dot product, stored rounded to bfloat16 (tb: rows of k bfloat16), as the expand's dot
+   product reads it (the bfloat16 bmm rounds x A too). */
+ALWAYS_INLINE void shrink_dot_tile(uint16_t *const *tb, int64_t n, const uint16_t *const *xr, const uint16_t *a,
+                                   int64_t in, int64_t k, int64_t k0, int64_t width, const int vectors, const int full) {
+    const int64_t w = full ? vectors * LANES : width;
+    f32xL sums[TB][KT];
+    dot_tile(sums, xr, a, in, k, k0, width, vectors, full);
+    for (int j = 0; j < TB && j < n; j++)
+        for (int v = 0; v < vectors; v++) {
+            const u32xL h = to_bf16(sums[j][v]);
+            for (int64_t l = 0; l < LANES && v * LANES + l < w; l++) tb[j][k0 + v * LANES + l] = (uint16_t)h[l];
+        }
+}
+
+static void shrink_dot(uint16_t *const *tb, int64_t n, const uint16_t *const *xr, const uint16_t *a, int64_t in,
                        int64_t k, int64_t k0, int64_t width) {
-    if (width == TILE) shrink_dot_tile(tr, n, xr, a, in, k, k0, width, KT, 1);
-    else if (width == LANES) shrink_dot_tile(tr, n, xr, a, in, k, k0, width, 1, 1);
-    else if (width > LANES) shrink_dot_tile(tr, n, xr, a, in, k, k0, width, KT, 0);
-    else shrink_dot_tile(tr, n, xr, a, in, k, k0, width, 1, 0);
+    if (width == TILE) shrink_dot_tile(tb, n, xr, a, in, k, k0, width, KT, 1);
+    else if (width == LANES) shrink_dot_tile(tb, n, xr, a, in, k, k0, width, 1, 1);
+    else if (width > LANES) shrink_dot_tile(tb, n, xr, a, in, k, k0, width, KT, 0);
+    else shrink_dot_tile(tb, n, xr, a, in, k, k0, width, 1, 0);
+}
+
+/* y[tok[j]][col ...] += tb[j][0 ... rank] B[rows ..., col ...] on the dot product (b: B's rows of this
+   slice, [rank, out]). */
+ALWAYS_INLINE void expand_dot_tile(uint16_t *y, const uint16_t *const *tb, const int64_t *tok, int64_t n,
+                                   const uint16_t *b, int64_t out, int64_t rank, int64_t col, int64_t width,
+                                   const int vectors, const int full) {
+    const int64_t w = full ? vectors * LANES : width;
+    f32xL sums[TB][KT];
+    dot_tile(sums, tb, b, rank, out, col, width, vectors, full);
+    for (int j = 0; j < TB; j++)
+        for (int v = 0; v < vectors; v++)
+            if (j < n) add_n(y, tok[j] * out + col + v * LANES, w - v * LANES, sums[j][v], 1);
+}
+
+static void expand_dot(uint16_t *y, const uint16_t *const *tb, const int64_t *tok, int64_t n, const uint16_t *b,
+                       int64_t out, int64_t rank, int64_t col, int64_t width) {
+    if (width == TILE) expand_dot_tile(y, tb, tok, n, b, out, rank, col, width, KT, 1);
+    else if (width == LANES) expand_dot_tile(y, tb, tok, n, b, out, rank, col, width, 1, 1);
+    else if (width > LANES) expand_dot_tile(y, tb, tok, n, b, out, rank, col, width, KT, 0);
+    else expand_dot_tile(y, tb, tok, n, b, out, rank, col, width, 1, 0);
 }
 #endif
 
@@ -219,31 +276,58 @@ typedef struct {
     int path, bf16;
 } call_t;
 
-static void shrink_item(const call_t *c, const block_t *bl, int64_t k0) {
-    const int64_t width = c->k - k0 < TILE ? c->k - k0 : TILE, esize = c->bf16 ? 2 : 4;
-    const char *as = (const char *)c->a + bl->slot * c->in * c->k * esize;
-    float *tr[TB];
-    const float *xf[TB];
-    const uint16_t *xh[TB];
+#if DOT_BF16
+/* X_DOT: t holds x A rounded to bfloat16, rows of k values (the first half of the float32 scratch). */
+static void shrink_dot_item(const call_t *c, const block_t *bl, int64_t k0, int64_t width) {
+    const uint16_t *as = (const uint16_t *)c->a + bl->slot * c->in * c->k;
+    uint16_t *tb[TB];
+    const uint16_t *xr[TB];
     for (int j = 0; j < TB; j++) {
         const int64_t p = bl->start + (j < bl->n ? j : 0);
-        tr[j] = c->t + p * c->k;  /* written for j < n only */
-        xh[j] = j < bl->n ? (const uint16_t *)c->x + c->order[p] * c->in : (const uint16_t *)c->zeros;
-        if (j >= bl->n) xf[j] = c->zeros;
-        else xf[j] = c->path == X_WIDENED ? c->xw + p * c->in : (const float *)c->x + c->order[p] * c->in;
+        tb[j] = (uint16_t *)c->t + p * c->k;  /* written for j < n only */
+        xr[j] = j < bl->n ? (const uint16_t *)c->x + c->order[p] * c->in : (const uint16_t *)c->zeros;
     }
+    shrink_dot(tb, bl->n, xr, as, c->in, c->k, k0, width);
+}
+
+static void expand_dot_item(const call_t *c, const block_t *bl, const cols_t *col) {
+    const int64_t k0 = col->slice * c->rank;
+    const uint16_t *bs = (const uint16_t *)c->b + (bl->slot * c->k + k0) * c->out;
+    const uint16_t *tb[TB];
+    for (int j = 0; j < TB; j++)
+        tb[j] = j < bl->n ? (const uint16_t *)c->t + (bl->start + j) * c->k + k0 : (const uint16_t *)c->zeros;
+    expand_dot(c->y, tb, c->order + bl->start, bl->n, bs, c->out, c->rank, col->col, col->width);
+}
+#endif
+
+static void shrink_item(const call_t *c, const block_t *bl, int64_t k0) {
+    const int64_t width = c->k - k0 < TILE ? c->k - k0 : TILE;
 #if DOT_BF16
     if (c->path == X_DOT) {
-        shrink_dot(tr, bl->n, xh, (const uint16_t *)as, c->in, c->k, k0, width);
+        shrink_dot_item(c, bl, k0, width);
         return;
     }
 #endif
-    (void)xh;
-    if (c->bf16) shrink_widened(tr, bl->n, xf, as, c->in, c->k, k0, width, 1);
-    else shrink_widened(tr, bl->n, xf, as, c->in, c->k, k0, width, 0);
+    const char *as = (const char *)c->a + bl->slot * c->in * c->k * (c->bf16 ? 2 : 4);
+    float *tr[TB];
+    const float *xr[TB];
+    for (int j = 0; j < TB; j++) {
+        const int64_t p = bl->start + (j < bl->n ? j : 0);
+        tr[j] = c->t + p * c->k;  /* written for j < n only */
+        if (j >= bl->n) xr[j] = c->zeros;
+        else xr[j] = c->path == X_WIDENED ? c->xw + p * c->in : (const float *)c->x + c->order[p] * c->in;
+    }
+    if (c->bf16) shrink_widened(tr, bl->n, xr, as, c->in, c->k, k0, width, 1);
+    else shrink_widened(tr, bl->n, xr, as, c->in, c->k, k0, width, 0);
 }
 
 static void expand_item(const call_t *c, const block_t *bl, const cols_t *col) {
+#if DOT_BF16
+    if (c->path == X_DOT) {
+        expand_dot_item(c, bl, col);
+        return;
+    }
+#endif
     const char *bs = (const char *)c->b + bl->slot * c->k * c->out * (c->bf16 ? 2 : 4);
     const float *tr[TB];
     for (int j = 0; j < TB; j++) tr[j] = j < bl->n ? c->t + (bl->start + j) * c->k : c->zeros;
