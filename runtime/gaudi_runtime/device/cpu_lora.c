@@ -7,17 +7,17 @@
    (columns j * rank ... of A) writes only its projection's output columns.
 
    Two steps, each cut into tiles of up to TB tokens of one slot by one or two vectors of columns, whose
-   sums stay in registers: shrink (t = x A, float32 scratch [tokens, k]) and expand (y += t B). A tile
+   sums stay in registers: shrink (t = x A, a scratch of [tokens, k]) and expand (y += t B). A tile
    short of TB tokens reads rows of zeros in their place, so every tile runs the loop compiled for TB
    tokens (a loop over a token count known only at run time keeps its sums in memory: several times
    slower).
 
-   bfloat16: x A runs on the CPU's bfloat16 dot product where it has avx512_bf16 (two inputs per lane
-   and instruction, products exact, sums in float32, denormal inputs read as zero; A's rows i and i + 1
-   are interleaved into the pairs it takes as they are loaded, so A keeps the layout the bmm reads);
-   elsewhere x is widened to float32 once per call and A as it is read. t stays float32 either way, and
-   t B is float32 sums over B widened as read; each output is rounded to bfloat16 once, after adding
-   into y (the bfloat16 bmm rounds x A and t B too).
+   bfloat16 where the CPU has avx512_bf16 (the x86-64-v4-bf16 build, cpu_isa.py): both products run on its bfloat16 dot product (two inputs per
+   lane and instruction, products exact, sums in float32, denormal inputs read as zero), over x, A and B as
+   stored: a matrix's rows r and r + 1 are interleaved into the pairs the instruction takes as they are
+   loaded, so the weights keep the layout the bmm reads. t is rounded to bfloat16 in between, as torch's
+   bfloat16 bmm (and peft) round x A. Elsewhere x is widened to float32 once per call, A and B as they are
+   read, and t stays float32. Either way each output is rounded to bfloat16 once, after adding into y.
 
    Layouts (contiguous, all float32 or all bfloat16):
      x [tokens, in], y [tokens, out] (added to in place), a [slots, in, k], b [slots, k, out],
