@@ -51,7 +51,7 @@ CASES = [  # rows, seq, in, slices (offset, size), rank, slots of the rows
     (16, 1, 1536, [(0, 512)], 16, [0, 1, 0, 2, 2, 2, 2, 2, 3, 0, 1, 4, 4, 1, 3, 0]),  # down_proj, base rows
     (3, 7, 72, [(0, 40), (40, 40)], 5, [2, 0, 1]),  # a prefill, fused gate/up, every size a tail
     (2, 9, 20, [(0, 3)], 3, [1, 1]),  # fewer columns than a vector
-    (3, 5, 37, [(0, 24), (24, 40)], 8, [1, 2, 1]),  # an odd input count: the dot product's last pair is half
+    (3, 5, 37, [(0, 24), (24, 40)], 16, [1, 2, 1]),  # an odd input count: the dot product's last pair is half
     (4, 1, 64, [(0, 64)], 8, [0, 0, 0, 0]),  # no adapter row
 ]
 
