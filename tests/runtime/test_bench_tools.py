@@ -334,6 +334,19 @@ def test_the_lora_workload_sends_each_request_its_adapter(tiny_model_dir, tmp_pa
     assert counts == {"a1": 4.0, "a2": 4.0}  # three each, and each warmed by one request first
 
 
+def test_lora_step_times_the_kernel_on_each_kind_of_lora_layer(tiny_model_dir, tmp_path, capsys):
+    """`bench.lora_step --layers`: the LoRA kernel alone on q/k/v, o, gate/up and down, at decode and prefill,
+    and the sum over the model's layers."""
+    from gaudi_runtime.bench import lora_adapters, lora_step
+
+    dirs = lora_adapters.write_adapters(tiny_model_dir, tmp_path / "adapters", count=2, rank=4)
+    lora_step.main(["--model-id", tiny_model_dir, "--adapters", *map(str, dirs), "--max-lora-rank", "4",
+                    "--batch", "4", "--prefill", "2", "8", "--repeats", "1", "--layers"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "model"]
+    assert all(float(v) > 0 for r in rows for v in r[-2:])
+
+
 def test_moe_layer_benchmark_prints_both_paths_for_each_token_count(capsys):
     from gaudi_runtime.bench import moe_layer
 

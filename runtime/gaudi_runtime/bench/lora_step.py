@@ -8,12 +8,15 @@ kernels); rows take the
 adapters in turn (row i: slot i mod n + 1). Variants, interleaved repetition by repetition: ``base``
 (no row has an adapter), ``bmm`` (every row's A and B gathered, two bmm: layers/lora.py), ``kernel``
 (device/cpu_lora.py). Prints the minimum and the median per variant; ``--profile`` adds torch.profiler's
-top operators of a ``bmm`` decode step.
+top operators of a ``bmm`` decode step; ``--layers`` times the kernel alone, call by call with warm caches,
+on each kind of LoRA layer of the model (q/k/v, o, gate/up, down: every decoder layer has the same shapes),
+for the decode step's tokens and the prefill's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -27,6 +30,7 @@ from gaudi_runtime.device import cpu_lora
 from gaudi_runtime.device.cpu import CpuBackend
 from gaudi_runtime.layers.attention import AttentionMetadata, use_attention
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
+from gaudi_runtime.layers.linear import LinearBase
 from gaudi_runtime.models.lora import attach_adapters
 from gaudi_runtime.models.registry import load_model
 
@@ -66,7 +70,41 @@ def timed(fn, setups: dict, repeats: int, steps: int) -> dict[str, list[float]]:
     return times
 
 
-def main() -> None:
+def best_us(fn, repeats: int, calls: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def print_layer_times(model, n: int, shapes: dict[str, tuple[int, int]], repeats: int) -> None:
+    """The kernel alone on one LoRA layer of each name (µs per call, min of `repeats`), for each of `shapes`
+    (label -> rows, tokens per row; rows take the adapters in turn), and their sum over the model's layers."""
+    cpu_lora.set_lora_kernel(model, cpu_lora.kernel())
+    layers = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase) and m.lora is not None and m.lora.kernel is not None:
+            layers.setdefault(name.rsplit(".", 1)[-1], m.lora)
+    print(f"{'layer':<14}" + "".join(f"{label + ' us':>22}" for label in shapes))
+    totals = dict.fromkeys(shapes, 0.0)
+    for name, lora in layers.items():
+        times = []
+        for label, (rows, seq) in shapes.items():
+            x = torch.randn(rows, seq, lora.a.shape[1]).to(lora.a.dtype)
+            y = torch.zeros(rows, seq, lora.b.shape[2], dtype=lora.a.dtype)
+            index = torch.arange(rows) % n + 1
+            call = functools.partial(lora.kernel, lora, x, y, index)
+            times.append(best_us(call, repeats, 50 if rows * seq <= 64 else 5))
+            totals[label] += times[-1]
+        print(f"{name:<14}" + "".join(f"{t:>22.1f}" for t in times))
+    print(f"{'model (ms)':<14}" + "".join(f"{totals[label] * model.num_layers / 1e3:>22.2f}" for label in shapes))
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-id", required=True)
     ap.add_argument("--adapters", nargs="+", required=True)
@@ -78,10 +116,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--layers", action="store_true", help="only the kernel, per kind of LoRA layer")
+    args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     model, rows = setup(args.model_id, args.adapters, dtype, args.max_lora_rank)
     n = len(args.adapters)
+    if args.layers:
+        prompts, length = args.prefill
+        with torch.inference_mode():
+            print_layer_times(model, n, {f"decode {args.batch}": (args.batch, 1),
+                                         f"prefill {prompts} x {length}": (prompts, length)}, args.repeats)
+        return
     kv = allocate_kv_cache(model.num_layers, 1 + args.batch * ceil_div(args.context, BLOCK), BLOCK,
                            model.num_kv_heads, model.head_dim, dtype, torch.device("cpu"))
     inputs = step_inputs(args.batch, args.context, model.vocab_size)

@@ -5,9 +5,10 @@ decode step of 16 rows that copies rows x rank x out of B per layer (the block-d
 layer included) and multiplies one row per matrix, which on a CPU cost more than the layer's own product
 (docs/performance.md, "LoRA adapters against the base model and vLLM"). The kernel groups the tokens by
 slot, reads each adapter's A and B once per group, skips slot 0 and a fused layer's off-diagonal blocks,
-and adds into the layer's output in place. ``CpuBackend.layer_kernels`` gives every LoRA layer this call
-(``CPU_LORA``); it returns None for tensors it does not take, and the bmm runs. Built at first use
-(``cpu_kernels``); without a compiler, one warning, and the bmm.
+and adds into the layer's output in place; bfloat16 runs on the CPU's bfloat16 dot product where it has
+avx512_bf16 (``LoraKernel.dot_bf16``), else widened to float32. ``CpuBackend.layer_kernels`` gives every
+LoRA layer this call (``CPU_LORA``); it returns None for tensors it does not take, and the bmm runs. Built
+at first use (``cpu_kernels``); without a compiler, one warning, and the bmm.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class LoraKernel:
         self._add = lib.lora_add
         self._add.argtypes = [ptr] * 6 + [i64] * 7 + [ctypes.c_int] * 2
         self._add.restype = ctypes.c_int
+        lib.lora_dot_bf16.restype = ctypes.c_int
+        # bfloat16's x A on the CPU's dot product (a build with avx512_bf16), else widened to float32
+        self.dot_bf16 = bool(lib.lora_dot_bf16())
 
     def add(self, slices: torch.Tensor, lora: LoraWeights, x: torch.Tensor, y: torch.Tensor,
             index: torch.Tensor) -> torch.Tensor | None:
