@@ -10,9 +10,10 @@
 # Each tree's server runs from its own `runtime/` (PYTHONPATH) with this repo's venv (OURS_BIN); the clients
 # are this repo's. Workloads, as in compare_vllm.sh: online (64 requests at c16 and C1_REQUESTS at c1, 128
 # in / 128 out), overhead (the no-cost model, OV_REQUESTS at c48), long (16 prompts of 1,536 tokens at
-# c4), lora (4 rank-16 adapters mixed at c16; and the base model's traffic on the same server), mixed (8
-# chat streams among long prompts, MIXED_SECONDS). Prints each workload's figure per run and the mean
-# ratio after/before; the spread of a tree's two runs is the drift to read it against.
+# c4), lora (4 rank-16 adapters mixed at c16, then a server without adapters on the same traffic for the
+# base model: lora-nolora), mixed (8 chat streams among long prompts, MIXED_SECONDS). Prints each
+# workload's figure per run and the mean ratio after/before; the spread of a tree's two runs is the
+# drift to read it against.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 [ $# = 2 ] || { sed -n 2,9p "$0" >&2; exit 2; }
@@ -74,7 +75,11 @@ print("RESULT tok/s=%.1f" % d["steps"][0]["throughput"]["output_tokens_per_s"])'
     lora) for i in 1 2 3 4; do modules+=("a$i=$lora_dir/a$i"); done
       start "$t" "$t$r-lora" "$model" "${args[@]}" --lora-modules "${modules[@]}" --max-loras 4 --max-lora-rank 16
       "$ours/python" -m gaudi_runtime.bench.online --url "$url" --model-dir "$model" --requests 64 \
-        --concurrency 16 --input-len 128 --output-len 128 --models "$names" | record "$t" "$r" lora-mixed ;;
+        --concurrency 16 --input-len 128 --output-len 128 --models "$names" | record "$t" "$r" lora-mixed
+      stop_server
+      start "$t" "$t$r-nolora" "$model" "${args[@]}"
+      "$ours/python" -m gaudi_runtime.bench.online --url "$url" --model-dir "$model" --requests 64 \
+        --concurrency 16 --input-len 128 --output-len 128 | record "$t" "$r" lora-nolora ;;
     mixed) start "$t" "$t$r-mixed" "$model" "${long_args[@]}"
       "$ours/python" -m gaudi_runtime.bench.mixed --url "$url" --model "$model" --tokenizer "$model" \
         --chat-streams 8 --long-prompt 1536 --long-every 1.5 --duration "$mixed_seconds" | record "$t" "$r" mixed ;;
