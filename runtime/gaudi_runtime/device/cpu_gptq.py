@@ -54,7 +54,7 @@ class GptqKernel:
         self._dequantize = deq
         self.max_rows = int(lib.gptq_max_rows())
         folded = lib.gptq_folded_gemm
-        folded.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, c_int]
+        folded.argtypes = [ptr, i64, c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, c_int]
         folded.restype = c_int
         self._folded = folded
         self.folds = bool(lib.gptq_folds())
@@ -76,9 +76,10 @@ class GptqKernel:
     def folded_segment(self, y: torch.Tensor, x: torch.Tensor, layer: nn.Module, start: int, size: int,
                        g_idx: torch.Tensor) -> None:
         """As `segment`, for bfloat16 x and 4-bit W (`takes_folded`): each weight rounded to bfloat16 once,
-        in registers, then any number of rows."""
+        in registers, then any number of rows; y float32 or bfloat16."""
         q, z, s = layer.qweight, layer.qzeros, layer.scales
-        err = self._folded(y.data_ptr() + 4 * start, y.shape[1], x.data_ptr(), q.data_ptr() + 4 * start * q.shape[1],
+        err = self._folded(y.data_ptr() + y.element_size() * start, y.shape[1], int(y.dtype == torch.bfloat16),
+                           x.data_ptr(), q.data_ptr() + 4 * start * q.shape[1],
                            z.data_ptr() + 2 * start * z.shape[1], s.data_ptr() + 4 * start * s.shape[1],
                            g_idx.data_ptr(), x.shape[0], x.shape[1], size, z.shape[1], torch.get_num_threads())
         if err == -2:
@@ -109,7 +110,8 @@ def whole_words(g_idx: torch.Tensor, bits: int) -> bool:
 
 
 def _packed_product(k: GptqKernel, layer: nn.Module, x2: torch.Tensor, folded: bool) -> torch.Tensor:
-    y = torch.empty(x2.shape[0], layer.qweight.shape[0], dtype=torch.float32)
+    """y float32, or bfloat16 on the folded path (rounded in C, as `.to` would)."""
+    y = torch.empty(x2.shape[0], layer.qweight.shape[0], dtype=torch.bfloat16 if folded else torch.float32)
     perms = layer.perms or [None] * len(layer.segments)
     segment = k.folded_segment if folded else k.segment
     for (start, size), g_idx, perm in zip(layer.segments, layer.g_idx, perms):
