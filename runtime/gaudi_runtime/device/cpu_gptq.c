@@ -48,6 +48,7 @@ struct problem {
     const int32_t *chunk_group; /* [chunks]: the group of every word of the chunk, or -1 if they differ */
     const uint32_t *xp;   /* the bfloat16 path's x (below), or NULL */
     int64_t words, chunks, groups, rows;
+    int ybf16;            /* the folded path's y: bfloat16 (1) or float32 (0) */
 };
 
 static int32_t *word_groups(const int32_t *g_idx, int64_t words, int64_t chunks, int per);
@@ -340,6 +341,13 @@ ALWAYS_INLINE void chunk_weights(const struct problem *p, int64_t o, int64_t c, 
     wf[2] = computed(w, 2, a, b), wf[3] = computed(w, 3, a, b);
 }
 
+/* float32 -> bfloat16 bits, rounded to nearest even (as torch rounds finite values). */
+ALWAYS_INLINE uint16_t bf16_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
 /* Outputs o, o + 1 for activation rows r0 .. r0 + ROWS - 1 (rows past p->rows: zeros in xf, not written):
    each x vector meets both outputs' weights. */
 ALWAYS_INLINE void folded_rows(float *y, int64_t ldy, const struct problem *p, const uint16_t *xf, int64_t padded,
@@ -365,8 +373,14 @@ ALWAYS_INLINE void folded_rows(float *y, int64_t ldy, const struct problem *p, c
 #pragma GCC unroll 16
     for (int r = 0; r < ROWS; r++)
         if (r0 + r < p->rows) {
-            y[(r0 + r) * ldy + o] = sum_lanes((vf)acc[r]);
-            y[(r0 + r) * ldy + o + 1] = sum_lanes((vf)acc2[r]);
+            const float v = sum_lanes((vf)acc[r]), v2 = sum_lanes((vf)acc2[r]);
+            if (p->ybf16) {
+                ((uint16_t *)y)[(r0 + r) * ldy + o] = bf16_bits(v);
+                ((uint16_t *)y)[(r0 + r) * ldy + o + 1] = bf16_bits(v2);
+            } else {
+                y[(r0 + r) * ldy + o] = v;
+                y[(r0 + r) * ldy + o + 1] = v2;
+            }
         }
 }
 
@@ -397,29 +411,37 @@ static void run_folded(float *y, int64_t ldy, const struct problem *p, const uin
 
 /* x in the folded path's order: pair_x's pairs, the rows of one (chunk, k) side by side so that a block of
    rows reads consecutive lines: xf[(chunk * 4 + k) * padded + r][2 l + h] = x[r, 8 (16 chunk + l) + k + 4 h],
-   rows padded with zeros to a multiple of FOLD_BLOCK; NULL: no memory. */
+   rows padded with zeros to a multiple of FOLD_BLOCK; NULL: no memory. A chunk's 128 values of a row are
+   four vectors, and each k's 32 a permutation of them: two two-source permutes and a blend. */
 static uint16_t *fold_x(const uint16_t *x, int64_t rows, int64_t in) {
     const int64_t padded = (rows + FOLD_BLOCK - 1) / FOLD_BLOCK * FOLD_BLOCK, chunks = in / 128;
     uint16_t *xf = calloc((size_t)(padded * in + 1), sizeof(uint16_t));
     if (!xf) return NULL;
-    for (int64_t c = 0; c < chunks; c++)
-        for (int k = 0; k < 4; k++)
-            for (int64_t r = 0; r < rows; r++) {
-                uint16_t *dst = xf + ((c * 4 + k) * padded + r) * 32;
-                const uint16_t *src = x + r * in + 128 * c + k;
-                for (int l = 0; l < 16; l++) {
-                    dst[2 * l] = src[8 * l];
-                    dst[2 * l + 1] = src[8 * l + 4];
-                }
+    __m512i idx[4];
+    for (int k = 0; k < 4; k++) {
+        uint16_t lane[32];
+        for (int t = 0; t < 32; t++) lane[t] = (uint16_t)((8 * (t / 2) + k + 4 * (t % 2)) & 63);
+        idx[k] = _mm512_loadu_si512(lane);
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < chunks; c++) {
+            const uint16_t *src = x + r * in + 128 * c;
+            const __m512i a = _mm512_loadu_si512(src), b = _mm512_loadu_si512(src + 32);
+            const __m512i d = _mm512_loadu_si512(src + 64), e = _mm512_loadu_si512(src + 96);
+            for (int k = 0; k < 4; k++) {
+                const __m512i low = _mm512_permutex2var_epi16(a, idx[k], b), high = _mm512_permutex2var_epi16(d, idx[k], e);
+                _mm512_storeu_si512(xf + ((c * 4 + k) * padded + r) * 32, _mm512_mask_blend_epi16(0xffff0000u, low, high));
             }
+        }
     return xf;
 }
 
-/* y[rows, out] = x W^T for bfloat16 x, 4-bit W whose packed rows are whole chunks (in % 128 == 0): any
-   number of rows. Returns 0; -2: no memory; -3: not a problem it takes (gptq_folds says which). */
-int gptq_folded_gemm(float *y, int64_t ldy, const uint16_t *x, const int32_t *qweight, const int16_t *zeros,
-                     const float *scales, const int32_t *g_idx, int64_t rows, int64_t in, int64_t out,
-                     int64_t groups, int threads) {
+/* y[rows, out] (float32, or bfloat16 rounded to nearest even when ybf16; row stride ldy) = x W^T for
+   bfloat16 x, 4-bit W whose packed rows are whole chunks (in % 128 == 0): any number of rows. Returns 0;
+   -2: no memory; -3: not a problem it takes (gptq_folds says which). */
+int gptq_folded_gemm(void *y, int64_t ldy, int ybf16, const uint16_t *x, const int32_t *qweight,
+                     const int16_t *zeros, const float *scales, const int32_t *g_idx, int64_t rows, int64_t in,
+                     int64_t out, int64_t groups, int threads) {
     if (in % 128 || out % 2) return -3;
     const int64_t words = in / 8, chunks = words / LANES;
     uint16_t *xf = fold_x(x, rows, in);
@@ -427,7 +449,7 @@ int gptq_folded_gemm(float *y, int64_t ldy, const uint16_t *x, const int32_t *qw
     int err = (!xf || !wgroup) ? -2 : 0;
     if (!err) {
         const struct problem p = {NULL, NULL, qweight, zeros, scales, wgroup, wgroup + words, NULL, words, chunks,
-                                  groups, rows};
+                                  groups, rows, ybf16};
         run_folded(y, ldy, &p, xf, out, threads);
     }
     free(xf);
@@ -448,9 +470,9 @@ static uint32_t *pair_x(const uint16_t *x, int64_t rows, int64_t in) {
 }
 #else
 #define HAVE_BF16_DOT 0
-int gptq_folded_gemm(float *y, int64_t ldy, const uint16_t *x, const int32_t *qweight, const int16_t *zeros,
-                     const float *scales, const int32_t *g_idx, int64_t rows, int64_t in, int64_t out,
-                     int64_t groups, int threads) {
+int gptq_folded_gemm(void *y, int64_t ldy, int ybf16, const uint16_t *x, const int32_t *qweight,
+                     const int16_t *zeros, const float *scales, const int32_t *g_idx, int64_t rows, int64_t in,
+                     int64_t out, int64_t groups, int threads) {
     return -3;
 }
 #endif
@@ -540,7 +562,7 @@ int gptq_gemm(float *y, int64_t ldy, const void *x, int xbf16, const int32_t *qw
     int err = (!x32 || !zx || !wgroup || (pairs ? !xp : !xt)) ? -2 : 0;
     if (!err) {
         const struct problem p = {xt, zx, qweight, zeros, scales, wgroup, wgroup + words, xp, words, chunks, groups,
-                                  rows};
+                                  rows, 0};
 #if HAVE_BF16_DOT
         if (pairs) run_bf16(y, ldy, &p, rows, out, threads);
 #endif
@@ -618,7 +640,7 @@ int gptq_dequantize(void *w, int bf16, const int32_t *qweight, const int16_t *ze
     int32_t *wgroup = word_groups(g_idx, words, chunks, per);
     if (!wgroup) return -2;
     const struct problem p = {NULL, NULL, qweight, zeros, scales, wgroup, wgroup + words, NULL, words, chunks, groups,
-                              0};
+                              0, 0};
     const size_t size = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t o = 0; o < out; o++) {

@@ -54,7 +54,7 @@ class GptqKernel:
         self._dequantize = deq
         self.max_rows = int(lib.gptq_max_rows())
         folded = lib.gptq_folded_gemm
-        folded.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, c_int]
+        folded.argtypes = [ptr, i64, c_int, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, c_int]
         folded.restype = c_int
         self._folded = folded
         self.folds = bool(lib.gptq_folds())
@@ -76,9 +76,10 @@ class GptqKernel:
     def folded_segment(self, y: torch.Tensor, x: torch.Tensor, layer: nn.Module, start: int, size: int,
                        g_idx: torch.Tensor) -> None:
         """As `segment`, for bfloat16 x and 4-bit W (`takes_folded`): each weight rounded to bfloat16 once,
-        in registers, then any number of rows."""
+        in registers, then any number of rows; y float32 or bfloat16."""
         q, z, s = layer.qweight, layer.qzeros, layer.scales
-        err = self._folded(y.data_ptr() + 4 * start, y.shape[1], x.data_ptr(), q.data_ptr() + 4 * start * q.shape[1],
+        err = self._folded(y.data_ptr() + y.element_size() * start, y.shape[1], int(y.dtype == torch.bfloat16),
+                           x.data_ptr(), q.data_ptr() + 4 * start * q.shape[1],
                            z.data_ptr() + 2 * start * z.shape[1], s.data_ptr() + 4 * start * s.shape[1],
                            g_idx.data_ptr(), x.shape[0], x.shape[1], size, z.shape[1], torch.get_num_threads())
         if err == -2:
@@ -89,10 +90,11 @@ class GptqKernel:
     def takes_folded(self, layer: nn.Module, x: torch.Tensor) -> bool:
         return self.folds and layer.bits == 4 and x.dtype == torch.bfloat16 and x.shape[-1] % 128 == 0
 
-    def dequantize(self, layer: nn.Module, seg: int, dtype: torch.dtype) -> torch.Tensor:
-        """Segment `seg`'s rows of W in `dtype` (float32 or bfloat16), its columns in the stored order."""
+    def dequantize(self, layer: nn.Module, start: int, size: int, g_idx: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """Rows start .. start + size - 1 of W in `dtype` (float32 or bfloat16), its columns in the stored
+        order (`g_idx`: their groups)."""
         q, z, s = layer.qweight, layer.qzeros, layer.scales
-        (start, size), g_idx = layer.segments[seg], layer.g_idx[seg]
         w = torch.empty(size, g_idx.numel(), dtype=dtype)
         err = self._dequantize(w.data_ptr(), int(dtype == torch.bfloat16), q.data_ptr() + 4 * start * q.shape[1],
                          z.data_ptr() + 2 * start * z.shape[1], s.data_ptr() + 4 * start * s.shape[1],
@@ -108,32 +110,45 @@ def whole_words(g_idx: torch.Tensor, bits: int) -> bool:
     return bool((g == g[:, :1]).all())
 
 
-def _packed_product(k: GptqKernel, layer: nn.Module, x2: torch.Tensor, folded: bool) -> torch.Tensor:
-    y = torch.empty(x2.shape[0], layer.qweight.shape[0], dtype=torch.float32)
+Segment = tuple[int, int, torch.Tensor, "torch.Tensor | None"]  # (first output, outputs, g_idx, input order)
+
+
+def product_segments(layer: nn.Module) -> list[Segment]:
+    """The calls a product of `layer` makes: one per fused projection (q, k, v; gate, up) where their
+    groups or input orders differ (desc_act), else one over all outputs (one parallel region, not three)."""
     perms = layer.perms or [None] * len(layer.segments)
+    first = layer.g_idx[0]
+    if all(p is None for p in perms) and all(torch.equal(g, first) for g in layer.g_idx):
+        return [(0, layer.qweight.shape[0], first, None)]
+    return [(start, size, g_idx, perm) for (start, size), g_idx, perm in zip(layer.segments, layer.g_idx, perms)]
+
+
+def _packed_product(k: GptqKernel, layer: nn.Module, segments: list[Segment], x2: torch.Tensor,
+                    folded: bool) -> torch.Tensor:
+    """y float32, or bfloat16 on the folded path (rounded in C, as `.to` would)."""
+    y = torch.empty(x2.shape[0], layer.qweight.shape[0], dtype=torch.bfloat16 if folded else torch.float32)
     segment = k.folded_segment if folded else k.segment
-    for (start, size), g_idx, perm in zip(layer.segments, layer.g_idx, perms):
+    for start, size, g_idx, perm in segments:
         segment(y, x2 if perm is None else x2[:, perm].contiguous(), layer, start, size, g_idx)
     return y
 
 
-def _dense_product(k: GptqKernel, layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+def _dense_product(k: GptqKernel, layer: nn.Module, segments: list[Segment], x2: torch.Tensor) -> torch.Tensor:
     """More rows: each segment's weight dequantized in one pass, then the matrix product (compute-bound)."""
-    perms = layer.perms or [None] * len(layer.segments)
-    parts = [F.linear(x2 if perm is None else x2[:, perm], k.dequantize(layer, seg, x2.dtype))
-             for seg, perm in enumerate(perms)]
+    parts = [F.linear(x2 if perm is None else x2[:, perm], k.dequantize(layer, start, size, g_idx, x2.dtype))
+             for start, size, g_idx, perm in segments]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-def _product(k: GptqKernel, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None):
+def _product(k: GptqKernel, layer: nn.Module, segments: list[Segment], x: torch.Tensor, bias: torch.Tensor | None):
     rows = x.numel() // x.shape[-1]
     folded = FOLD_ROWS[0] <= rows <= FOLD_ROWS[1] and k.takes_folded(layer, x)
     if rows <= GEMM_ROWS or folded:
         x2 = x.reshape(rows, x.shape[-1])
         x2 = (x2 if x2.dtype == torch.bfloat16 else x2.float()).contiguous()
-        y = _packed_product(k, layer, x2, folded).to(x.dtype)
+        y = _packed_product(k, layer, segments, x2, folded).to(x.dtype)
     elif x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 16 == 0:
-        y = _dense_product(k, layer, x.reshape(rows, x.shape[-1]).contiguous())
+        y = _dense_product(k, layer, segments, x.reshape(rows, x.shape[-1]).contiguous())
     else:
         return None  # the layer's own path
     y = y.reshape(*x.shape[:-1], y.shape[-1])
@@ -153,7 +168,7 @@ def gptq_kernels(model: nn.Module) -> dict[nn.Module, LinearKernel]:
             continue
         sort_groups(m)
         if all(whole_words(m.g_idx[i], m.bits) and size % 4 == 0 for i, (_, size) in enumerate(m.segments)):
-            kernels[m] = functools.partial(_product, k, m)
+            kernels[m] = functools.partial(_product, k, m, product_segments(m))
     log.info("cpu: %d of %d GPTQ layers multiply packed weights in the C kernel (up to %d rows; more: "
              "dequantized in one pass)", len(kernels), len(layers), GEMM_ROWS)
     return kernels
