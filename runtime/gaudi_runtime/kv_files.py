@@ -114,11 +114,11 @@ class DiskStore:
         """Delete `key`'s file once the writes queued before are done."""
         self._queue.put(("drop", key, b""))
 
-    def flush(self) -> None:
-        """Wait for every queued write and deletion (tests; shutdown)."""
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for every queued write and deletion (tests; shutdown); False if `timeout_s` passed first."""
         done = threading.Event()
         self._queue.put(("event", done, b""))  # type: ignore[arg-type]
-        done.wait()
+        return done.wait(timeout_s)
 
     def read(self, key: bytes) -> bytes | None:
         """The checked payload of `key`'s file; None when it is absent or fails a check (then deleted)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 
 import pytest
 import torch
@@ -204,6 +205,21 @@ def test_the_disk_store_writes_in_the_background_skips_corrupt_files_and_survive
     store.write(h(4), b"wwwwwwww")
     store.flush()
     assert store.write_failures == 1 and store.read(h(3)) is None and store.read(h(4)) == b"wwwwwwww"
+
+
+def test_a_flush_waits_for_the_queued_writes_up_to_its_limit(tmp_path, monkeypatch):
+    """What a stopping shard does (ShardServicer.close): every queued block reaches the disk, and a stuck
+    disk does not hold the shutdown past the limit."""
+    store = kv_files.DiskStore(tmp_path, 0, 8)
+    for i in range(50):
+        store.write(h(i), bytes([i]) * 8)
+    assert store.flush(timeout_s=60) and store.writes == 50
+    release = threading.Event()
+    monkeypatch.setattr(store, "_write", lambda key, payload: release.wait())
+    store.write(h(99), b"stuck...")
+    assert store.flush(timeout_s=0.2) is False  # the limit, not the stuck write, ends the wait
+    release.set()
+    assert store.flush(timeout_s=60)
 
 
 # ---- the shard's copies ----------------------------------------------------------------------

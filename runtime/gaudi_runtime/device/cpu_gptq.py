@@ -7,11 +7,12 @@ values (bfloat16 activations at 4 bits: the CPU's bfloat16 dot product where it 
 scales and each group's zeros applied once. Between ``FOLD_ROWS`` bfloat16 rows at 4 bits on such a CPU,
 each unpacked weight is rounded to bfloat16 once in registers and meets a block of rows there (the
 weight the layer's own path multiplies, so the rows give its products). More rows (prefill) dequantize
-each segment in one vector pass in C, then one matrix product (oneDNN). A desc_act layer's packed columns are sorted by group once
-(``quant.packing.sort_groups``), and each product takes the input columns in that order; a layer whose
-packed words mix groups (a row-parallel rank's share of desc_act columns can) keeps its own path.
-Compiled at first use like ``cpu_gemv.c`` (``cpu_kernels``); no compiler: one warning, and the layer's
-own path everywhere. Figures: docs/performance.md, "int4 kernel, issue 45".
+each segment in one vector pass in C, then one matrix product (oneDNN). A desc_act layer's packed
+columns are sorted by group once (``quant.packing.sort_groups``), and each product takes the input
+columns in that order; a layer whose packed words mix groups (a row-parallel rank's share of desc_act
+columns can) keeps its own path. Prebuilt or compiled at first use like ``cpu_gemv.c`` (``cpu_kernels``);
+neither: one warning, and the layer's own path everywhere. Figures: docs/performance.md, "int4 kernel,
+issue 45" and "int4 at 16 rows".
 """
 
 from __future__ import annotations
@@ -169,8 +170,9 @@ def gptq_kernels(model: nn.Module) -> dict[nn.Module, LinearKernel]:
         sort_groups(m)
         if all(whole_words(m.g_idx[i], m.bits) and size % 4 == 0 for i, (_, size) in enumerate(m.segments)):
             kernels[m] = functools.partial(_product, k, m, product_segments(m))
-    log.info("cpu: %d of %d GPTQ layers multiply packed weights in the C kernel (up to %d rows; more: "
-             "dequantized in one pass)", len(kernels), len(layers), GEMM_ROWS)
+    log.info("cpu: %d of %d GPTQ layers multiply packed weights in the C kernel (up to %d rows, and %d-%d "
+             "bfloat16 rows folded%s; more: dequantized in one pass)", len(kernels), len(layers), GEMM_ROWS,
+             *FOLD_ROWS, "" if k.folds else ": not on this CPU")
     return kernels
 
 

@@ -91,6 +91,11 @@ def grpc_server(unhandled_call_wait_s: int = UNHANDLED_CALL_WAIT_S) -> grpc.aio.
                                     ("grpc.server_max_unrequested_time_in_server", unhandled_call_wait_s)])
 
 
+# At shutdown, how long the KV disk tier may take to write the blocks still queued: within the
+# launcher's wait for a stopping shard (launcher.STOP_GRACE_S) after gRPC's one second of grace.
+DISK_FLUSH_S = 8.0
+
+
 async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None:
     # Each step of the load is a step of the pod's start (progress.py); the weights report one per tensor.
     progress.start_reporting(f"shard-{rank}")
@@ -126,6 +131,7 @@ async def serve(cfg: Config, model_dir: str, rank: int, world_size: int) -> None
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace=1)
+    servicer.close(DISK_FLUSH_S)
     leave_process_group(group)
 
 

@@ -77,6 +77,13 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         self.tiers = make_tiers(runner, rank, world_size)  # the KV cache's host and disk tiers; None: none
         self.disk_reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-disk-reader")
 
+    def close(self, timeout_s: float) -> None:
+        """Finish the disk tier's queued block writes before the process ends: they are what a restarted
+        server reads back (its writer thread is a daemon, which the interpreter would stop mid-queue)."""
+        disk = self.tiers.disk if self.tiers is not None else None
+        if disk is not None and not disk.flush(timeout_s):
+            log.warning("KV disk tier: writes still queued after %.0f s at shutdown; the rest are dropped", timeout_s)
+
     async def Info(self, request, context):
         return info_response(self.runner, self.world_size, self.tiers)
 
