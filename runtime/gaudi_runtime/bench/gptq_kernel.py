@@ -1,6 +1,7 @@
 """Time one GPTQ int4 layer's product on a CPU against the same shape in bfloat16.
 
     python -m gaudi_runtime.bench.gptq_kernel [--shapes 5632x2048 2048x5632] [--rows 1 4 16 17 64] [--threads 1]
+    python -m gaudi_runtime.bench.gptq_kernel --threads 2 --wall     # wall time, on a quiet machine
 
 Each shape is a Llama MLP projection (out x in): GPTQ 4-bit, groups of 128, symmetric, no desc_act, random
 packed words, through the layer's ``matmul`` with the CPU kernel (``device/cpu_gptq``: up to GEMM_ROWS rows
@@ -8,8 +9,8 @@ over the packed words, more dequantized in C then oneDNN); the bfloat16 side is 
 (the few-row C kernel ``cpu_gemv`` where it takes the rows, else oneDNN's ``F.linear``). Activations are
 bfloat16, as served. Several copies of each weight are cycled so that they stream from memory, not the
 last-level cache. Printed per call: the minimum over repetitions of the calling thread's CPU time (on a
-shared machine wall time measures the neighbours) and the bytes of weights read per second of it; run
-with ``--threads 1`` that is one core's speed. glibc's malloc is tuned as the shard tunes it.
+shared machine wall time measures the neighbours; ``--wall``: wall time, what several threads take) and
+the bytes of weights read per second of it; run with ``--threads 1`` that is one core's speed. glibc's malloc is tuned as the shard tunes it.
 """
 
 from __future__ import annotations
@@ -40,18 +41,20 @@ def gptq_layer(out: int, inp: int, group: int = 128) -> ReplicatedLinear:
     return m
 
 
-def cpu_ms(fn, calls: int, repeats: int) -> float:
-    """The least CPU time of this thread per call, in ms, over `repeats` rounds of `calls` calls."""
+def cpu_ms(fn, calls: int, repeats: int, clock=time.thread_time) -> float:
+    """The least time of `clock` (this thread's CPU time by default) per call, in ms, over `repeats`
+    rounds of `calls` calls."""
     fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.thread_time()
+        start = clock()
         fn()
-        best = min(best, (time.thread_time() - start) / calls)
+        best = min(best, (clock() - start) / calls)
     return best * 1e3
 
 
-def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int) -> None:
+def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int,
+            clock=time.thread_time) -> None:
     layers = [gptq_layer(out, inp) for _ in range(copies)]
     weights = [torch.randn(out, inp).to(torch.bfloat16) for _ in range(copies)]
     gemv = cpu_gemv.kernel()
@@ -67,7 +70,7 @@ def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int)
             for w in weights:
                 gemv(x, w, None) if use_gemv else F.linear(x, w)
 
-        q_ms, b_ms = cpu_ms(int4, copies, repeats), cpu_ms(bf16, copies, repeats)
+        q_ms, b_ms = cpu_ms(int4, copies, repeats, clock), cpu_ms(bf16, copies, repeats, clock)
         q_gb, b_gb = out * inp / 2 / q_ms / 1e6, out * inp * 2 / b_ms / 1e6
         print(f"{out}x{inp} rows={rows}: int4 {q_ms:.3f} ms ({q_gb:.1f} GB/s packed), bf16 {b_ms:.3f} ms "
               f"({b_gb:.1f} GB/s), bf16/int4 time {b_ms / q_ms:.2f}x, load {os.getloadavg()[0]:.1f}", flush=True)
@@ -80,13 +83,14 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--copies", type=int, default=6, help="weights cycled per shape (more than the LLC holds)")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--wall", action="store_true", help="wall time instead of the calling thread's CPU time")
     args = p.parse_args(argv)
     tune_host_allocator()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     for shape in args.shapes:
         out, inp = (int(v) for v in shape.split("x"))
-        compare(out, inp, args.rows, args.copies, args.repeats)
+        compare(out, inp, args.rows, args.copies, args.repeats, time.perf_counter if args.wall else time.thread_time)
 
 
 if __name__ == "__main__":
