@@ -12,7 +12,6 @@ dtype and device (float32 on CPU) and the scratch paths.
 from __future__ import annotations
 
 import base64
-import os
 import secrets
 import signal
 import subprocess
@@ -32,7 +31,7 @@ from tests.e2e.harness import (
     wait_for,
 )
 from tests.e2e.netwatch import WATCH
-from tests.runtime.launched import alive, children
+from tests.runtime.launched import hold_mid_warmup, signal_all
 
 pytestmark = pytest.mark.simulated  # kwok nodes and pods, the local operator
 
@@ -98,27 +97,9 @@ def test_real_runtime_warms_up_then_serves_through_the_pod_ip(cluster: Cluster, 
     def runtime_log_text() -> str:
         return (tmp_path / "runtime.log").read_text(errors="replace")
 
-    def runtime_log() -> str:
-        return runtime_log_text()[-4000:]
-
-    def warming() -> dict | None:
-        if proc.poll() is not None:
-            raise AssertionError(f"the runtime exited with {proc.returncode}:\n{runtime_log()}")
-        try:
-            code, body = http_json("GET", url + "/health", timeout=2)
-        except OSError:
-            return None
-        if code == 200:
-            raise AssertionError("warmup finished before it could be observed; raise the shapes' count")
-        return body["warmup"] if body.get("status") == "warming_up" and body["warmup"]["done"] >= 1 else None
-    wait_for(warming, 240, "the runtime to report warmup progress", interval=0.05)
-
-    # Hold warmup where it is (the shard stops; the router keeps answering /health) so that the
+    # Hold warmup in its middle (the shard stops; the router keeps answering /health) so that the
     # operator's poll sees a known value, whatever this machine's speed.
-    shards = [c for c in children(proc.pid) if b"shard" in open(f"/proc/{c}/cmdline", "rb").read()]
-    assert shards, "no shard process under the launcher"
-    for s in shards:
-        os.kill(s, signal.SIGSTOP)
+    shards, _ = hold_mid_warmup(proc, url)
     try:
         def operator_sees_it() -> tuple[dict, dict] | None:
             # (Progress the shard sent just before it stopped may still reach the router: compare
@@ -134,9 +115,7 @@ def test_real_runtime_warms_up_then_serves_through_the_pod_ip(cluster: Cluster, 
         (row,) = table(cluster.kubectl("get", "gisvc", "tiny", "-n", ns).stdout)
         assert (row["PHASE"], row["READY"], row["WARMUP"]) == ("WarmingUp", "0/1", status["warmupSummary"]), row
     finally:
-        for s in shards:
-            if alive(s):
-                os.kill(s, signal.SIGCONT)
+        signal_all(shards, signal.SIGCONT)
 
     # Play the kubelet's readiness probe: /health answers 200 once warmup is done.
     wait_for(lambda: http_json("GET", url + "/health", timeout=2)[0] == 200, 240, "the runtime to be ready",

@@ -49,7 +49,7 @@ from tests.e2e.harness import (
 )
 from tests.e2e.netwatch import WATCH
 from tests.hub_standin import HubStandIn, StandInRepo
-from tests.runtime.launched import alive, children
+from tests.runtime.launched import hold_mid_warmup, signal_all
 
 pytestmark = pytest.mark.simulated  # kwok nodes and pods, the local operator
 
@@ -282,26 +282,12 @@ def serve(cluster: Cluster, ns: str, name: str, pod: dict[str, Any], claim_dir: 
     runtime = run_container(cluster, pod, claim_dir, log, processes, cmd, env)
     url = f"http://{ip}:{PORT}"
 
-    def warming() -> bool:
-        if runtime.poll() is not None:
-            raise AssertionError(f"the runtime exited with {runtime.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            code, body = http_json("GET", url + "/health", timeout=2)
-        except OSError:
-            return False
-        assert code != 200, "warmup finished before it could be observed; raise the shapes' count"
-        return body.get("status") == "warming_up" and body["warmup"]["done"] >= 1
     if hold_warmup:
-        wait_for(warming, 240, "the runtime to warm up", interval=0.05)
-        shards = [p for p in children(runtime.pid) if b"shard" in open(f"/proc/{p}/cmdline", "rb").read()]
-        for s in shards:  # held where it is until the operator saw it
-            os.kill(s, signal.SIGSTOP)
-        try:
+        shards, _ = hold_mid_warmup(runtime, url)
+        try:  # held in its middle until the operator saw it
             wait_for(lambda: kube.status(ns, name).get("phase") == "WarmingUp", 60, f"{name} WarmingUp")
         finally:
-            for s in shards:
-                if alive(s):
-                    os.kill(s, signal.SIGCONT)
+            signal_all(shards, signal.SIGCONT)
     def ready() -> bool:
         try:
             return http_json("GET", url + "/health", timeout=2)[0] == 200

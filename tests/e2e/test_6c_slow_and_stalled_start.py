@@ -15,7 +15,6 @@ none).
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -28,7 +27,7 @@ from tests.e2e.control_plane import clean_env
 from tests.e2e.harness import OperatorProcess, condition, http_json, isvc_manifest, wait_for
 from tests.e2e.kubelet_prober import ProbingKubelet
 from tests.e2e.test_6_real_runtime import container_command
-from tests.runtime.launched import alive, shard_pids
+from tests.runtime.launched import hold_mid_warmup, run_in_slices, shard_pids, signal_all
 
 pytestmark = pytest.mark.simulated  # kwok nodes and pods, the local operator
 
@@ -38,12 +37,6 @@ PROBES = {"warmupStallSeconds": STALL_S, "startup": {"periodSeconds": 1, "budget
 # Hundreds of warmup shapes on CPU, as in scenario 6.
 SERVING = {"maxInputTokens": 256, "maxTotalTokens": 512, "maxBatchSize": 32}
 BATCHING = {"padSequenceToMultipleOf": 16, "batchBucketSize": 2, "prefillBatchBucketSize": 2, "hpuGraphs": False}
-
-
-def signal_live(pids: list[int], sig: int) -> None:
-    for p in pids:
-        if alive(p):
-            os.kill(p, sig)
 
 
 def start_pod(cluster: Cluster, ns: str, name: str, tmp_path: Path, cleanup: list[str]) -> ProbingKubelet:
@@ -95,29 +88,19 @@ def test_a_warmup_longer_than_any_allowance_reaches_ready_without_a_restart(
     limits = allowances(kubelet.pod)
     assert limits == {"startupProbe": 30, "livenessProbe": 3, "warmupStallSeconds": STALL_S}
     try:
-        first = wait_for(lambda: warming(kubelet, url), 240, "warmup's first shapes", interval=0.05)
+        _, first = hold_mid_warmup(kubelet.proc, url)
         began = time.monotonic()
         throttle_until = began + 1.5 * max(limits.values())
         done = threading.Event()
 
         def throttle() -> None:
             """A starved shard, as slow on a fast machine as on a loaded one: stopped for 2.5 s after each
-            step of the warmup, then run in slices, growing while no step is made, until it makes the next
-            (counted while it is stopped, so a fast step cannot run on into many)."""
-            slice_s = 0.001
+            step of the warmup, then run in short slices until it makes the next."""
             while not done.is_set() and time.monotonic() < throttle_until:
-                pids = shard_pids(kubelet.proc.pid)
-                signal_live(pids, signal.SIGSTOP)
-                at = steps_done(kubelet, url)
                 done.wait(2.5)
-                while not done.is_set():
-                    signal_live(pids, signal.SIGCONT)
-                    done.wait(slice_s)  # the shard's run
-                    signal_live(pids, signal.SIGSTOP)
-                    if steps_done(kubelet, url) > at:
-                        slice_s = max(slice_s / 2, 0.001)
-                        break
-                    slice_s = min(slice_s * 2, 1.0)
+                at = steps_done(kubelet, url)
+                run_in_slices(lambda: shard_pids(kubelet.proc.pid),
+                              lambda at=at: done.is_set() or steps_done(kubelet, url) > at, 120)
         throttler = threading.Thread(target=throttle, daemon=True)
         throttler.start()
         try:
@@ -131,7 +114,7 @@ def test_a_warmup_longer_than_any_allowance_reaches_ready_without_a_restart(
         finally:
             done.set()
             throttler.join(10)
-            signal_live(shard_pids(kubelet.proc.pid), signal.SIGCONT)
+            signal_all(shard_pids(kubelet.proc.pid), signal.SIGCONT)
         status = wait_for(lambda: (s := kube.status(ns, "slow")).get("phase") == "Ready" and s, 240, "slow Ready")
         took = time.monotonic() - began
     finally:
@@ -151,9 +134,8 @@ def test_a_stalled_warmup_is_restarted_with_the_reason_in_status(
     kubelet = start_pod(cluster, ns, "stuck", tmp_path, cleanup)
     url = f"http://{kubelet.pod['status']['podIP']}:8080"
     try:
-        first = wait_for(lambda: warming(kubelet, url), 240, "warmup's first shapes", interval=0.05)
+        _, first = hold_mid_warmup(kubelet.proc, url)  # the shard hangs there: no shape finishes any more
         stuck_at = time.monotonic()
-        signal_live(shard_pids(kubelet.proc.pid), signal.SIGSTOP)  # the shard hangs: no shape finishes any more
         wait_for(lambda: kubelet.restarts == 1, STALL_S + 90, "the stalled container to be restarted")
         assert time.monotonic() - stuck_at >= STALL_S
         (pod,) = kube.live_pods(ns, "stuck")

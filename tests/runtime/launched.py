@@ -156,6 +156,53 @@ def shard_of(srv: Launched) -> int:
     return shard
 
 
+def signal_all(pids: list[int], sig: int) -> None:
+    """`sig` to each of `pids` still alive."""
+    for p in pids:
+        if alive(p):
+            os.kill(p, sig)
+
+
+def run_in_slices(pids, until, timeout_s: float, slice_max_s: float = 0.05):
+    """Run the processes `pids()` names a slice at a time (1 ms, doubling up to `slice_max_s`) until
+    `until()`, asked while they are stopped, returns something truthy; return it, leaving them stopped.
+    They move a slice at most past what `until` waits for, on a fast machine as on a loaded one."""
+    deadline, slice_s = time.monotonic() + timeout_s, 0.001
+    while True:
+        procs = pids()
+        signal_all(procs, signal.SIGSTOP)
+        try:
+            value = until()
+        except BaseException:
+            signal_all(procs, signal.SIGCONT)  # a failed test leaves no process stopped
+            raise
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            signal_all(procs, signal.SIGCONT)
+            raise TimeoutError(f"nothing after {timeout_s}s of slices")
+        signal_all(procs, signal.SIGCONT)
+        time.sleep(slice_s)  # the processes' run, not a poll interval
+        slice_s = min(slice_s * 2, slice_max_s)
+
+
+def hold_mid_warmup(launcher: subprocess.Popen, url: str, timeout_s: float = 240.0) -> tuple[list[int], dict]:
+    """Stop a launched server's shards from their start and run them in slices until the router shows a
+    warmup shape done: (the shards, left stopped; the warmup /health shows). A tiny model warms hundreds
+    of shapes in under a second, less than a loaded machine may take between two polls; a slice is far
+    shorter, so the warmup is caught in its middle however fast it runs. SIGCONT the shards to go on."""
+    def warming() -> dict | None:
+        assert launcher.poll() is None, f"the server exited with {launcher.returncode}"
+        try:
+            code, body = get_json(url + "/health", timeout=2)
+        except OSError:
+            return None
+        assert code != 200, "the warmup ended within one slice"
+        return body["warmup"] if body.get("status") == "warming_up" and body["warmup"]["done"] >= 1 else None
+    warmup = run_in_slices(lambda: shard_pids(launcher.pid), warming, timeout_s)
+    return shard_pids(launcher.pid), warmup
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

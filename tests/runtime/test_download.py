@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 from gaudi_runtime.progress import STALL_EXIT_CODE
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.hub_standin import HubStandIn, StandInRepo
-from tests.runtime.launched import get_json, launch
+from tests.runtime.launched import get_json, hold_mid_warmup, launch, signal_all
 
 BIG_WEIGHTS = 24 << 20  # over huggingface_hub's 10 MiB write chunk, so an interrupted transfer leaves bytes on disk
 CHUNK = 10 << 20
@@ -206,6 +206,11 @@ def test_launch_serves_a_hub_id_offline_from_the_cache_and_reports_its_start(hub
                  "--max-batch-size", "16", env=env)
     seen = []
     try:
+        shards, _ = hold_mid_warmup(srv.proc, srv.url)
+        try:  # one look mid-warmup, whatever this machine's speed
+            seen.append(get_json(srv.url + "/health")[1])
+        finally:
+            signal_all(shards, signal.SIGCONT)
         srv.wait_ready(on_poll=lambda code, body: seen.append(body))
         _, info = get_json(srv.url + "/info")
         _, health = get_json(srv.url + "/health")

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import alive, children, get_json, launch, shard_of
+from tests.runtime.launched import alive, children, get_json, hold_mid_warmup, launch, shard_of, signal_all
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,11 @@ def test_health_reports_warmup_progress_then_ready(model_dir, tmp_path):
         seen.append(("/v1/models", *get_json(srv.url + "/v1/models")))
 
     try:
+        shards, _ = hold_mid_warmup(srv.proc, srv.url)
+        try:  # one look mid-warmup, whatever this machine's speed
+            poll(*get_json(srv.url + "/health"))
+        finally:
+            signal_all(shards, signal.SIGCONT)
         srv.wait_ready(on_poll=poll)
         metrics = urllib.request.urlopen(srv.url + "/metrics").read().decode()
     finally:
@@ -84,7 +89,7 @@ def test_health_reports_warmup_progress_then_ready(model_dir, tmp_path):
     warming = [b for p, c, b in seen if p == "/health" and c == 503 and b.get("status") == "warming_up"]
     assert warming, seen[:5]
     w = warming[-1]["warmup"]
-    assert 0 <= w["done"] <= w["total"] and w["total"] > 0 and w["phase"] in ("prefill", "decode", "done")
+    assert 0 <= w["done"] <= w["total"] and w["total"] > 0 and w["phase"] in ("prefill", "prefill_context", "decode", "done")
     assert seen[-2][:2] == ("/health", 200)
     models = [(c, b) for p, c, b in seen if p == "/v1/models"]
     refused = [b for c, b in models if c == 503]

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gaudi_runtime.router.metrics import LOAD_GAUGES
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import alive, get_json, launch, shard_of
+from tests.runtime.launched import alive, get_json, hold_mid_warmup, launch, shard_of, signal_all
 
 MODEL_NAME = "tiny-llama"
 
@@ -57,6 +57,12 @@ def started(tmp_path_factory):
     seen = []
     deadline = time.monotonic() + 240
     try:
+        shards, _ = hold_mid_warmup(srv.proc, srv.url)
+        try:  # one look mid-warmup, whatever this machine's speed
+            gauges = scrape(srv.url)
+            seen.append((gauges, *get_json(srv.url + "/health", timeout=5)))
+        finally:
+            signal_all(shards, signal.SIGCONT)
         while time.monotonic() < deadline:
             assert srv.proc.poll() is None, srv.log()[-3000:]
             try:

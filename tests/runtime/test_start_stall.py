@@ -5,7 +5,6 @@ a starved process would leave it."""
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -13,9 +12,9 @@ import pytest
 from gaudi_runtime.progress import STALL_EXIT_CODE
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 from tests.e2e.harness import wait_for
-from tests.runtime.launched import alive, children, get_json, launch, shard_pids
+from tests.runtime.launched import alive, children, get_json, hold_mid_warmup, launch, signal_all
 
-# Hundreds of shapes on CPU: a warmup of seconds, long enough to be seen from outside.
+# Hundreds of shapes on CPU, held in their middle by hold_mid_warmup (they take under a second here).
 WARM_ARGS = ["--dtype", "float32", "--max-input-tokens", "256", "--max-total-tokens", "512", "--max-batch-size", "32"]
 WARM_ENV = {"PAD_SEQUENCE_TO_MULTIPLE_OF": "16", "BATCH_BUCKET_SIZE": "2"}
 
@@ -35,14 +34,20 @@ def poll(url: str) -> tuple[int, dict] | None:
 def test_liveness_answers_through_the_start_and_stays_200_while_warmup_progresses(model_dir, tmp_path):
     srv = launch(model_dir, tmp_path, *WARM_ARGS, "--warmup-stall-seconds", "30", env=WARM_ENV)
     seen: list[tuple[str, int, dict]] = []
+
+    def look() -> bool:
+        assert srv.proc.poll() is None, srv.log()[-3000:]
+        live, health = poll(srv.url + "/livez"), poll(srv.url + "/health")
+        if live and health:
+            seen.append((health[1].get("status", "ok"), live[0], live[1]))
+        return bool(health and health[0] == 200)
     try:
-        def ready() -> bool:
-            assert srv.proc.poll() is None, srv.log()[-3000:]
-            live, health = poll(srv.url + "/livez"), poll(srv.url + "/health")
-            if live and health:
-                seen.append((health[1].get("status", "ok"), live[0], live[1]))
-            return bool(health and health[0] == 200)
-        wait_for(ready, 240, "the server to be ready")
+        shards, _ = hold_mid_warmup(srv.proc, srv.url)
+        try:
+            look()  # mid-warmup, whatever this machine's speed
+        finally:
+            signal_all(shards, signal.SIGCONT)
+        wait_for(look, 240, "the server to be ready")
         assert poll(srv.url + "/livez") == (200, {"status": "ok"})
     finally:
         assert srv.stop() == 0
@@ -60,15 +65,8 @@ def test_a_stalled_warmup_ends_the_pod_with_the_reason(model_dir, tmp_path):
                  env={**WARM_ENV, "TERMINATION_MESSAGE_PATH": str(message)})
     kids: list[int] = []
     try:
-        def warming() -> dict | None:
-            assert srv.proc.poll() is None, srv.log()[-3000:]
-            health = poll(srv.url + "/health")
-            body = health[1] if health else {}
-            return body if body.get("status") == "warming_up" and body["warmup"]["done"] >= 1 else None
-        wait_for(warming, 240, "warmup's first shapes")
+        hold_mid_warmup(srv.proc, srv.url)  # the shard hangs there: no shape finishes any more
         kids = children(srv.proc.pid)
-        for pid in shard_pids(srv.proc.pid):
-            os.kill(pid, signal.SIGSTOP)  # the shard hangs: no shape finishes any more
 
         def refused() -> dict | None:
             live = poll(srv.url + "/livez")
@@ -77,9 +75,7 @@ def test_a_stalled_warmup_ends_the_pod_with_the_reason(model_dir, tmp_path):
         assert body["status"] == "stalled" and "no progress for" in body["error"], body
         assert srv.proc.wait(timeout=60) == STALL_EXIT_CODE
     finally:
-        for pid in kids:
-            if alive(pid):
-                os.kill(pid, signal.SIGCONT)
+        signal_all(kids, signal.SIGCONT)
         srv.stop()
     text = message.read_text()
     assert text.startswith("start stalled: no progress for ") and "while warming up" in text, text
