@@ -37,6 +37,9 @@ typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 
 /* Activation rows per block: their accumulators and the tile's unpacked vectors fit the registers. */
 enum { MAX_ROWS = 32 };
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
 
 struct problem {
     const float *xt;      /* [rows][per][words], pre-scaled (above) */
@@ -224,62 +227,82 @@ ALWAYS_INLINE void finish_bf16(float *y, int64_t ldy, const struct problem *p, i
     y[r * ldy + o] = sum_lanes((vf)total) - zero_term(sc, z, p->zx + r * p->groups, p->groups, 16.0f);
 }
 
-/* As one_row: one activation row, output rows o0 .. o0 + 3. */
-static void one_row_bf16(float *y, int64_t ldy, const struct problem *p, int64_t o0) {
-    const int64_t words = p->words;
-    FOR4(DECL)
-    for (int64_t c = 0; c < p->chunks; c++) {
-        const int64_t j = c * LANES;
-        FOR4(LOAD)
-        for (int k = 0; k < 4; k++) {
-            const __m512bh xv = xpair(p, 0, k, j);
-#define DOT(i) p##i = (vf)_mm512_dpbf16_ps((__m512)p##i, xv, ones_plus((__m512i)w##i, k));
-            FOR4(DOT)
-        }
-#define SCALE16(i) t##i += 16.0f * chunk_scales(p, sc##i, c) * p##i;
-        FOR4(SCALE16)
+/* sum_g scale_g * (zero_g + 16) * zx_g for one output and activation row (zero_term, the groups past
+   the last whole vector in one masked step). */
+ALWAYS_INLINE float zero_term16(const float *sc, const int16_t *z, const float *zx, int64_t groups) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 m = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1u);
+        const __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(m, z + g)));
+        const __m512 sz = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + g), _mm512_add_ps(zf, _mm512_set1_ps(16.0f)));
+        acc = _mm512_fmadd_ps(sz, _mm512_maskz_loadu_ps(m, zx + g), acc);
     }
-#define FINISH16(i) finish_bf16(y, ldy, p, o0 + i, 0, (__m512)t##i);
-    FOR4(FINISH16)
+    return sum_lanes((vf)acc);
 }
 
-/* As four_rows: activation rows r0 .. r0 + 3, output rows o0 and o0 + 1. */
-static void four_rows_bf16(float *y, int64_t ldy, const struct problem *p, int64_t o0, int64_t r0) {
+/* Activation rows r0 .. r0 + ROWS - 1, output row o. The packed words of a tile's outputs are read in
+   memory order, one sequential stream that the hardware prefetcher follows (outputs read side by side,
+   a chunk of each in turn, made short streams it kept losing: half the speed), PREFETCH_BYTES fetched
+   ahead; each chunk unpacked once for the rows, its four steps in two sums per row. `single`: every
+   chunk lies in one group. */
+ALWAYS_INLINE void rows_bf16(float *y, int64_t ldy, const struct problem *p, int64_t o, int64_t r0, const int ROWS,
+                             const int single) {
     const int64_t words = p->words;
-    const int32_t *qa = p->q + o0 * words, *qb = qa + words;
-    const float *sa = p->scales + o0 * p->groups, *sb = sa + p->groups;
-#define ZERO2(r) vf a##r = (vf){0}, b##r = (vf){0};
-    FOR4(ZERO2)
+    const int32_t *q = p->q + o * words;
+    const float *sc = p->scales + o * p->groups;
+    __m512 t[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; r++) t[r] = _mm512_setzero_ps();
     for (int64_t c = 0; c < p->chunks; c++) {
         const int64_t j = c * LANES;
-        const __m512i wa = _mm512_loadu_si512(qa + j), wb = _mm512_loadu_si512(qb + j);
-#define PART(r) __m512 pa##r = _mm512_setzero_ps(), pb##r = _mm512_setzero_ps();
-        FOR4(PART)
-        for (int k = 0; k < 4; k++) {
-            const __m512bh fa = ones_plus(wa, k), fb = ones_plus(wb, k);
-#define ROW2(r) { const __m512bh xv = xpair(p, r0 + r, k, j); \
-                  pa##r = _mm512_dpbf16_ps(pa##r, xv, fa); pb##r = _mm512_dpbf16_ps(pb##r, xv, fb); }
-            FOR4(ROW2)
+        const __m512i w = _mm512_loadu_si512(q + j);
+        __builtin_prefetch((const char *)(q + j) + PREFETCH_BYTES);
+        const __m512bh w0 = ones_plus(w, 0), w1 = ones_plus(w, 1), w2 = ones_plus(w, 2), w3 = ones_plus(w, 3);
+        const __m512 scale = single ? _mm512_set1_ps(sc[p->chunk_group[c]]) : (__m512)chunk_scales(p, sc, c);
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; r++) {
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), xpair(p, r0 + r, 0, j), w0);
+            __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), xpair(p, r0 + r, 2, j), w2);
+            a = _mm512_dpbf16_ps(a, xpair(p, r0 + r, 1, j), w1);
+            b = _mm512_dpbf16_ps(b, xpair(p, r0 + r, 3, j), w3);
+            t[r] = _mm512_fmadd_ps(scale, _mm512_add_ps(a, b), t[r]);
         }
-        const vf ska = 16.0f * chunk_scales(p, sa, c), skb = 16.0f * chunk_scales(p, sb, c);
-#define ACC2(r) a##r += ska * (vf)pa##r; b##r += skb * (vf)pb##r;
-        FOR4(ACC2)
     }
-#define DONE2(r) finish_bf16(y, ldy, p, o0, r0 + r, (__m512)a##r); finish_bf16(y, ldy, p, o0 + 1, r0 + r, (__m512)b##r);
-    FOR4(DONE2)
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; r++) {
+        if (r0 + r >= p->rows) break;
+        if (p->chunks * LANES < words)  /* words past the last whole chunk: the general finish */
+            finish_bf16(y, ldy, p, o, r0 + r, _mm512_mul_ps(t[r], _mm512_set1_ps(16.0f)));
+        else
+            y[(r0 + r) * ldy + o] = 16.0f * sum_lanes((vf)t[r]) -
+                                    zero_term16(sc, p->zeros + o * p->groups, p->zx + (r0 + r) * p->groups, p->groups);
+    }
+}
+
+/* Outputs o0 .. o1 - 1 for activation rows r0 .. r0 + rows - 1 (rows <= 4). */
+ALWAYS_INLINE void row_block_bf16(float *y, int64_t ldy, const struct problem *p, int64_t o0, int64_t o1, int64_t r0,
+                                  int64_t rows, const int single) {
+    for (int64_t o = o0; o < o1; o++)
+        switch (rows) {
+        case 1: rows_bf16(y, ldy, p, o, r0, 1, single); break;
+        case 2: rows_bf16(y, ldy, p, o, r0, 2, single); break;
+        case 3: rows_bf16(y, ldy, p, o, r0, 3, single); break;
+        default: rows_bf16(y, ldy, p, o, r0, 4, single); break;
+        }
 }
 
 static void run_bf16(float *y, int64_t ldy, const struct problem *p, int64_t rows, int64_t out, int threads) {
     const int64_t quads = out / 4, tiles = (quads + QUADS - 1) / QUADS;
+    int single = 1;
+    for (int64_t c = 0; c < p->chunks; c++) single &= p->chunk_group[c] >= 0;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {  /* as run */
         const int64_t o0 = t * QUADS * 4, o1 = o0 + 4 * (quads - t * QUADS < QUADS ? quads - t * QUADS : QUADS);
-        if (rows == 1) {
-            for (int64_t o = o0; o < o1; o += 4) one_row_bf16(y, ldy, p, o);
-            continue;
+        for (int64_t r = 0; r < rows; r += 4) {
+            const int64_t n = rows - r < 4 ? rows - r : 4;
+            if (single) row_block_bf16(y, ldy, p, o0, o1, r, n, 1);
+            else row_block_bf16(y, ldy, p, o0, o1, r, n, 0);
         }
-        for (int64_t r = 0; r < rows; r += 4)
-            for (int64_t o = o0; o < o1; o += 2) four_rows_bf16(y, ldy, p, o, r);
     }
 }
 
