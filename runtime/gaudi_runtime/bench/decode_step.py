@@ -23,7 +23,7 @@ import time
 import torch
 
 from gaudi_runtime.buckets import ceil_div
-from gaudi_runtime.device import cpu_gemm, cpu_gemv, cpu_layer_ops, cpu_moe, cpu_paged_attention
+from gaudi_runtime.device import cpu_gemm, cpu_gemv, cpu_gptq, cpu_layer_ops, cpu_moe, cpu_paged_attention
 from gaudi_runtime.device.cpu import experts_kernel
 from gaudi_runtime.device.cpu_attention import CpuAttention
 from gaudi_runtime.device.host_allocator import tune_host_allocator
@@ -64,9 +64,11 @@ def step_inputs(batch: int, context: int, vocab: int):
 
 
 def linear_variants(model):
-    """A function that sets every linear layer's kernels as a VARIANTS entry names them."""
-    kernels = {"no-gemv": cpu_gemm.linear_kernels(model, release=False, few_rows=False),
-               "gemv": cpu_gemm.linear_kernels(model, release=False), "torch": {}}
+    """A function that sets every linear layer's kernels as a VARIANTS entry names them (a GPTQ layer's
+    packed-weight kernel in "gemv" and "no-gemv", as the CPU backend installs it)."""
+    packed = cpu_gptq.gptq_kernels(model)
+    kernels = {"no-gemv": {**cpu_gemm.linear_kernels(model, release=False, few_rows=False), **packed},
+               "gemv": {**cpu_gemm.linear_kernels(model, release=False), **packed}, "torch": {}}
     gemv = cpu_gemv.kernel()
     if gemv is not None:
         kernels["fixed"] = cpu_gemm.fixed_order_kernels(model, gemv)

@@ -7,7 +7,8 @@ Each shape is a Llama MLP projection (out x in): GPTQ 4-bit, groups of 128, symm
 packed words, through the layer's ``matmul`` with the CPU kernel (``device/cpu_gptq``: up to GEMM_ROWS rows
 over the packed words, more dequantized in C then oneDNN); the bfloat16 side is what a bfloat16 layer runs
 (the few-row C kernel ``cpu_gemv`` where it takes the rows, else oneDNN's ``F.linear``). Activations are
-bfloat16, as served. Several copies of each weight are cycled so that they stream from memory, not the
+bfloat16, as served (``--dtype float32``: the kernel's float path, what a float32 model or a CPU without
+the bfloat16 dot product runs, against a float32 layer). Several copies of each weight are cycled so that they stream from memory, not the
 last-level cache. Printed per call: the minimum over repetitions of the calling thread's CPU time (on a
 shared machine wall time measures the neighbours; ``--wall``: wall time, what several threads take) and
 the bytes of weights read per second of it; run with ``--threads 1`` that is one core's speed. glibc's malloc is tuned as the shard tunes it.
@@ -54,13 +55,13 @@ def cpu_ms(fn, calls: int, repeats: int, clock=time.thread_time) -> float:
 
 
 def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int,
-            clock=time.thread_time) -> None:
+            clock=time.thread_time, dtype: torch.dtype = torch.bfloat16) -> None:
     layers = [gptq_layer(out, inp) for _ in range(copies)]
-    weights = [torch.randn(out, inp).to(torch.bfloat16) for _ in range(copies)]
+    weights = [torch.randn(out, inp).to(dtype) for _ in range(copies)]
     gemv = cpu_gemv.kernel()
     for rows in rows_list:
-        x = torch.randn(rows, inp).to(torch.bfloat16)
-        use_gemv = gemv is not None and gemv.takes_rows(rows, torch.bfloat16)
+        x = torch.randn(rows, inp).to(dtype)
+        use_gemv = gemv is not None and gemv.takes_rows(rows, dtype)
 
         def int4(x=x):
             for m in layers:
@@ -71,9 +72,10 @@ def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int,
                 gemv(x, w, None) if use_gemv else F.linear(x, w)
 
         q_ms, b_ms = cpu_ms(int4, copies, repeats, clock), cpu_ms(bf16, copies, repeats, clock)
-        q_gb, b_gb = out * inp / 2 / q_ms / 1e6, out * inp * 2 / b_ms / 1e6
-        print(f"{out}x{inp} rows={rows}: int4 {q_ms:.3f} ms ({q_gb:.1f} GB/s packed), bf16 {b_ms:.3f} ms "
-              f"({b_gb:.1f} GB/s), bf16/int4 time {b_ms / q_ms:.2f}x, load {os.getloadavg()[0]:.1f}", flush=True)
+        name = "bf16" if dtype == torch.bfloat16 else "fp32"
+        q_gb, b_gb = out * inp / 2 / q_ms / 1e6, out * inp * dtype.itemsize / b_ms / 1e6
+        print(f"{out}x{inp} rows={rows}: int4 {q_ms:.3f} ms ({q_gb:.1f} GB/s packed), {name} {b_ms:.3f} ms "
+              f"({b_gb:.1f} GB/s), {name}/int4 time {b_ms / q_ms:.2f}x, load {os.getloadavg()[0]:.1f}", flush=True)
 
 
 def main(argv=None) -> None:
@@ -84,13 +86,16 @@ def main(argv=None) -> None:
     p.add_argument("--copies", type=int, default=6, help="weights cycled per shape (more than the LLC holds)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--wall", action="store_true", help="wall time instead of the calling thread's CPU time")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="the activations' and the dense weight's type (float32: the kernel's float path)")
     args = p.parse_args(argv)
     tune_host_allocator()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     for shape in args.shapes:
         out, inp = (int(v) for v in shape.split("x"))
-        compare(out, inp, args.rows, args.copies, args.repeats, time.perf_counter if args.wall else time.thread_time)
+        compare(out, inp, args.rows, args.copies, args.repeats, time.perf_counter if args.wall else time.thread_time,
+                getattr(torch, args.dtype))
 
 
 if __name__ == "__main__":
