@@ -190,17 +190,25 @@ def hold_mid_warmup(launcher: subprocess.Popen, url: str, timeout_s: float = 240
     """Stop a launched server's shards from their start and run them in slices until the router shows a
     warmup shape done: (the shards, left stopped; the warmup /health shows). A tiny model warms hundreds
     of shapes in under a second, less than a loaded machine may take between two polls; a slice is far
-    shorter, so the warmup is caught in its middle however fast it runs. SIGCONT the shards to go on."""
-    def warming() -> dict | None:
+    shorter (at most 50 ms while loading, 5 ms once the router warms up, so that a router slow to read
+    the shard's progress lets it run a few shapes past the first, not the rest), so the warmup is caught
+    in its middle however fast it runs. SIGCONT the shards to go on."""
+    def health() -> dict | None:
         assert launcher.poll() is None, f"the server exited with {launcher.returncode}"
         try:
             code, body = get_json(url + "/health", timeout=2)
         except OSError:
             return None
         assert code != 200, "the warmup ended within one slice"
-        return body["warmup"] if body.get("status") == "warming_up" and body["warmup"]["done"] >= 1 else None
-    warmup = run_in_slices(lambda: shard_pids(launcher.pid), warming, timeout_s)
-    return shard_pids(launcher.pid), warmup
+        return body if body.get("status") == "warming_up" else None
+
+    def shards() -> list[int]:
+        return shard_pids(launcher.pid)
+    deadline = time.monotonic() + timeout_s
+    run_in_slices(shards, health, timeout_s)
+    warmup = run_in_slices(shards, lambda: (b := health()) and b["warmup"]["done"] >= 1 and b["warmup"],
+                           deadline - time.monotonic(), slice_max_s=0.005)
+    return shards(), warmup
 
 
 def alive(pid: int) -> bool:

@@ -220,13 +220,6 @@ ALWAYS_INLINE __m512bh xpair(const struct problem *p, int64_t r, int k, int64_t 
     return (__m512bh)_mm512_loadu_si512(p->xp + (r * 4 + k) * p->words + j);
 }
 
-ALWAYS_INLINE void finish_bf16(float *y, int64_t ldy, const struct problem *p, int64_t o, int64_t r, __m512 total) {
-    if (r >= p->rows) return;
-    const float *sc = p->scales + o * p->groups;
-    const int16_t *z = p->zeros + o * p->groups;
-    y[r * ldy + o] = sum_lanes((vf)total) - zero_term(sc, z, p->zx + r * p->groups, p->groups, 16.0f);
-}
-
 /* sum_g scale_g * (zero_g + 16) * zx_g for one output and activation row (zero_term, the groups past
    the last whole vector in one masked step). */
 ALWAYS_INLINE float zero_term16(const float *sc, const int16_t *z, const float *zx, int64_t groups) {
@@ -269,14 +262,9 @@ ALWAYS_INLINE void rows_bf16(float *y, int64_t ldy, const struct problem *p, int
         }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < ROWS; r++) {
-        if (r0 + r >= p->rows) break;
-        if (p->chunks * LANES < words)  /* words past the last whole chunk: the general finish */
-            finish_bf16(y, ldy, p, o, r0 + r, _mm512_mul_ps(t[r], _mm512_set1_ps(16.0f)));
-        else
-            y[(r0 + r) * ldy + o] = 16.0f * sum_lanes((vf)t[r]) -
-                                    zero_term16(sc, p->zeros + o * p->groups, p->zx + (r0 + r) * p->groups, p->groups);
-    }
+    for (int r = 0; r < ROWS; r++)  /* whole chunks only: gptq_gemm takes this path when words % LANES == 0 */
+        y[(r0 + r) * ldy + o] = 16.0f * sum_lanes((vf)t[r]) -
+                                zero_term16(sc, p->zeros + o * p->groups, p->zx + (r0 + r) * p->groups, p->groups);
 }
 
 /* Outputs o0 .. o1 - 1 for activation rows r0 .. r0 + rows - 1 (rows <= 4). */
