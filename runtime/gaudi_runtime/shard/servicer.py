@@ -21,6 +21,7 @@ from gaudi_runtime.shard.info import info_response
 from gaudi_runtime.shard.kv_tiers import make_tiers
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput, StepResult, WarmupError
 from gaudi_runtime.shard.speculation import SpecStats
+from gaudi_runtime.shard.warmup import spaced
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
 
     async def Warmup(self, request, context):
         try:
-            for done, total, phase in self.runner.warmup():
+            for done, total, phase in spaced(self.runner.warmup()):
                 yield pb.WarmupProgress(done=done, total=total, phase=phase)
         except WarmupError as e:
             log.error("%s", e)

@@ -20,6 +20,31 @@ from gaudi_runtime.recipe_cache import RecipeCache
 
 log = logging.getLogger(__name__)
 
+# The least time between two progress reports the servicer streams (a phase's first and last, and the
+# end, always go): a tiny model on a CPU warms hundreds of shapes a second, faster than a router starved of
+# CPU reads them, and the router then shows a warmup far behind the shard's.
+REPORT_INTERVAL_S = 0.05
+
+
+def spaced(progress: Iterator[tuple[int, int, str]], interval_s: float = REPORT_INTERVAL_S,
+           clock: Callable[[], float] = time.monotonic) -> Iterator[tuple[int, int, str]]:
+    """The reports of `progress` worth streaming: a phase's first and last, the end, and any other
+    `interval_s` after the last one sent."""
+    sent_at, last, pending = float("-inf"), None, False
+    for step in progress:
+        new_phase = last is None or step[2] != last[2]
+        if new_phase and pending:
+            yield last  # the previous phase's last count
+        now = clock()
+        pending = not (new_phase or step[2] == "done" or now - sent_at >= interval_s)
+        if not pending:
+            sent_at = now
+            yield step
+        last = step
+    if pending:
+        yield last
+
+
 class WarmupError(RuntimeError):
     """A bucket could not run; the message names the setting to lower."""
 
