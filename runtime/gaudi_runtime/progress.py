@@ -1,7 +1,7 @@
 """How far a pod's start got, across its processes, and the rule that tells a slow start from a stuck one.
 
 A start is a download (the launcher, for a hub id), a load (each shard: its device, its process
-group, each weight tensor, its KV cache) and a warmup (the router, one report per shape). Each process
+group, each weight tensor, its KV cache) and a warmup (the router, one report per shape the shard streams). Each process
 reports its steps into a file of its own under the directory the launcher names in
 `GAUDI_SERVE_PROGRESS_DIR`; the newest report across the files is the pod's last progress.
 

@@ -166,7 +166,8 @@ def signal_all(pids: list[int], sig: int) -> None:
 def run_in_slices(pids, until, timeout_s: float, slice_max_s: float = 0.05):
     """Run the processes `pids()` names a slice at a time (1 ms, doubling up to `slice_max_s`) until
     `until()`, asked while they are stopped, returns something truthy; return it, leaving them stopped.
-    They move a slice at most past what `until` waits for, on a fast machine as on a loaded one."""
+    They move about a slice past what `until` waits for (more if what it reads lags them), on a fast
+    machine as on a loaded one."""
     deadline, slice_s = time.monotonic() + timeout_s, 0.001
     while True:
         procs = pids()
