@@ -7,11 +7,12 @@ Each shape is a Llama MLP projection (out x in): GPTQ 4-bit, groups of 128, symm
 packed words, through the layer's ``matmul`` with the CPU kernel (``device/cpu_gptq``: up to GEMM_ROWS rows
 over the packed words, more dequantized in C then oneDNN); the bfloat16 side is what a bfloat16 layer runs
 (the few-row C kernel ``cpu_gemv`` where it takes the rows, else oneDNN's ``F.linear``). Activations are
-bfloat16, as served (``--dtype float32``: the kernel's float path, what a float32 model or a CPU without
-the bfloat16 dot product runs, against a float32 layer). Several copies of each weight are cycled so that they stream from memory, not the
-last-level cache. Printed per call: the minimum over repetitions of the calling thread's CPU time (on a
-shared machine wall time measures the neighbours; ``--wall``: wall time, what several threads take) and
-the bytes of weights read per second of it; run with ``--threads 1`` that is one core's speed. glibc's malloc is tuned as the shard tunes it.
+bfloat16, as served (``--dtype float32``: the kernel's float path, what a float32 model or a CPU without the
+bfloat16 dot product runs, against a float32 layer). Several copies of each weight are cycled so that they
+stream from memory, not the last-level cache. Printed per call: the minimum over repetitions of the calling
+thread's CPU time (on a shared machine wall time measures the neighbours; ``--wall``: wall time, what
+several threads take) and the bytes of weights read per second of it; run with ``--threads 1`` that is one
+core's speed. glibc's malloc is tuned as the shard tunes it.
 """
 
 from __future__ import annotations

@@ -19,11 +19,15 @@
    columns lowest bits first; zeros int16 [out, groups]; scales float32 [out, groups]; wgroup int32
    [in / per]; y float32 rows of stride ldy. Each output is summed by one thread in an order fixed by its
    row alone (neither the thread count nor the other rows change its bits). cpu_gptq.py builds and calls it.
-   Plain C with GCC/Clang vector types (no intrinsics). */
+   Plain C with GCC/Clang vector types; intrinsics only for what they cannot say (AVX-512 masked loads,
+   the bfloat16 dot product). */
 
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -37,9 +41,8 @@ typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 
 /* Activation rows per block: their accumulators and the tile's unpacked vectors fit the registers. */
 enum { MAX_ROWS = 32 };
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048
-#endif
+/* How far ahead of its reads the bfloat16 row path asks for packed words (2 KB: the best of 0.5-8 KB). */
+enum { PREFETCH_BYTES = 2048 };
 
 struct problem {
     const float *xt;      /* [rows][per][words], pre-scaled (above) */
@@ -70,6 +73,18 @@ typedef int16_t vs __attribute__((vector_size(LANES * 2)));
 
 /* sum_g scale_g * (zero_g + offset) * zx_g: the zeros' term of one output and row, LANES groups a step. */
 ALWAYS_INLINE float zero_term(const float *sc, const int16_t *z, const float *zx, int64_t groups, float offset) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    /* Per output, so it matters at one row: the groups past the last whole vector in one masked step
+       (12 groups of 128 for 1536 inputs, all of them). */
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 m = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1u);
+        const __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(m, z + g)));
+        const __m512 sz = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + g), _mm512_add_ps(zf, _mm512_set1_ps(offset)));
+        acc = _mm512_fmadd_ps(sz, _mm512_maskz_loadu_ps(m, zx + g), acc);
+    }
+    return sum_lanes((vf)acc);
+#else
     vf acc = (vf){0};
     int64_t g = 0;
     for (; g + LANES <= groups; g += LANES) {
@@ -83,6 +98,7 @@ ALWAYS_INLINE float zero_term(const float *sc, const int16_t *z, const float *zx
     float sum = sum_lanes(acc);
     for (; g < groups; g++) sum += sc[g] * ((float)z[g] + offset) * zx[g];
     return sum;
+#endif
 }
 
 ALWAYS_INLINE vf chunk_scales(const struct problem *p, const float *sc, int64_t c) {
@@ -220,26 +236,11 @@ ALWAYS_INLINE __m512bh xpair(const struct problem *p, int64_t r, int k, int64_t 
     return (__m512bh)_mm512_loadu_si512(p->xp + (r * 4 + k) * p->words + j);
 }
 
-/* sum_g scale_g * (zero_g + 16) * zx_g for one output and activation row (zero_term, the groups past
-   the last whole vector in one masked step). */
-ALWAYS_INLINE float zero_term16(const float *sc, const int16_t *z, const float *zx, int64_t groups) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g += 16) {
-        const __mmask16 m = groups - g >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (groups - g)) - 1u);
-        const __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(m, z + g)));
-        const __m512 sz = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sc + g), _mm512_add_ps(zf, _mm512_set1_ps(16.0f)));
-        acc = _mm512_fmadd_ps(sz, _mm512_maskz_loadu_ps(m, zx + g), acc);
-    }
-    return sum_lanes((vf)acc);
-}
-
 /* Activation rows r0 .. r0 + ROWS - 1, output row o. The packed words of a tile's outputs are read in
    memory order, one sequential stream that the hardware prefetcher follows (outputs read side by side,
    a chunk of each in turn, made short streams it kept losing: half the speed), PREFETCH_BYTES fetched
-   ahead; each chunk unpacked once for the rows, its four steps in two sums per row. `single`: every
-   chunk lies in one group. */
-ALWAYS_INLINE void rows_bf16(float *y, int64_t ldy, const struct problem *p, int64_t o, int64_t r0, const int ROWS,
-                             const int single) {
+   ahead; each chunk unpacked once for the rows, its four steps in two sums per row. */
+ALWAYS_INLINE void rows_bf16(float *y, int64_t ldy, const struct problem *p, int64_t o, int64_t r0, const int ROWS) {
     const int64_t words = p->words;
     const int32_t *q = p->q + o * words;
     const float *sc = p->scales + o * p->groups;
@@ -251,7 +252,7 @@ ALWAYS_INLINE void rows_bf16(float *y, int64_t ldy, const struct problem *p, int
         const __m512i w = _mm512_loadu_si512(q + j);
         __builtin_prefetch((const char *)(q + j) + PREFETCH_BYTES);
         const __m512bh w0 = ones_plus(w, 0), w1 = ones_plus(w, 1), w2 = ones_plus(w, 2), w3 = ones_plus(w, 3);
-        const __m512 scale = single ? _mm512_set1_ps(sc[p->chunk_group[c]]) : (__m512)chunk_scales(p, sc, c);
+        const __m512 scale = (__m512)chunk_scales(p, sc, c);
 #pragma GCC unroll 4
         for (int r = 0; r < ROWS; r++) {
             __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), xpair(p, r0 + r, 0, j), w0);
@@ -264,33 +265,27 @@ ALWAYS_INLINE void rows_bf16(float *y, int64_t ldy, const struct problem *p, int
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; r++)  /* whole chunks only: gptq_gemm takes this path when words % LANES == 0 */
         y[(r0 + r) * ldy + o] = 16.0f * sum_lanes((vf)t[r]) -
-                                zero_term16(sc, p->zeros + o * p->groups, p->zx + (r0 + r) * p->groups, p->groups);
+                                zero_term(sc, p->zeros + o * p->groups, p->zx + (r0 + r) * p->groups, p->groups, 16.0f);
 }
 
 /* Outputs o0 .. o1 - 1 for activation rows r0 .. r0 + rows - 1 (rows <= 4). */
 ALWAYS_INLINE void row_block_bf16(float *y, int64_t ldy, const struct problem *p, int64_t o0, int64_t o1, int64_t r0,
-                                  int64_t rows, const int single) {
+                                  int64_t rows) {
     for (int64_t o = o0; o < o1; o++)
         switch (rows) {
-        case 1: rows_bf16(y, ldy, p, o, r0, 1, single); break;
-        case 2: rows_bf16(y, ldy, p, o, r0, 2, single); break;
-        case 3: rows_bf16(y, ldy, p, o, r0, 3, single); break;
-        default: rows_bf16(y, ldy, p, o, r0, 4, single); break;
+        case 1: rows_bf16(y, ldy, p, o, r0, 1); break;
+        case 2: rows_bf16(y, ldy, p, o, r0, 2); break;
+        case 3: rows_bf16(y, ldy, p, o, r0, 3); break;
+        default: rows_bf16(y, ldy, p, o, r0, 4); break;
         }
 }
 
 static void run_bf16(float *y, int64_t ldy, const struct problem *p, int64_t rows, int64_t out, int threads) {
     const int64_t quads = out / 4, tiles = (quads + QUADS - 1) / QUADS;
-    int single = 1;
-    for (int64_t c = 0; c < p->chunks; c++) single &= p->chunk_group[c] >= 0;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {  /* as run */
         const int64_t o0 = t * QUADS * 4, o1 = o0 + 4 * (quads - t * QUADS < QUADS ? quads - t * QUADS : QUADS);
-        for (int64_t r = 0; r < rows; r += 4) {
-            const int64_t n = rows - r < 4 ? rows - r : 4;
-            if (single) row_block_bf16(y, ldy, p, o0, o1, r, n, 1);
-            else row_block_bf16(y, ldy, p, o0, o1, r, n, 0);
-        }
+        for (int64_t r = 0; r < rows; r += 4) row_block_bf16(y, ldy, p, o0, o1, r, rows - r < 4 ? rows - r : 4);
     }
 }
 
