@@ -6,10 +6,12 @@
 Each shape is a Llama MLP projection (out x in): GPTQ 4-bit, groups of 128, symmetric, no desc_act, random
 packed words, through the layer's ``matmul`` with the CPU kernel (``device/cpu_gptq``: up to GEMM_ROWS rows
 over the packed words, more dequantized in C then oneDNN); the bfloat16 side is what a bfloat16 layer runs
-(the few-row C kernel ``cpu_gemv`` where it takes the rows, else oneDNN's ``F.linear``). Activations are
+(the few-row C kernel ``cpu_gemv`` where it takes the rows, else oneDNN over the weight reordered once, as
+``cpu_gemm`` installs it). Activations are
 bfloat16, as served (``--dtype float32``: the kernel's float path, what a float32 model or a CPU without the
-bfloat16 dot product runs, against a float32 layer). Several copies of each weight are cycled so that they
-stream from memory, not the last-level cache. Printed per call: the minimum over repetitions of the calling
+bfloat16 dot product runs, against a float32 layer). Copies of each weight are cycled, enough that the
+packed ones alone exceed ``--cache-mb`` (the last-level cache: a served model's weights stream from memory;
+from L3 16 rows of int4 ran up to a third faster). Printed per call: the minimum over repetitions of the calling
 thread's CPU time (on a shared machine wall time measures the neighbours; ``--wall``: wall time, what
 several threads take) and the bytes of weights read per second of it; run with ``--threads 1`` that is one
 core's speed. glibc's malloc is tuned as the shard tunes it.
@@ -22,9 +24,8 @@ import os
 import time
 
 import torch
-import torch.nn.functional as F
 
-from gaudi_runtime.device import cpu_gemv, cpu_gptq
+from gaudi_runtime.device import cpu_gemm, cpu_gemv, cpu_gptq
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers.linear import ReplicatedLinear
 from gaudi_runtime.quant.checkpoint import CheckpointQuant
@@ -59,6 +60,7 @@ def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int,
             clock=time.thread_time, dtype: torch.dtype = torch.bfloat16) -> None:
     layers = [gptq_layer(out, inp) for _ in range(copies)]
     weights = [torch.randn(out, inp).to(dtype) for _ in range(copies)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, cpu_gemm.ROWS_HINT) for w in weights]
     gemv = cpu_gemv.kernel()
     for rows in rows_list:
         x = torch.randn(rows, inp).to(dtype)
@@ -69,8 +71,8 @@ def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int,
                 m.matmul(x, None)
 
         def bf16(x=x, use_gemv=use_gemv):
-            for w in weights:
-                gemv(x, w, None) if use_gemv else F.linear(x, w)
+            for w, pw in zip(weights, packed):
+                gemv(x, w, None) if use_gemv else torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
 
         q_ms, b_ms = cpu_ms(int4, copies, repeats, clock), cpu_ms(bf16, copies, repeats, clock)
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
@@ -84,7 +86,7 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", nargs="+", default=["5632x2048", "2048x5632"], help="out x in")
     p.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 17, 64])
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--copies", type=int, default=6, help="weights cycled per shape (more than the LLC holds)")
+    p.add_argument("--cache-mb", type=int, default=64, help="packed weights cycled per shape: more than this")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--wall", action="store_true", help="wall time instead of the calling thread's CPU time")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
@@ -95,7 +97,8 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     for shape in args.shapes:
         out, inp = (int(v) for v in shape.split("x"))
-        compare(out, inp, args.rows, args.copies, args.repeats, time.perf_counter if args.wall else time.thread_time,
+        copies = args.cache_mb * 2**20 // (out * inp // 2) + 1
+        compare(out, inp, args.rows, copies, args.repeats, time.perf_counter if args.wall else time.thread_time,
                 getattr(torch, args.dtype))
 
 
