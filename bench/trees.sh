@@ -6,6 +6,7 @@
 #   ORDER="a b b a" bench/trees.sh A B          # the run order (default: a b b a, so that each tree runs
 #                                               # once early and once late)
 #   WORKLOADS="online overhead" bench/trees.sh A B   # some of them (default: online overhead long lora mixed)
+#   DTYPE=float32 WORKLOADS=lora bench/trees.sh A B  # the servers in float32 (default bfloat16)
 #
 # Each tree's server runs from its own `runtime/` (PYTHONPATH) with this repo's venv (OURS_BIN); the clients
 # are this repo's. Workloads, as in compare_vllm.sh: online (64 requests at c16 and C1_REQUESTS at c1, 128
@@ -45,7 +46,7 @@ source "$root/bench/server.sh"
 
 start() {  # $1: tree label; $2: log name; $3: model; $4...: launch arguments
   EXPONENTIAL_BUCKETING=true PYTHONPATH="${trees[$1]}/runtime:${trees[$1]}/operator:$root" setsid \
-    "$ours/gaudi-serve" launch --shard-uds-path "$out/shard" --model-id "$3" --dtype bfloat16 \
+    "$ours/gaudi-serve" launch --shard-uds-path "$out/shard" --model-id "$3" --dtype "${DTYPE:-bfloat16}" \
     --hostname 127.0.0.1 --port "$port" "${@:4}" >"$out/$2.log" 2>&1 &
   server=$!
   wait_ready /health "$out/$2.log"
