@@ -12,8 +12,7 @@ columns are sorted by group once (``quant.packing.sort_groups``), and each produ
 columns in that order; a layer whose packed words mix groups (a row-parallel rank's share of desc_act
 columns can) keeps its own path. Prebuilt or compiled at first use like ``cpu_gemv.c`` (``cpu_kernels``);
 neither: one warning, and the layer's own path everywhere. Figures: docs/performance.md, "int4 kernel,
-issue 45", "int4 at 16 rows" and "int4 at one to four rows".
-"""
+issue 45", "int4 at 16 rows", "int4 at one to four rows" and "int4 streamed from memory"."""
 
 from __future__ import annotations
 
