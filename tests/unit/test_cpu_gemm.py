@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gaudi_runtime.device import cpu_gemm, cpu_gemv
 from gaudi_runtime.layers.attention import AttentionMetadata
 from gaudi_runtime.layers.kv_cache import allocate_kv_cache
+from gaudi_runtime.layers.linear import ReplicatedLinear
 from gaudi_runtime.models.registry import load_model
 from gaudi_runtime.quant.fp8_linear import is_fp8, to_fp8
 from gaudi_runtime.tools.tiny_model import make_tiny_model
@@ -120,6 +122,22 @@ def test_a_small_bf16_decode_batch_runs_through_the_c_kernel_with_the_same_token
     assert len(calls) == len(layers), "a layer's four-row product did not go through the kernel"
     assert torch.equal(after.argmax(-1), onednn.argmax(-1))
     torch.testing.assert_close(after, onednn, rtol=2 ** -6, atol=2 ** -6)
+
+
+def test_a_wide_bf16_layer_leaves_several_rows_to_onednn_where_the_cpu_has_the_dot_product(monkeypatch):
+    """Five rows of 1,536 inputs: oneDNN's product where the kernel would run on the bfloat16 dot
+    product (``cpu_gemv.BF16_DOT_X_VALUES``), the kernel elsewhere; the same values either way."""
+    layer = ReplicatedLinear(1536, 64, bias=False).to(torch.bfloat16)
+    layer.weight.data.normal_()
+    cpu_gemm.prepack_linears(layer)
+    calls = counted_gemv(monkeypatch)
+    x = torch.randn(5, 1536).bfloat16()
+    got = layer.kernel(x, None)
+    assert len(calls) == (0 if cpu_gemv.kernel().bf16_dot else 1)
+    torch.testing.assert_close(got.float(), F.linear(x, layer.weight).float(), rtol=2 ** -7, atol=1e-2)
+    one_row = counted_gemv(monkeypatch)
+    layer.kernel(x[:1], None)
+    assert one_row == [(64, 1536)]
 
 
 def test_switched_off_every_product_stays_on_onednn(model_dir, monkeypatch):

@@ -64,7 +64,7 @@ def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int,
     gemv = cpu_gemv.kernel()
     for rows in rows_list:
         x = torch.randn(rows, inp).to(dtype)
-        use_gemv = gemv is not None and gemv.takes_rows(rows, dtype)
+        use_gemv = gemv is not None and gemv.takes_rows(rows, dtype, inp)
 
         def int4(x=x):
             for m in layers:

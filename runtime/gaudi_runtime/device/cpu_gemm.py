@@ -77,7 +77,7 @@ def _few_rows_or(many, gemv: cpu_gemv.GemvKernel, weight: torch.Tensor):
     activation of another dtype, which `many` then refuses as F.linear would) through `many`."""
     def kernel(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if x.dtype == weight.dtype and gemv.takes_rows(rows, x.dtype):
+        if x.dtype == weight.dtype and gemv.takes_rows(rows, x.dtype, weight.shape[1]):
             return gemv.multiply(x, rows, weight, bias)
         return many(x, bias)
     return kernel

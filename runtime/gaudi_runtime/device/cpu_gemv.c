@@ -214,7 +214,9 @@ int max_rows_f32(void) { return MAX_ROWS_F32; }
    bfloat16 dot product (two values per lane and instruction, products exact, sums in float32, denormal
    inputs read as zero) keeps up with the memory to about eight rows. It needs the instruction, hence the
    one intrinsic header. A CPU without it widens, as the one-row loop does: slower than the instruction,
-   still well ahead of oneDNN, which widens too there (docs/performance.md). */
+   still well ahead of oneDNN, which widens too there (docs/performance.md). With the instruction, oneDNN
+   is the faster one for several rows of wide inputs, which cpu_gemv.py then leaves to it
+   (BF16_DOT_X_VALUES). */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -331,6 +333,15 @@ int gemm_rows_bf16(uint16_t *y, const uint16_t *x, const uint16_t *w, const uint
 
 /* How many rows gemm_rows_bf16 takes. */
 int max_rows_bf16(void) { return MAX_ROWS; }
+
+/* Whether gemm_rows_bf16 runs on the CPU's bfloat16 dot product (else it widens). */
+int bf16_dot(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* ---- any number of rows, each in one fixed order: the batch-invariant mode ------------------------
    y[m, o] for every row m of x [rows, in], each summed by `rows_out` (bfloat16) or `rows_out_f32` as a

@@ -24,6 +24,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# Where the kernel runs on the bfloat16 dot product, oneDNN over its reordered weights (the same
+# instruction) multiplies several rows faster once x outgrows what stays in L1 beside the weight rows the
+# kernel streams: past this many values of x (rows x inputs), half as many from five rows on, a product
+# of bfloat16 rows goes to oneDNN (docs/performance.md, "bfloat16 few-row products against oneDNN").
+BF16_DOT_X_VALUES = 8192
 
 
 def build(environ=None) -> Path:
@@ -56,11 +61,19 @@ class GemvKernel:
         self._fixed = fixed
         self.max_rows_bf16 = int(lib.max_rows_bf16())
         self.max_rows_f32 = int(lib.max_rows_f32())
+        self.bf16_dot = bool(lib.bf16_dot())
 
-    def takes_rows(self, rows: int, dtype: torch.dtype) -> bool:
-        """Whether the kernel multiplies this many activation rows of `dtype` (the weight's)."""
+    def takes_rows(self, rows: int, dtype: torch.dtype, inputs: int | None = None) -> bool:
+        """Whether the kernel multiplies this many activation rows of `dtype` (the weight's), and, given
+        the weight's `inputs`, does so faster than oneDNN (``BF16_DOT_X_VALUES``)."""
         most = self.max_rows_bf16 if dtype == torch.bfloat16 else self.max_rows_f32
-        return rows == 1 or 2 <= rows <= most
+        if rows == 1:
+            return True
+        if not 2 <= rows <= most:
+            return False
+        if not (inputs and self.bf16_dot and dtype == torch.bfloat16):
+            return True
+        return rows * inputs <= (BF16_DOT_X_VALUES if rows <= 4 else BF16_DOT_X_VALUES // 2)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` for an `x` of rows the kernel takes (``takes_rows``; any leading shape),
