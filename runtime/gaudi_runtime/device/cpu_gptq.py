@@ -35,8 +35,8 @@ SOURCE = Path(__file__).with_name("cpu_gptq.c")
 GEMM_ROWS = 16  # more rows: dequantize in C, then oneDNN (at 16 the two cost about the same: docs/performance.md)
 # bfloat16 rows a 4-bit product takes with each weight rounded to bfloat16 in registers (where the CPU has
 # the bfloat16 dot product): fewer rows unpack faster on the packed path, more multiply faster dequantized
-# (docs/performance.md, "int4 at 16 rows").
-FOLD_ROWS = (5, 48)
+# (docs/performance.md, "int4 at 16 rows" and, for four rows, "int4 streamed from memory").
+FOLD_ROWS = (4, 48)
 
 
 class GptqKernel:
