@@ -125,13 +125,13 @@ def test_a_small_bf16_decode_batch_runs_through_the_c_kernel_with_the_same_token
 
 
 def test_a_wide_bf16_layer_leaves_several_rows_to_onednn_where_the_cpu_has_the_dot_product(monkeypatch):
-    """Five rows of 1,536 inputs: oneDNN's product where the kernel would run on the bfloat16 dot
+    """Six rows of 1,536 inputs: oneDNN's product where the kernel would run on the bfloat16 dot
     product (``cpu_gemv.BF16_DOT_X_VALUES``), the kernel elsewhere; the same values either way."""
     layer = ReplicatedLinear(1536, 64, bias=False).to(torch.bfloat16)
     layer.weight.data.normal_()
     cpu_gemm.prepack_linears(layer)
     calls = counted_gemv(monkeypatch)
-    x = torch.randn(5, 1536).bfloat16()
+    x = torch.randn(6, 1536).bfloat16()
     got = layer.kernel(x, None)
     assert len(calls) == (0 if cpu_gemv.kernel().bf16_dot else 1)
     torch.testing.assert_close(got.float(), F.linear(x, layer.weight).float(), rtol=2 ** -7, atol=1e-2)

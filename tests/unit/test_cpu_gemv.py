@@ -84,7 +84,7 @@ def test_several_bfloat16_rows_of_wide_inputs_are_left_to_onednn_where_the_cpu_h
     assert kernel.takes_rows(1, torch.bfloat16, 14336) and kernel.takes_rows(2, torch.bfloat16, 4096)
     assert kernel.takes_rows(8, torch.bfloat16, 512) and kernel.takes_rows(8, torch.float32, 4096)
     assert kernel.takes_rows(3, torch.bfloat16, 4096) == (not kernel.bf16_dot)
-    assert kernel.takes_rows(5, torch.bfloat16, 1536) == (not kernel.bf16_dot)
+    assert kernel.takes_rows(6, torch.bfloat16, 1536) == (not kernel.bf16_dot)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")

@@ -26,8 +26,8 @@ SOURCE = Path(__file__).with_name("cpu_gemv.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Where the kernel runs on the bfloat16 dot product, oneDNN over its reordered weights (the same
 # instruction) multiplies several rows faster once x outgrows what stays in L1 beside the weight rows the
-# kernel streams: past this many values of x (rows x inputs), half as many from five rows on, a product
-# of bfloat16 rows goes to oneDNN (docs/performance.md, "bfloat16 few-row products against oneDNN").
+# kernel streams: past this many values of x (rows x inputs), a product of bfloat16 rows goes to oneDNN
+# (docs/performance.md, "bfloat16 few-row products against oneDNN"; `python -m gaudi_runtime.bench.few_rows`).
 BF16_DOT_X_VALUES = 8192
 
 
@@ -73,7 +73,7 @@ class GemvKernel:
             return False
         if not (inputs and self.bf16_dot and dtype == torch.bfloat16):
             return True
-        return rows * inputs <= (BF16_DOT_X_VALUES if rows <= 4 else BF16_DOT_X_VALUES // 2)
+        return rows * inputs <= BF16_DOT_X_VALUES
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` for an `x` of rows the kernel takes (``takes_rows``; any leading shape),
