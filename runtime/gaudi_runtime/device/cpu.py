@@ -112,7 +112,7 @@ def experts_kernel(gemv, moe=None):
 def _few_rows_linear(gemv):
     def linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         few = weight.dtype == torch.bfloat16 and rows.dtype == weight.dtype and weight.is_contiguous()
-        if few and gemv.takes_rows(rows.shape[0], rows.dtype, weight.shape[1]):
+        if few and gemv.takes_rows(rows.shape[0], rows.dtype):
             return gemv.multiply(rows, rows.shape[0], weight, None)
         return F.linear(rows, weight)
 

@@ -65,7 +65,8 @@ class GemvKernel:
 
     def takes_rows(self, rows: int, dtype: torch.dtype, inputs: int | None = None) -> bool:
         """Whether the kernel multiplies this many activation rows of `dtype` (the weight's), and, given
-        the weight's `inputs`, does so faster than oneDNN (``BF16_DOT_X_VALUES``)."""
+        the weight's `inputs` (a caller with oneDNN's reordered weight to fall back on), does so faster
+        than oneDNN there (``BF16_DOT_X_VALUES``)."""
         most = self.max_rows_bf16 if dtype == torch.bfloat16 else self.max_rows_f32
         if rows == 1:
             return True

@@ -21,7 +21,7 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """``x @ weight.T + bias``: through the few-row kernel where it takes `x`'s rows, else ``F.linear``."""
     k = cpu_gemv.kernel()
     rows = x.numel() // weight.shape[1] if weight.shape[1] else 0
-    if k is None or not cpu_gemv.takes(weight, bias) or x.dtype != weight.dtype or not k.takes_rows(rows, x.dtype, weight.shape[1]):
+    if k is None or not cpu_gemv.takes(weight, bias) or x.dtype != weight.dtype or not k.takes_rows(rows, x.dtype):
         return F.linear(x, weight, bias)
     return k.multiply(x, rows, weight, bias)
 
