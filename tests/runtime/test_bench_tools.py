@@ -355,3 +355,18 @@ def test_moe_layer_benchmark_prints_both_paths_for_each_token_count(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert [r[0] for r in rows] == ["2", "40"]
     assert all(float(v) > 0 for r in rows for v in r[1:])
+
+
+def test_few_rows_benchmark_prints_both_engines_and_the_layers_choice(capsys):
+    from gaudi_runtime.bench import few_rows
+    from gaudi_runtime.device import cpu_gemm, cpu_gemv
+
+    if cpu_gemv.kernel() is None or not cpu_gemm.supported():
+        pytest.skip("needs the few-row kernel and oneDNN's bf16 product")
+    few_rows.main(["--shapes", "64x512", "32x4096", "--rows", "1", "3", "--repeats", "1", "--cache-mb", "1",
+                   "--threads", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["64x512 rows=1", "64x512 rows=3", "32x4096 rows=1",
+                                                       "32x4096 rows=3"]
+    takes = [line.rsplit(": ", 1)[1] for line in lines]
+    assert takes == ["True", "True", "True", str(not cpu_gemv.kernel().bf16_dot)]
