@@ -361,8 +361,8 @@ def test_few_rows_benchmark_prints_both_engines_and_the_layers_choice(capsys):
     from gaudi_runtime.bench import few_rows
     from gaudi_runtime.device import cpu_gemm, cpu_gemv
 
-    if cpu_gemv.kernel() is None or not cpu_gemm.supported():
-        pytest.skip("needs the few-row kernel and oneDNN's bf16 product")
+    if not cpu_gemm.supported():  # as test_cpu_gemm.py: oneDNN here has no bf16 product to compare with
+        pytest.skip("this CPU's oneDNN has no bf16 kernels")
     few_rows.main(["--shapes", "64x512", "32x4096", "--rows", "1", "3", "--repeats", "1", "--cache-mb", "1",
                    "--threads", "1"])
     lines = capsys.readouterr().out.splitlines()

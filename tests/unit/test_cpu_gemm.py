@@ -4,6 +4,8 @@ C kernel give oneDNN's tokens."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,9 +126,21 @@ def test_a_small_bf16_decode_batch_runs_through_the_c_kernel_with_the_same_token
     torch.testing.assert_close(after, onednn, rtol=2 ** -6, atol=2 ** -6)
 
 
+def test_several_bfloat16_rows_of_wide_inputs_are_left_to_onednn_where_the_cpu_has_the_dot_product():
+    """There oneDNN multiplies them faster (``BF16_DOT_X_VALUES``); one row, narrow inputs, float32 rows
+    and a kernel that widens bfloat16 stay on the kernel."""
+    kernel = cpu_gemv.kernel()
+    assert kernel.bf16_dot == ("avx512_bf16" in open("/proc/cpuinfo").read())
+    first = functools.partial(cpu_gemm.kernel_first, kernel)
+    assert first(1, torch.bfloat16, 14336) and first(2, torch.bfloat16, 4096)
+    assert first(8, torch.bfloat16, 512) and first(8, torch.float32, 4096)
+    assert first(3, torch.bfloat16, 4096) == (not kernel.bf16_dot)
+    assert first(6, torch.bfloat16, 1536) == (not kernel.bf16_dot)
+
+
 def test_a_wide_bf16_layer_leaves_several_rows_to_onednn_where_the_cpu_has_the_dot_product(monkeypatch):
     """Six rows of 1,536 inputs: oneDNN's product where the kernel would run on the bfloat16 dot
-    product (``cpu_gemv.BF16_DOT_X_VALUES``), the kernel elsewhere; the same values either way."""
+    product (``cpu_gemm.BF16_DOT_X_VALUES``), the kernel elsewhere; the same values either way."""
     layer = ReplicatedLinear(1536, 64, bias=False).to(torch.bfloat16)
     layer.weight.data.normal_()
     cpu_gemm.prepack_linears(layer)

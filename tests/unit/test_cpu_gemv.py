@@ -77,16 +77,6 @@ def test_takes_two_to_eight_rows_of_either_dtype(kernel):
         kernel(torch.randn(9, 64).bfloat16(), w.bfloat16(), None)
 
 
-def test_several_bfloat16_rows_of_wide_inputs_are_left_to_onednn_where_the_cpu_has_the_dot_product(kernel):
-    """There oneDNN multiplies them faster (``BF16_DOT_X_VALUES``); one row, narrow inputs, float32 rows
-    and a kernel that widens bfloat16 stay on the kernel."""
-    assert kernel.bf16_dot == ("avx512_bf16" in open("/proc/cpuinfo").read())
-    assert kernel.takes_rows(1, torch.bfloat16, 14336) and kernel.takes_rows(2, torch.bfloat16, 4096)
-    assert kernel.takes_rows(8, torch.bfloat16, 512) and kernel.takes_rows(8, torch.float32, 4096)
-    assert kernel.takes_rows(3, torch.bfloat16, 4096) == (not kernel.bf16_dot)
-    assert kernel.takes_rows(6, torch.bfloat16, 1536) == (not kernel.bf16_dot)
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("rows", [2, 3, 8])
 @pytest.mark.parametrize("dtype,build", [(torch.float32, "native"), (torch.bfloat16, "native"),

@@ -1,32 +1,22 @@
 """Time the few-row C kernel (``cpu_gemv``) against oneDNN over the reordered weight, per shape and row
-count, in bfloat16 (or float32): the measurement behind ``cpu_gemv.BF16_DOT_X_VALUES``.
+count, in bfloat16 (or float32): the measurement behind ``cpu_gemm.BF16_DOT_X_VALUES``.
 
     python -m gaudi_runtime.bench.few_rows [--shapes 8192x1536 1536x4096] [--rows 1 2 4 8] [--threads 2]
 
 Copies of each weight are cycled, enough that they exceed ``--cache-mb`` (a served model's weights
 stream from memory). Printed per product: the minimum wall time over repetitions, both engines, and
-whether the layer's kernel now takes these rows (``takes_rows``). Run it on a quiet machine.
+whether a layer now gives these rows to the kernel (``cpu_gemm.kernel_first``). Run it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from gaudi_runtime.bench.stats import copies_beyond, least_ms
 from gaudi_runtime.device import cpu_gemm, cpu_gemv
 from gaudi_runtime.device.host_allocator import tune_host_allocator
-
-
-def best_ms(fn, calls: int, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best / calls * 1e3
 
 
 def main(argv=None) -> None:
@@ -47,16 +37,16 @@ def main(argv=None) -> None:
         raise SystemExit("the few-row kernel did not build here")
     for shape in args.shapes:
         out, inp = (int(v) for v in shape.split("x"))
-        copies = args.cache_mb * 2**20 // (out * inp * dtype.itemsize) + 1
+        copies = copies_beyond(args.cache_mb, out * inp * dtype.itemsize)
         weights = [torch.randn(out, inp).to(dtype) for _ in range(copies)]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, cpu_gemm.ROWS_HINT) for w in weights]
         for rows in args.rows:
             x = torch.randn(rows, inp).to(dtype)
-            kernel = best_ms(lambda x=x, ws=weights: [gemv(x, w, None) for w in ws], copies, args.repeats)
-            onednn = best_ms(lambda x=x, ws=packed: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            kernel = least_ms(lambda x=x, ws=weights: [gemv(x, w, None) for w in ws], copies, args.repeats)
+            onednn = least_ms(lambda x=x, ws=packed: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                                      for w in ws], copies, args.repeats)
             print(f"{shape} rows={rows}: kernel {kernel:.3f} ms, oneDNN {onednn:.3f} ms, oneDNN/kernel time "
-                  f"{onednn / kernel:.2f}, the layer takes the kernel: {gemv.takes_rows(rows, dtype, inp)}",
+                  f"{onednn / kernel:.2f}, the layer takes the kernel: {cpu_gemm.kernel_first(gemv, rows, dtype, inp)}",
                   flush=True)
 
 

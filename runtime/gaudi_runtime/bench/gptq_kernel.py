@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from gaudi_runtime.bench.stats import copies_beyond, least_ms
 from gaudi_runtime.device import cpu_gemm, cpu_gemv, cpu_gptq
 from gaudi_runtime.device.host_allocator import tune_host_allocator
 from gaudi_runtime.layers.linear import ReplicatedLinear
@@ -44,18 +45,6 @@ def gptq_layer(out: int, inp: int, group: int = 128) -> ReplicatedLinear:
     return m
 
 
-def cpu_ms(fn, calls: int, repeats: int, clock=time.thread_time) -> float:
-    """The least time of `clock` (this thread's CPU time by default) per call, in ms, over `repeats`
-    rounds of `calls` calls."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        best = min(best, (clock() - start) / calls)
-    return best * 1e3
-
-
 def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int,
             clock=time.thread_time, dtype: torch.dtype = torch.bfloat16) -> None:
     layers = [gptq_layer(out, inp) for _ in range(copies)]
@@ -64,7 +53,7 @@ def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int,
     gemv = cpu_gemv.kernel()
     for rows in rows_list:
         x = torch.randn(rows, inp).to(dtype)
-        use_gemv = gemv is not None and gemv.takes_rows(rows, dtype, inp)
+        use_gemv = gemv is not None and cpu_gemm.kernel_first(gemv, rows, dtype, inp)
 
         def int4(x=x):
             for m in layers:
@@ -74,7 +63,7 @@ def compare(out: int, inp: int, rows_list: list[int], copies: int, repeats: int,
             for w, pw in zip(weights, packed):
                 gemv(x, w, None) if use_gemv else torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
 
-        q_ms, b_ms = cpu_ms(int4, copies, repeats, clock), cpu_ms(bf16, copies, repeats, clock)
+        q_ms, b_ms = least_ms(int4, copies, repeats, clock), least_ms(bf16, copies, repeats, clock)
         name = "bf16" if dtype == torch.bfloat16 else "fp32"
         q_gb, b_gb = out * inp / 2 / q_ms / 1e6, out * inp * dtype.itemsize / b_ms / 1e6
         print(f"{out}x{inp} rows={rows}: int4 {q_ms:.3f} ms ({q_gb:.1f} GB/s packed), {name} {b_ms:.3f} ms "
@@ -97,7 +86,7 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     for shape in args.shapes:
         out, inp = (int(v) for v in shape.split("x"))
-        copies = args.cache_mb * 2**20 // (out * inp // 2) + 1
+        copies = copies_beyond(args.cache_mb, out * inp // 2)
         compare(out, inp, args.rows, copies, args.repeats, time.perf_counter if args.wall else time.thread_time,
                 getattr(torch, args.dtype))
 

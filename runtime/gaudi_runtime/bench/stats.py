@@ -1,11 +1,30 @@
-"""Summary statistics shared by `gaudi-serve benchmark` and `gaudi-serve loadtest` (pure)."""
+"""Summary statistics shared by `gaudi-serve benchmark` and `gaudi-serve loadtest` (pure), and the timing
+the kernel benchmarks share (`least_ms`, `copies_beyond`)."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
 
 QUANTILES = (50, 90, 99)
+
+
+def least_ms(fn, calls: int, repeats: int, clock=time.perf_counter) -> float:
+    """The least time of `clock` per call, in ms, over `repeats` rounds of `fn` (which makes `calls`
+    calls), after one unrecorded round."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        best = min(best, (clock() - start) / calls)
+    return best * 1e3
+
+
+def copies_beyond(cache_mb: int, nbytes: int) -> int:
+    """How many copies of an `nbytes` weight exceed `cache_mb` (cycled, they stream from memory)."""
+    return cache_mb * 2**20 // nbytes + 1
 
 
 def percentile(values, q: float) -> float:

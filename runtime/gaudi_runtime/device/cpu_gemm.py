@@ -31,6 +31,12 @@ from gaudi_runtime.layers.linear import LinearBase
 
 log = logging.getLogger(__name__)
 
+# Where the few-row kernel runs on the bfloat16 dot product, oneDNN over the reordered weight (the same
+# instruction) multiplies several rows faster once x outgrows what stays in L1 beside the weight rows the
+# kernel streams: past this many values of x (rows x inputs), bfloat16 rows go to oneDNN
+# (docs/performance.md, "bfloat16 few-row products against oneDNN"; `python -m gaudi_runtime.bench.few_rows`).
+BF16_DOT_X_VALUES = 8192
+
 # oneDNN picks the blocked layout for this many rows; any row count still runs on it, and neither
 # decode batches nor long prompts run slower on it than on a layout picked for their own row count.
 ROWS_HINT = 16
@@ -72,12 +78,20 @@ def _plain(m: nn.Module, dtype: torch.dtype) -> bool:
     return w is not None and w.dtype == dtype and w.device.type == "cpu" and w.dim() == 2 and w.numel() > 0
 
 
+def kernel_first(gemv: cpu_gemv.GemvKernel, rows: int, dtype: torch.dtype, inputs: int) -> bool:
+    """Whether `rows` rows of `dtype` times a weight of `inputs` columns go to the few-row kernel rather
+    than to oneDNN over the reordered weight."""
+    if not gemv.takes_rows(rows, dtype):
+        return False
+    return rows == 1 or not (gemv.bf16_dot and dtype == torch.bfloat16) or rows * inputs <= BF16_DOT_X_VALUES
+
+
 def _few_rows_or(many, gemv: cpu_gemv.GemvKernel, weight: torch.Tensor):
     """A layer kernel: the rows `gemv` takes through it over the plain `weight`, more rows (or an
     activation of another dtype, which `many` then refuses as F.linear would) through `many`."""
     def kernel(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if x.dtype == weight.dtype and gemv.takes_rows(rows, x.dtype, weight.shape[1]):
+        if x.dtype == weight.dtype and kernel_first(gemv, rows, x.dtype, weight.shape[1]):
             return gemv.multiply(x, rows, weight, bias)
         return many(x, bias)
     return kernel

@@ -215,7 +215,7 @@ int max_rows_f32(void) { return MAX_ROWS_F32; }
    inputs read as zero) keeps up with the memory to about eight rows. It needs the instruction, hence the
    one intrinsic header. A CPU without it widens, as the one-row loop does: slower than the instruction,
    still well ahead of oneDNN, which widens too there (docs/performance.md). With the instruction, oneDNN
-   is the faster one for several rows of wide inputs, which cpu_gemv.py then leaves to it
+   is the faster one for several rows of wide inputs, which cpu_gemm.py then leaves to it
    (BF16_DOT_X_VALUES). */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)

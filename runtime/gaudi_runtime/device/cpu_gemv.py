@@ -24,11 +24,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# Where the kernel runs on the bfloat16 dot product, oneDNN over its reordered weights (the same
-# instruction) multiplies several rows faster once x outgrows what stays in L1 beside the weight rows the
-# kernel streams: past this many values of x (rows x inputs), a product of bfloat16 rows goes to oneDNN
-# (docs/performance.md, "bfloat16 few-row products against oneDNN"; `python -m gaudi_runtime.bench.few_rows`).
-BF16_DOT_X_VALUES = 8192
 
 
 def build(environ=None) -> Path:
@@ -63,18 +58,10 @@ class GemvKernel:
         self.max_rows_f32 = int(lib.max_rows_f32())
         self.bf16_dot = bool(lib.bf16_dot())
 
-    def takes_rows(self, rows: int, dtype: torch.dtype, inputs: int | None = None) -> bool:
-        """Whether the kernel multiplies this many activation rows of `dtype` (the weight's), and, given
-        the weight's `inputs` (a caller with oneDNN's reordered weight to fall back on), does so faster
-        than oneDNN there (``BF16_DOT_X_VALUES``)."""
+    def takes_rows(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether the kernel multiplies this many activation rows of `dtype` (the weight's)."""
         most = self.max_rows_bf16 if dtype == torch.bfloat16 else self.max_rows_f32
-        if rows == 1:
-            return True
-        if not 2 <= rows <= most:
-            return False
-        if not (inputs and self.bf16_dot and dtype == torch.bfloat16):
-            return True
-        return rows * inputs <= BF16_DOT_X_VALUES
+        return rows == 1 or 2 <= rows <= most
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T + bias`` for an `x` of rows the kernel takes (``takes_rows``; any leading shape),
