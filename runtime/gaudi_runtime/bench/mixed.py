@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -62,9 +64,9 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict) -> list[f
     return times
 
 
-async def chat_user(session, url: str, body: dict, prompts: list[str], w: Window) -> None:
+async def chat_user(session, url: str, body: dict, prompts: Iterator[str], w: Window) -> None:
     while time.perf_counter() < w.end:
-        times = await stream(session, url, {**body, "prompt": prompts.pop()})
+        times = await stream(session, url, {**body, "prompt": next(prompts)})
         w.chat_tokens += sum(1 for t in times if w.inside(t))
         w.chat_gaps += [b - a for a, b in zip(times, times[1:], strict=False) if w.inside(a) and w.inside(b)]
 
@@ -87,7 +89,8 @@ async def run(a: argparse.Namespace) -> dict:
     rng = random.Random(a.seed)
     base = {"model": a.model, "temperature": 0, "ignore_eos": True}
     longs = int(a.duration / a.long_every) + 1
-    chats = random_prompts(a.tokenizer, a.chat_streams * 200, a.chat_prompt, rng)
+    # Shared and cycled: a fast server (a tiny model) can answer more chat requests than were drawn.
+    chats = itertools.cycle(random_prompts(a.tokenizer, a.chat_streams * 200, a.chat_prompt, rng))
     long_prompts = random_prompts(a.tokenizer, longs, a.long_prompt, rng)
     now = time.perf_counter()
     w = Window(start=now + a.warmup, end=now + a.duration)
