@@ -19,7 +19,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gaudi_runtime.router.metrics import LOAD_GAUGES
 from gaudi_runtime.tools.tiny_model import make_tiny_model
-from tests.runtime.launched import alive, get_json, hold_mid_warmup, launch, shard_of, signal_all
+from tests.runtime.launched import (
+    alive,
+    get_json,
+    hold_mid_warmup,
+    launch,
+    run_in_slices,
+    shard_of,
+    signal_all,
+)
 
 MODEL_NAME = "tiny-llama"
 
@@ -95,22 +103,21 @@ def test_gauges_follow_waiting_and_running_requests_and_kv_blocks(started):
     results: list[int] = []
 
     def stream(n: int) -> None:
-        # The first one long enough to still run when the shard is stopped, whatever this machine's speed.
+        # The first one long enough to still run while the others queue (the shard runs it in slices).
         body = json.dumps({"inputs": f"Load {n}", "parameters": {"max_new_tokens": 400 if n == 0 else 40}}).encode()
         req = urllib.request.Request(srv.url + "/generate_stream", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             results.append(sum(line.startswith(b"data:") for line in r))
 
-    first = threading.Thread(target=stream, args=(0,))
-    first.start()
-    deadline = time.monotonic() + 120
-    while load(srv.url)[1] < 1:  # the first request is in the batch
-        assert time.monotonic() < deadline
-        time.sleep(0.02)  # poll interval of a deadline-bounded wait
     shard = shard_of(srv)
-    os.kill(shard, signal.SIGSTOP)  # the batch stands still; what arrives now waits
+    first, more = threading.Thread(target=stream, args=(0,)), []
+    os.kill(shard, signal.SIGSTOP)  # held from before the first request: it cannot end before it is seen
     try:
+        first.start()
+        # A few tokens a slice (5 ms at most), until the first request is in the batch; left stopped then,
+        # so the batch stands still and what arrives now waits.
+        run_in_slices(lambda: [shard], lambda: load(srv.url)[1] >= 1, timeout_s=120, slice_max_s=0.005)
         more = [threading.Thread(target=stream, args=(n,)) for n in range(1, 5)]
         for t in more:
             t.start()
