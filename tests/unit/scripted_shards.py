@@ -145,6 +145,10 @@ class ScriptedShards:
 
     def prefill(self, batch: pb.Batch, kv_copies: list[pb.KvCopies] | None = None,
                 forget_grammars: list[int] | None = None):
+        return self._in_turn(self._turn(), self._prefilled(batch, kv_copies))
+
+    def _prefilled(self, batch: pb.Batch, kv_copies: list[pb.KvCopies] | None):
+        """A prefill's call recorded now; -> what runs it in its turn and answers."""
         ids = [r.id for r in batch.requests]
         prompts = {r.id: (list(r.input_ids), list(r.blocks), r.cached_tokens) for r in batch.requests}
         self.calls.append(("prefill", {rid: (cached, len(prompt)) for rid, (prompt, _, cached) in prompts.items()}))
@@ -162,7 +166,7 @@ class ScriptedShards:
             for rid, (prompt, _, _) in prompts.items():  # each layer writes its batch's K/V, then attends
                 self._read(rid, len(prompt))
             return pb.PrefillResponse(generations=self._tokens(ids), batch=pb.CachedBatch(id=batch.id, request_ids=ids))
-        return self._in_turn(self._turn(), answer)
+        return answer
 
     # ---- the KV tiers below the device (router/kv_tiers.py), as shard/kv_tiers.py runs them -----------
 
@@ -191,7 +195,10 @@ class ScriptedShards:
         self.staged.update({h: list(self.disk[h]) for h in loaded})
         return [pb.FetchBlocksResponse(loaded=loaded, corrupt=len(set(hashes) & self.corrupt))]
 
-    def decode(self, batches: list[pb.CachedBatch], steps: int = 1):
+    def decode(self, batches: list[pb.CachedBatch], steps: int = 1, ride: pb.PrefillRequest | None = None):
+        """A decode call; `ride`: a prefill computed in its first step's pass (recorded as a prefill made
+        just before the decode)."""
+        prefilled = None if ride is None else self._prefilled(ride.batch, list(ride.kv_copies))
         ids = [rid for b in batches for rid in b.request_ids]
         self.decodes.append((ids, self.unanswered, steps, self.engine.queue_size()))
         self.calls.append(("decode", ids))
@@ -199,13 +206,14 @@ class ScriptedShards:
 
         def answer():
             self.unanswered -= 1
+            ridden = {} if prefilled is None else {"ride": prefilled(), "ride_in_step": True}
             gens = []
             for _ in range(steps):
                 self._write_kv(ids)
                 gens.append(self._tokens(ids))
             return pb.DecodeResponse(generations=gens[0], next_steps=gens[1:],
                                      batch=pb.CachedBatch(id=batches[0].id, request_ids=ids),
-                                     forward_ns=int(steps * self.step_ms * 1e6))
+                                     forward_ns=int(steps * self.step_ms * 1e6), **ridden)
         return self._in_turn(self._turn(), answer)
 
     def clear(self, batch_id=None):

@@ -227,7 +227,7 @@ ROUTER = 'process 1:"python gaudi-serve launch --model-id m";process 3:"python -
 SHARD = 'process 1:"python gaudi-serve launch --model-id m";process 2:"python -m gaudi_runtime.cli shard --rank 0"'
 LOOP = "BaseEventLoop._run_once (asyncio/base_events.py:1922);Handle._run (asyncio/events.py:80)"
 PROFILE = f"""\
-{SHARD};{LOOP};ShardServicer.Decode (gaudi_runtime/shard/servicer.py:117);ModelRunner.decode (gaudi_runtime/shard/runner.py:394);ModelRunner._decode_step (gaudi_runtime/shard/runner.py:184);_packed_linear (gaudi_runtime/device/cpu_gemm.py:37) 30
+{SHARD};{LOOP};ShardServicer.Decode (gaudi_runtime/shard/servicer.py:117);ModelRunner.decode (gaudi_runtime/shard/runner.py:394);StepFunctions.decode_step (gaudi_runtime/shard/steps.py:74);_packed_linear (gaudi_runtime/device/cpu_gemm.py:37) 30
 {SHARD};{LOOP};ShardServicer.Decode (gaudi_runtime/shard/servicer.py:117);ModelRunner.decode (gaudi_runtime/shard/runner.py:218);sample (gaudi_runtime/shard/step_sampling.py:47) 10
 {SHARD};{LOOP};ShardServicer.Decode (gaudi_runtime/shard/servicer.py:124);to_generations (gaudi_runtime/shard/servicer.py:40) 2
 {SHARD};{LOOP} 6

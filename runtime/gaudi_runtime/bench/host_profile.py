@@ -42,8 +42,9 @@ CATEGORIES: list[tuple[str, str, tuple[str, ...]]] = [
                                                  "router/inference.py", "router/routes.py",
                                                  "router/http_common.py", "router/response_models.py",
                                                  "router/engine.py", "json/")),
-    ("shard", "forward pass (decode)", ("_decode_step (gaudi_runtime/shard/runner.py",)),
-    ("shard", "forward pass (prefill)", ("_prefill_step (", "_prefill_context_step (", "_prefill_images_step (")),
+    ("shard", "forward pass (decode)", ("decode_step (gaudi_runtime/shard/steps.py",)),
+    ("shard", "forward pass (prefill)", ("prefill_step (", "prefill_context_step (", "prefill_images_step (",
+                                         "mixed_step (")),
     # py-spy sometimes reads a stack cut short, without the runner's frames above the model's.
     ("shard", "forward pass (stack cut short)", ("gaudi_runtime/layers/", "gaudi_runtime/models/",
                                                  "gaudi_runtime/device/")),

@@ -96,6 +96,9 @@ class AttentionMetadata:
     # A windowed layer's masks, starts and biases (`attention_window`), keyed by kind and window: built by
     # the first layer with that window, reused by the others.
     window_cache: dict = field(default_factory=dict)
+    # A mixed step (`Attention._mixed`): its decode rows' metadata and its prefill's, over one token axis
+    # ``[1, D + B * S]`` (the D decode tokens first); `slots` is then unused.
+    parts: tuple[AttentionMetadata, AttentionMetadata] | None = None
 
     def windowed(self, key: tuple, build):
         if key not in self.window_cache:
@@ -184,6 +187,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:
         """q ``[B, S, Hq, D]``, k/v ``[B, S, Hkv, D]`` -> ``[B, S, Hq * D]``."""
+        if meta.parts is not None:
+            return self._mixed(q, k, v, kv_cache, *meta.parts)
         b, s = q.shape[:2]
         if kv_cache is not None:
             self._write_cache(kv_cache, k, v, meta.slots)
@@ -204,6 +209,24 @@ class Attention(nn.Module):
                 raise ValueError("decode needs a KV cache")
             out = self._decode(q, kv_cache[0], kv_cache[1], meta)
         return out.reshape(b, s, self.num_heads * self.head_dim)
+
+    def _mixed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               decode: AttentionMetadata, prefill: AttentionMetadata) -> torch.Tensor:
+        """A mixed step's tokens ``[1, D + B * S, ...]``: the first D, one per decode row, attend as a decode
+        step's; the rest, a prefill's ``[B, S]`` rows, as that prefill's. Each part writes its own slots and
+        runs its own path, so a row's attention is what it would be in a step of its kind alone."""
+        d = decode.slots.shape[0]
+        rows, seq = prefill.slots.shape
+
+        def one_each(x: torch.Tensor) -> torch.Tensor:
+            return x[0, :d].unsqueeze(1)
+
+        def prompts(x: torch.Tensor) -> torch.Tensor:
+            return x[0, d:].reshape(rows, seq, *x.shape[2:])
+
+        decoded = self.forward(one_each(q), one_each(k), one_each(v), kv_cache, decode)
+        prefilled = self.forward(prompts(q), prompts(k), prompts(v), kv_cache, prefill)
+        return torch.cat([decoded.reshape(d, -1), prefilled.reshape(rows * seq, -1)])[None]
 
     def _every_query(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor:

@@ -352,17 +352,19 @@ class PrefillResponse(_message.Message):
     def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., kv_copy_ns: _Optional[int] = ..., kv_disk_write_failures: _Optional[int] = ..., kv_disk_writes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches", "sequence", "steps")
+    __slots__ = ("batches", "sequence", "steps", "ride")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    RIDE_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
     sequence: int
     steps: int
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., sequence: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+    ride: PrefillRequest
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., sequence: _Optional[int] = ..., steps: _Optional[int] = ..., ride: _Optional[_Union[PrefillRequest, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "forward_ns", "unwarmed_shapes", "next_steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos")
+    __slots__ = ("generations", "batch", "forward_ns", "unwarmed_shapes", "next_steps", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_pos", "ride", "ride_in_step")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
@@ -372,6 +374,8 @@ class DecodeResponse(_message.Message):
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    RIDE_FIELD_NUMBER: _ClassVar[int]
+    RIDE_IN_STEP_FIELD_NUMBER: _ClassVar[int]
     generations: Generations
     batch: CachedBatch
     forward_ns: int
@@ -381,7 +385,9 @@ class DecodeResponse(_message.Message):
     spec_draft_tokens: int
     spec_accepted_tokens: int
     spec_accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., next_steps: _Optional[_Iterable[_Union[Generations, _Mapping]]] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    ride: PrefillResponse
+    ride_in_step: bool
+    def __init__(self, generations: _Optional[_Union[Generations, _Mapping]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., forward_ns: _Optional[int] = ..., unwarmed_shapes: _Optional[int] = ..., next_steps: _Optional[_Iterable[_Union[Generations, _Mapping]]] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_pos: _Optional[_Iterable[int]] = ..., ride: _Optional[_Union[PrefillResponse, _Mapping]] = ..., ride_in_step: _Optional[bool] = ...) -> None: ...
 
 class CompileGrammarRequest(_message.Message):
     __slots__ = ("type", "value", "id")

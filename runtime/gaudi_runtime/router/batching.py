@@ -20,11 +20,14 @@ blocks; once a request waits, calls run one step, so its prefill is held back by
 calls already made.
 
 A prompt longer than --max-batch-prefill-tokens is prefilled in chunks (`RunningBatch.chunking`): each
-chunk is a prefill over the blocks the chunks before it wrote, made between two one-step decode calls
-of the running requests, its batch dropped at once (its token is not the prompt's); the last chunk is an
-ordinary prefill whose batch joins the decodes. So a running request waits for at most one chunk (and
-one joining prefill) between two of its tokens, never for a whole long prompt. Chunks count in the
-pipeline as decode calls do.
+chunk is a prefill over the blocks the chunks before it wrote, one per decode call of the running
+requests; it rides that call (`DecodeRequest.ride`), and the shards compute it in the same forward pass
+as the call's step where they can (shard/runner.py, `decode_with`). A chunk before the last has its
+batch dropped at once (its token is not the prompt's); the last one's batch joins the decodes from the
+next call on. A chunk is registered in the prefix cache only after this loop's other prefills are made,
+as the call it rides comes after them. So a running request waits for at most one chunk's tokens (and
+one joining prefill) between two of its tokens, never for a whole long prompt. With no decode to ride
+(nothing else runs), a chunk is its own prefill call, and counts in the pipeline as a decode call does.
 
 With LongRoPE (Phi-3), a sequence whose answer reaches the original length is prefilled again, prompt
 and answer whole, as Phi-3's `generate()` recomputes it with the long factor set (prefix_cache.py,
@@ -87,6 +90,8 @@ class RunningBatch:
     inflight: deque[Call] = field(default_factory=deque)  # in call order
     waiting_steps: int = 0  # decode steps handled since a prefill last joined
     chunking: RequestState | None = None  # the request whose prompt is being prefilled in chunks
+    first_chunk: pb.Request | None = None  # its first chunk, not yet made (`take` registered its blocks)
+    joining: list[pb.CachedBatch] = field(default_factory=list)  # a ridden prefill's batch: the next call names it
     parked: list[int] = field(default_factory=list)  # left the batch to be prefilled again (LongRoPE)
 
     def decodes_in_flight(self) -> int:
@@ -146,21 +151,26 @@ class BatchingLoop:
             batch.parked = [rid for rid in batch.parked if rid not in ids]
             batch.parked += [rid for rid in batch.request_ids if rid not in batch.parked and self._parks(rid)]
         chunked = batch.chunking is not None
-        joined = [self._next_chunk(batch)] if chunked else []
-        joined += self._reprefills(batch)
+        joined = self._still_joining(batch) + self._reprefills(batch)
         if self.requests.waiting:
             prefilled, join = await self._join(len(ids), batch)
             joined.append(join)
             if prefilled:
                 batch.waiting_steps = 0
                 ids = [rid for rid in ids if self._sendable(rid)]  # some may have ended while it was awaited
+        chunk = self._next_chunk(batch) if batch.chunking is not None else None
         joined = [b for b in joined if b is not None]
         parts = ([pb.CachedBatch(id=batch.id, request_ids=ids)] if ids else []) + joined
+        ride = None
+        if chunk is not None and parts:
+            ride = self._ride(batch, *chunk)
+        elif chunk is not None:
+            parts = [b for b in [self._send_chunk(batch, *chunk)] if b is not None]
         if not parts:
             return chunked or batch.chunking is not None  # a chunk was made: the next one may follow it
         if not ids and batch.id is not None:  # none of the old batch runs on: the joined one replaces it
             batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(batch.id))))
-        quiet = not joined and not self.requests.waiting and batch.chunking is None
+        quiet = not joined and not self.requests.waiting and batch.chunking is None and ride is None
         steps = self._steps(ids) if ids and quiet else 1
         batch.id, batch.request_ids = parts[0].id, [rid for b in parts for rid in b.request_ids]
         max_tokens = 0
@@ -170,9 +180,32 @@ class BatchingLoop:
             max_tokens += len(state.req.input_ids) + state.req.stopping.max_new_tokens
         self.metrics.batch_size(len(batch.request_ids), max_tokens)
         # The call is made (numbered) here, before anything else the loop sends.
-        rpc = asyncio.ensure_future(self.client.decode(parts, steps))
-        batch.inflight.append(Call(rpc, self._answer_decode(parts, rpc, time.monotonic(), steps), steps))
+        if ride is None:
+            rpc = asyncio.ensure_future(self.client.decode(parts, steps))
+            batch.inflight.append(Call(rpc, self._answer_decode(parts, rpc, time.monotonic(), steps), steps))
+            return True
+        request, state, last = ride
+        rpc = asyncio.ensure_future(self.client.decode(parts, steps, request))
+        batch.inflight.append(Call(rpc, self._answer_decode(parts, rpc, time.monotonic(), steps, (state, last)),
+                                   steps))
+        if last and self._runs_on(batch, [state.id]):
+            batch.joining = [pb.CachedBatch(id=request.batch.id, request_ids=[state.id])]
+        else:  # a chunk before the last: its KV is kept, its batch dropped at once
+            batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(request.batch.id))))
         return True
+
+    def _still_joining(self, batch: RunningBatch) -> list[pb.CachedBatch]:
+        """The batch a ridden prefill left on the shards, for the next call to name (its request, if it still
+        runs on; else the batch is dropped)."""
+        joined, batch.joining = batch.joining, []
+        out = []
+        for b in joined:
+            ids = [rid for rid in b.request_ids if self._sendable(rid)]
+            if ids:
+                out.append(pb.CachedBatch(id=b.id, request_ids=ids))
+            else:
+                batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(b.id))))
+        return out
 
     def _sendable(self, rid: int) -> bool:
         """Whether the next decode call computes a token for `rid`: it is live, may take more, and its
@@ -247,7 +280,7 @@ class BatchingLoop:
                 self.wake()  # any put back wait again: serve them even if nothing else runs
                 return True, None
         if len(taken) == 1 and taken[0].prefilled < len(taken[0].req.input_ids):
-            self._first_chunk(batch, taken[0])
+            self._first_chunk(batch, taken[0])  # made by the caller, after this
             return True, None
         encoded = self._encoded(taken)
         if not encoded:
@@ -277,27 +310,45 @@ class BatchingLoop:
                                                  min_size, chunks, self.requests.running_adapters()))
 
     def _first_chunk(self, batch: RunningBatch, state: RequestState) -> None:
-        """Make the first chunk of `state`'s long prompt (`take` registered its blocks); the others
-        follow, one per decode call, from `_next_chunk`."""
+        """Start prefilling `state`'s long prompt in chunks: its first (`take` registered its blocks) is made
+        next, by `_next_chunk`, as the others are, one per decode call."""
         request = self._encode_or_end(state, state.cached_tokens, state.prefilled)
         if request is None:
             return
-        batch.chunking = state
-        self._make_chunk(batch, state, request)
+        batch.chunking, batch.first_chunk = state, request
 
-    def _next_chunk(self, batch: RunningBatch) -> pb.CachedBatch | None:
-        """Make the next chunk of the prompt being chunked; the last one's batch joins the decodes."""
+    def _next_chunk(self, batch: RunningBatch) -> tuple[RequestState, pb.Request, bool] | None:
+        """The next chunk of the prompt being chunked (registered: made next, after every prefill this loop
+        made before it) and whether it is the last; None: the request ended."""
         state = batch.chunking
         if state.ended:  # cancelled between two chunks
-            batch.chunking = None
+            batch.chunking, batch.first_chunk = None, None
             return None
-        start, end = state.prefilled, self.requests.next_prefill_end(state)
-        self.requests.prefill_made(state, end)
-        request = prefill_request(state, start, end)  # encodable: its first chunk was
-        if end < len(state.req.input_ids):
+        request, batch.first_chunk = batch.first_chunk, None
+        if request is None:
+            start, end = state.prefilled, self.requests.next_prefill_end(state)
+            self.requests.prefill_made(state, end)
+            request = prefill_request(state, start, end)  # encodable: its first chunk was
+        last = len(request.input_ids) == len(state.req.input_ids)
+        if last:
+            batch.chunking = None
+        return state, request, last
+
+    def _ride(self, batch: RunningBatch, state: RequestState, request: pb.Request,
+              last: bool) -> tuple[pb.PrefillRequest, RequestState, bool]:
+        """A chunk riding the decode call about to be made (the shards compute it in the same forward pass
+        where they can): its prefill request, its request, whether it is the last."""
+        batch_id = next(self._batch_ids)
+        ride = pb.PrefillRequest(batch=pb.Batch(id=batch_id, requests=[request]), kv_copies=self._copies(),
+                                 forget_grammars=self.requests.grammars.take_forgotten())
+        return ride, state, last
+
+    def _send_chunk(self, batch: RunningBatch, state: RequestState, request: pb.Request,
+                    last: bool) -> pb.CachedBatch | None:
+        """Make a chunk's own prefill call (no decode call to ride); the last one's batch joins the decodes."""
+        if not last:
             self._make_chunk(batch, state, request)
             return None
-        batch.chunking = None
         batch_id, call = self._make_prefill([(state, request)])
         batch.inflight.append(call)
         if self._runs_on(batch, [state.id]):
@@ -396,15 +447,18 @@ class BatchingLoop:
             self._end_with_error([state.id], e)
             raise
         self.metrics.prefill_answered(made, resp, 1)
-        self.metrics.prefill_chunk()
+        self.metrics.prefill_chunk(last=False, in_step=False)
 
     async def _answer_decode(self, batches: list[pb.CachedBatch], rpc: Awaitable[pb.DecodeResponse],
-                             made: float, steps: int = 1) -> None:
+                             made: float, steps: int = 1, ride: tuple[RequestState, bool] | None = None) -> None:
+        """Stream a decode call's tokens; `ride`: the chunk that rode it (its request, whether the last)."""
         try:
             resp = await rpc
         except ShardError as e:
-            self._end_with_error([rid for b in batches for rid in b.request_ids], e)
+            self._end_with_error([rid for b in batches for rid in b.request_ids] + ([ride[0].id] if ride else []), e)
             raise
+        if ride is not None:
+            self._answer_ride(resp, *ride, made)
         for rid in (rid for b in batches for rid in b.request_ids):
             state = self.requests.get(rid)
             if state is not None:
@@ -416,6 +470,14 @@ class BatchingLoop:
         self.output.process(resp.generations)
         for gens in resp.next_steps:
             self.output.process(gens)
+
+    def _answer_ride(self, resp: pb.DecodeResponse, state: RequestState, last: bool, made: float) -> None:
+        """The answer to a chunk that rode a decode call, as its own prefill call's would be handled."""
+        self.metrics.prefill_answered(made, resp.ride, 1)
+        self.metrics.prefill_chunk(last, resp.ride_in_step)
+        if last:
+            state.answered, state.prefill_pending = state.answered + 1, False
+            self.output.process(resp.ride.generations)
 
     def _end_with_error(self, request_ids: list[int], error: ShardError) -> None:
         for rid in request_ids:

@@ -109,8 +109,11 @@ class ShardClient:
         except grpc.aio.AioRpcError as e:
             raise ShardError(f"FetchBlocks failed: {e.code().name}: {e.details()}") from e
 
-    def decode(self, batches: list[pb.CachedBatch], steps: int = 1) -> Awaitable[pb.DecodeResponse]:
-        return self._all("Decode", pb.DecodeRequest(batches=batches, sequence=next(self._sequence), steps=steps))
+    def decode(self, batches: list[pb.CachedBatch], steps: int = 1,
+               ride: pb.PrefillRequest | None = None) -> Awaitable[pb.DecodeResponse]:
+        """`steps` decode steps of the cached `batches`; `ride`: a prefill computed with the first of them."""
+        return self._all("Decode", pb.DecodeRequest(batches=batches, sequence=next(self._sequence), steps=steps,
+                                                    ride=ride))
 
     def load_adapter(self, slot: int, name: str, path: str, load_id: int) -> Awaitable[pb.LoadAdapterResponse]:
         """Every shard writes the LoRA adapter at `path` (load `load_id`: the key of its host copy) into device

@@ -203,6 +203,7 @@ class BatchingEngine:
             info["prefix_cache_queries"] = self.metrics.prefix_queries
             info["prefix_cache_hits"] = self.metrics.prefix_hits
             info["prefill_chunks"] = self.metrics.prefill_chunks
+            info["prefill_chunks_in_step"] = self.metrics.prefill_chunks_in_step
         if self.requests.prefix.tiers is not None:
             info["kv_offloading"] = self._tiers_info()
         return info

@@ -23,6 +23,7 @@ class EngineMetrics:
         self._last_decode_answer = 0.0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (also kept without a registry)
         self.prefill_chunks = 0  # chunks of long prompts prefilled before their last one
+        self.prefill_chunks_in_step = 0  # chunks (the last too) computed in a decode step's forward pass
         self.prefix_hits = 0
         self.serving = False  # the load gauges are published from the moment the engine is ready
         self.kv_offload: dict[str, float] = {}  # the KV tiers' counts, also kept without a registry (/info)
@@ -108,8 +109,11 @@ class EngineMetrics:
         m.tgi_batch_inference_duration.labels(method=method).observe(seconds)
         m.tgi_batch_forward_duration.labels(method=method).observe(forward_ns / 1e9)
 
-    def prefill_chunk(self) -> None:
-        """A chunk of a long prompt (not its last) was prefilled."""
+    def prefill_chunk(self, last: bool, in_step: bool) -> None:
+        """A chunk of a long prompt was prefilled (`in_step`: in a decode step's forward pass)."""
+        self.prefill_chunks_in_step += in_step
+        if last:
+            return
         self.prefill_chunks += 1
         if self._m is not None:
             self._m.gaudi_serve_prefill_chunks_total.inc()

@@ -131,6 +131,8 @@ class Info(Open):
                                   "speculation, --speculate; 0: none)")
     prefill_chunks: int | None = Field(None, description="Chunks of long prompts prefilled before their last "
                                        "one (prompts longer than max_batch_prefill_tokens)")
+    prefill_chunks_in_step: int | None = Field(None, description="Chunks (their last included) computed in the "
+                                               "same forward pass as a decode step of the running requests")
     unwarmed_shapes: int | None = Field(None, description="Shapes run after warmup that it had not warmed")
     lora_adapters: list[str] | None = Field(None, description="The LoRA adapters registered beside the base model "
                                             "(--lora-adapters, and those loaded while serving), selected by "

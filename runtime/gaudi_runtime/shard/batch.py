@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gaudi_runtime import buckets
 from gaudi_runtime.shard.sampling import BatchSampler
 from gaudi_runtime.shard.speculation import DraftRows
 
@@ -36,6 +37,14 @@ class ShardBatch:
 
     def __len__(self) -> int:
         return len(self.request_ids)
+
+    def draft_plan(self, speculate: int, long_from: int | None) -> np.ndarray | None:
+        """The tokens each row feeds this step, its drafts after them (`DraftRows.plan`); None: a plain step."""
+        if self.drafts is None:
+            return None
+        grammar = self.sampler.grammar
+        constrained = () if grammar is None else [m is not None for m in grammar.matchers]
+        return self.drafts.plan(speculate, buckets.SPECULATION_MAX_ROWS, constrained, long_from)
 
     def advance(self, emitted: list[list[int]] | None, drafted: np.ndarray | None = None) -> None:
         """After a step, each row's next position: one token on (`emitted` None: without speculation), or

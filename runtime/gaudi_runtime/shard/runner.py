@@ -1,7 +1,7 @@
 """The model on one shard: loads it, sizes its KV cache, and runs each step.
 
 A step builds its inputs from the requests or the cached batch (`inputs.py`: padded to a bucket of
-`gaudi_runtime.buckets`), runs one of the step functions below (what device graphs capture), and samples
+`gaudi_runtime.buckets`), runs one of the step functions (`steps.py`: what device graphs capture), and samples
 (`step_sampling.py`); `warmup.py` runs every bucket's step once before serving. The only host-device
 sync per step is reading the sampled tokens back.
 """
@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gaudi_runtime import buckets
 from gaudi_runtime.config import Config
 from gaudi_runtime.device.base import Backend
-from gaudi_runtime.layers.attention import AttentionMetadata, attention_in_use, use_attention
+from gaudi_runtime.layers.attention import attention_in_use, use_attention
 from gaudi_runtime.layers.kv_cache import allocate_cache, cache_bytes_per_block, model_token_shapes
 from gaudi_runtime.models import load_model
 from gaudi_runtime.quant.setup import kv_cache_dtype, quantize_loaded
@@ -30,10 +29,11 @@ from gaudi_runtime.shard.grammar import GrammarCache
 from gaudi_runtime.shard.inputs import PrefillInput
 from gaudi_runtime.shard.memory import size_kv_cache, weight_bytes
 from gaudi_runtime.shard.profiler import make_profiler
-from gaudi_runtime.shard.prompt_images import context_embeds, load_processor, prompt_embeds
+from gaudi_runtime.shard.prompt_images import context_embeds, load_processor
 from gaudi_runtime.shard.sampling import SampleOutput
 from gaudi_runtime.shard.speculation import SpecStats, draft_rows
 from gaudi_runtime.shard.step_sampling import prefill_sampler, prompt_logprobs, sample, verify
+from gaudi_runtime.shard.steps import StepFunctions
 from gaudi_runtime.shard.warmup import Warmup, WarmupError
 
 # What the servicer uses: requests in, results out, the error warmup ends with.
@@ -107,87 +107,48 @@ class ModelRunner:
         self.warmed: set[tuple] | None = None  # (kind, *shape) of every shape warmup ran; None until it ran
         self.unwarmed_shapes = 0  # forward passes on a shape warmup did not run
         self._unwarmed_seen: set[tuple] = set()
-        decode_step = self._flat_decode_step if self.flat_decode else self._decode_step
+        self.steps = st = StepFunctions(m, self.kv_cache, self.adapter_rows, self.image_processor)
         self._decode_inputs = inputs.flat_decode_inputs if self.flat_decode else inputs.decode_inputs
-        self._decode_fn = backend.graphed(decode_step, "decode")
-        self._prefill_fn = self._prefill_step if dev.limit_hpu_graph else backend.graphed(self._prefill_step,
-                                                                                   "prefill")
-        self._prefill_context_fn = self._prefill_context_step if dev.limit_hpu_graph else backend.graphed(
-            self._prefill_context_step, "prefill_context")
-        self._verify_fn = backend.graphed(self._verify_step, "verify")
+        self._decode_fn = backend.graphed(st.flat_decode_step if self.flat_decode else st.decode_step, "decode")
+        self._prefill_fn = st.prefill_step if dev.limit_hpu_graph else backend.graphed(st.prefill_step, "prefill")
+        self._prefill_context_fn = st.prefill_context_step if dev.limit_hpu_graph else backend.graphed(
+            st.prefill_context_step, "prefill_context")
+        self._verify_fn = backend.graphed(st.verify_step, "verify")
+        self.mixes = self._mixes()
         self.profiler = make_profiler(cfg.device, rank, backend.profiler_activity)  # PROF_*: None unless this rank profiles
 
-    # ---- the step functions (what device graphs capture) --------------
-
-    def _use_adapters(self, adapters) -> None:
-        """Each row's adapter slot for the forward pass that follows (layers/lora.py)."""
-        if self.adapter_rows is not None:
-            self.adapter_rows.index = adapters
-
-    def _prefill_step(self, input_ids, positions, slots, last_idx, adapters):
-        self._use_adapters(adapters)
-        hidden = self.model(input_ids, positions, self.kv_cache, AttentionMetadata(is_prefill=True, slots=slots))
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        return hidden, self.model.compute_logits(hidden[rows, last_idx])
-
-    def _prefill_images_step(self, images: list[bytes], input_ids, positions, slots, last_idx, adapters):
-        """A prefill whose prompts hold images: the vision tower's features replace the placeholder
-        tokens' embeddings. Eager (image tile counts vary), so text-only buckets and graphs are untouched."""
-        embeds = prompt_embeds(self.model, self.image_processor, images, input_ids)
-        self._use_adapters(adapters)
-        hidden = self.model(input_ids, positions, self.kv_cache, AttentionMetadata(is_prefill=True, slots=slots),
-                            inputs_embeds=embeds)
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        return hidden, self.model.compute_logits(hidden[rows, last_idx])
-
-    def _prefill_context_step(self, input_ids, positions, slots, last_idx, context_tables, context_lens, adapters,
-                              inputs_embeds=None):
-        """A prefill of the tokens after each prompt's cached blocks (`context_tables`, the first
-        `context_lens` positions), which they attend to."""
-        meta = AttentionMetadata(is_prefill=True, slots=slots, block_tables=context_tables, context_lens=context_lens)
-        self._use_adapters(adapters)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds=inputs_embeds)
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
-        return hidden, self.model.compute_logits(hidden[rows, last_idx])
-
-    def _verify_step(self, input_ids, positions, slots, context_tables, context_lens, adapters):
-        """Each row's fed token and drafts [rows, width] over its cached positions -> logits [width, rows, V]
-        (position-major, so that each position's logits are one contiguous block for the sampler)."""
-        meta = AttentionMetadata(is_prefill=True, slots=slots, block_tables=context_tables, context_lens=context_lens)
-        self._use_adapters(adapters)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        rows, width = input_ids.shape
-        return self.model.compute_logits(hidden.transpose(0, 1).reshape(rows * width, -1)).view(width, rows, -1)
-
-    def _decode_step(self, input_ids, positions, slots, tables, context_lens, adapters):
-        self._use_adapters(adapters)
-        meta = AttentionMetadata(is_prefill=False, slots=slots[:, None], block_tables=tables,
-                                 context_lens=context_lens)
-        hidden = self.model(input_ids[:, None], positions[:, None], self.kv_cache, meta)
-        return self.model.compute_logits(hidden[:, -1])
-
-    def _flat_decode_step(self, input_ids, positions, slots, block_list, block_groups, block_bias, adapters):
-        """A decode step whose attention reads the blocks in use, laid out flat (`flat_layout`)."""
-        self._use_adapters(adapters)
-        meta = AttentionMetadata(is_prefill=False, slots=slots[:, None], block_list=block_list,
-                                 block_groups=block_groups, block_bias=block_bias)
-        hidden = self.model(input_ids[:, None], positions[:, None], self.kv_cache, meta)
-        return self.model.compute_logits(hidden[:, -1])
+    def _mixes(self) -> bool:
+        """Whether a prefill may share a decode step's forward pass (`decode_with`): where steps run their own
+        shapes and every layer's per-row state is the attention metadata's; not with adapters (their index is
+        per row of the input), LongRoPE (its factor set per row), a model's own attention, or the
+        batch-invariant mode (whose promise is per step kind)."""
+        return not (self.backend.pads_to_buckets or self.adapter_rows is not None or self.long_rope[0] is not None
+                    or getattr(self.model, "attention_name", None) or self.cfg.device.batch_invariant)
 
     # ---- prefill and decode --------------------------------------------
 
     @torch.inference_mode()
     def prefill(self, batch_id: int, reqs: list[PrefillInput]) -> StepResult:
         """Compute each prompt after its cached tokens (all of it when none are), keep the batch."""
-        inputs.check_cached(reqs, self.cfg.device.block_size)
-        inputs.check_adapters(reqs, self.cfg.adapters.max_loras if self.adapter_rows is not None else 0)
-        tables = inputs.block_tables(reqs, self.cfg)
-        sampler = prefill_sampler(reqs, self.model.vocab_size, self.device, self.grammars)
+        tables, sampler = self._prefill_setup(reqs)
         t0 = time.perf_counter_ns()
         hidden, logits, ids = self._forward_prefill(reqs, tables)
         self.backend.mark_step()
         prompt_lp = prompt_logprobs(self.model.compute_logits, hidden, ids, reqs)
         out = sample(self.backend, sampler, logits, logits.shape[0])
+        self._keep_prefilled(batch_id, reqs, tables, sampler, out)
+        return StepResult([r.id for r in reqs], out, prompt_lp, time.perf_counter_ns() - t0)
+
+    def _prefill_setup(self, reqs: list[PrefillInput]):
+        """A prefill's checks, its requests' block tables and its sampler."""
+        inputs.check_cached(reqs, self.cfg.device.block_size)
+        inputs.check_adapters(reqs, self.cfg.adapters.max_loras if self.adapter_rows is not None else 0)
+        return inputs.block_tables(reqs, self.cfg), prefill_sampler(reqs, self.model.vocab_size, self.device,
+                                                                    self.grammars)
+
+    def _keep_prefilled(self, batch_id: int, reqs: list[PrefillInput], tables: np.ndarray, sampler,
+                        out: SampleOutput) -> None:
+        """Keep a prefill's rows as the batch `batch_id`, their first tokens sampled (`out`)."""
         lens, dev = inputs.prompt_lens(reqs), self.device
         self.batches[batch_id] = ShardBatch(
             id=batch_id, request_ids=[r.id for r in reqs],
@@ -198,7 +159,6 @@ class ModelRunner:
             drafts=draft_rows(reqs, out.next_ids[:len(reqs)].tolist(), self.cfg.device.block_size)
             if self.cfg.scheduling.speculate else None,
         )
-        return StepResult([r.id for r in reqs], out, prompt_lp, time.perf_counter_ns() - t0)
 
     def _forward_prefill(self, reqs: list[PrefillInput], tables: np.ndarray):
         """Queue the prefill's forward pass -> (hidden, logits, the padded ids). Only a batch with cached
@@ -210,11 +170,11 @@ class ModelRunner:
         images = [im for r in reqs for im in r.images]
         if with_context and images:
             embeds = context_embeds(self.model, self.image_processor, reqs, *ids.shape, self.device)
-            hidden, logits = self._prefill_context_step(*args, inputs_embeds=embeds)
+            hidden, logits = self.steps.prefill_context_step(*args, inputs_embeds=embeds)
         elif with_context:
             hidden, logits = self._prefill_context_fn(*args)
         elif images:
-            hidden, logits = self._prefill_images_step(images, *args)
+            hidden, logits = self.steps.prefill_images_step(images, *args)
         else:
             hidden, logits = self._prefill_fn(*args)
         return hidden, logits, ids
@@ -223,11 +183,8 @@ class ModelRunner:
     def decode(self, batches: list[tuple[int, list[int]]]) -> tuple[int, StepResult]:
         """One step over the cached batches (filtered to the given request ids), merged into one: a
         speculative one when some row drafts."""
-        batch = ShardBatch.concat([self._take(batch_id).filter(request_ids) for batch_id, request_ids in batches])
-        grammar = batch.sampler.grammar
-        constrained = () if grammar is None else [m is not None for m in grammar.matchers]
-        plan = None if batch.drafts is None else batch.drafts.plan(
-            self.cfg.scheduling.speculate, buckets.SPECULATION_MAX_ROWS, constrained, self.long_rope[0])
+        batch = self._merged(batches)
+        plan = batch.draft_plan(self.cfg.scheduling.speculate, self.long_rope[0])
         if plan is not None:
             return batch.id, self._verify(batch, plan)
         step = self._decode_inputs(batch, self.cfg, self.backend.pads_to_buckets)
@@ -236,12 +193,55 @@ class ModelRunner:
         logits = self._decode_fn(*step.args)
         self.backend.mark_step()
         out = sample(self.backend, batch.sampler, logits, step.args[0].shape[0])
+        return batch.id, self._decoded(batch, out, time.perf_counter_ns() - t0)
+
+    @torch.inference_mode()
+    def decode_with(self, batches: list[tuple[int, list[int]]], ride_id: int,
+                    reqs: list[PrefillInput]) -> tuple[int, StepResult, StepResult, bool]:
+        """`decode`'s step with a prefill riding it (a long prompt's chunk, kept as the batch `ride_id`):
+        both in one forward pass where `rides` allows and the step does not speculate, else the prefill's
+        pass and then the step, as two calls would run them. -> (the batch id, the step's result, the
+        prefill's, whether they shared the pass)."""
+        if not self.rides(reqs):
+            ride = self.prefill(ride_id, reqs)
+            return *self.decode(batches), ride, False
+        batch = self._merged(batches)
+        plan = batch.draft_plan(self.cfg.scheduling.speculate, self.long_rope[0])
+        if plan is not None:
+            self.batches[batch.id] = batch
+            ride = self.prefill(ride_id, reqs)
+            return *self.decode([(batch.id, list(batch.request_ids))]), ride, False
+        tables, sampler = self._prefill_setup(reqs)
+        prefill = inputs.prefill_step_inputs(reqs, tables, self.cfg, False, self.long_rope)
+        decode = self._decode_inputs(batch, self.cfg, False)
+        t0 = time.perf_counter_ns()
+        logits = self.steps.mixed_step(decode.args, [None if a is None else torch.from_numpy(a).to(self.device)
+                                                for a in prefill.args])
+        self.backend.mark_step()
+        d = len(batch)
+        out = sample(self.backend, batch.sampler, logits[:d], d)
+        ride_out = sample(self.backend, sampler, logits[d:], len(reqs))
+        self._keep_prefilled(ride_id, reqs, tables, sampler, ride_out)
+        ns = time.perf_counter_ns() - t0
+        return batch.id, self._decoded(batch, out, ns), StepResult([r.id for r in reqs], ride_out, {}, ns), True
+
+    def rides(self, reqs: list[PrefillInput]) -> bool:
+        """Whether a prefill of `reqs` may share a decode step's forward pass (`_mixes`): no image (the vision
+        tower's features replace embeddings) and no prompt log-probabilities (every prompt position's logits)."""
+        return self.mixes and not any(r.images or r.prefill_logprobs for r in reqs)
+
+    def _merged(self, batches: list[tuple[int, list[int]]]) -> ShardBatch:
+        """The cached batches, filtered to the given request ids, merged into one."""
+        return ShardBatch.concat([self._take(batch_id).filter(request_ids) for batch_id, request_ids in batches])
+
+    def _decoded(self, batch: ShardBatch, out: SampleOutput, forward_ns: int) -> StepResult:
+        """A plain decode step's tokens `out` taken into `batch`, which is kept."""
         batch.last_ids = out.next_ids[:len(batch)]
         if self.profiler is not None:
             self.profiler.step()
         batch.advance(None if batch.drafts is None else [[t] for t in batch.last_ids.tolist()])
         self.batches[batch.id] = batch
-        return batch.id, StepResult(list(batch.request_ids), out, {}, time.perf_counter_ns() - t0)
+        return StepResult(list(batch.request_ids), out, {}, forward_ns)
 
     def _verify(self, batch: ShardBatch, plan: np.ndarray) -> StepResult:
         """A speculative step: each row's fed token and drafts in one pass, the accepted ones kept."""

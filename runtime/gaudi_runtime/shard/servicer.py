@@ -114,24 +114,23 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     async def Prefill(self, request, context):
-        reqs = [
-            PrefillInput(id=r.id, input_ids=list(r.input_ids), params=to_params(r.parameters),
-                         top_n_tokens=r.top_n_tokens, blocks=list(r.blocks), prefill_logprobs=r.prefill_logprobs,
-                         images=list(r.images), cached_tokens=r.cached_tokens, adapter=r.adapter_index,
-                         max_new_tokens=r.max_new_tokens, sequence_tokens=r.sequence_tokens,
-                         grammar=r.grammar.id if r.HasField("grammar") else None,
-                         thinking=_thinking(r))
-            for r in request.batch.requests
-        ]
+        reqs = _prefill_inputs(request.batch)
         async with self.order.turn(request.sequence):
             self._adjust_threads()
-            if request.forget_grammars and self.runner.grammars is not None:
-                self.runner.grammars.forget(request.forget_grammars)
-            copy_ns = self.tiers.apply(request.kv_copies) if self.tiers is not None and request.kv_copies else 0
+            copy_ns = self._before_prefill(request)
             try:
                 step = self.runner.prefill(request.batch.id, reqs)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return self._prefill_response(request, step, copy_ns)
+
+    def _before_prefill(self, request: pb.PrefillRequest) -> int:
+        """Forget the grammars the prefill names and make its tier copies; -> the copies' time (ns)."""
+        if request.forget_grammars and self.runner.grammars is not None:
+            self.runner.grammars.forget(request.forget_grammars)
+        return self.tiers.apply(request.kv_copies) if self.tiers is not None and request.kv_copies else 0
+
+    def _prefill_response(self, request: pb.PrefillRequest, step: StepResult, copy_ns: int) -> pb.PrefillResponse:
         disk = self.tiers.disk if self.tiers is not None else None
         return pb.PrefillResponse(
             generations=to_generations(step, self.rank),
@@ -142,10 +141,19 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         )
 
     async def Decode(self, request, context):
+        cached = [(b.id, list(b.request_ids)) for b in request.batches]
+        ride = request.ride if request.HasField("ride") else None
+        answer = {}
         async with self.order.turn(request.sequence):
             self._adjust_threads()
             try:
-                batch_id, step = self.runner.decode([(b.id, list(b.request_ids)) for b in request.batches])
+                if ride is None:
+                    batch_id, step = self.runner.decode(cached)
+                else:
+                    copy_ns = self._before_prefill(ride)
+                    batch_id, step, ride_step, shared = self.runner.decode_with(cached, ride.batch.id,
+                                                                                _prefill_inputs(ride.batch))
+                    answer = {"ride": self._prefill_response(ride, ride_step, copy_ns), "ride_in_step": shared}
                 steps = [step]
                 for _ in range(1, request.steps):
                     batch_id, step = self.runner.decode([(batch_id, step.rows())])
@@ -158,7 +166,7 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
             batch=pb.CachedBatch(id=batch_id, request_ids=step.rows()),
             forward_ns=sum(s.forward_ns for s in steps),
             unwarmed_shapes=self.runner.unwarmed_shapes,
-            **spec_fields([s.spec for s in steps if s.spec is not None]),
+            **spec_fields([s.spec for s in steps if s.spec is not None]), **answer,
         )
 
     async def LoadAdapter(self, request, context):
@@ -206,6 +214,18 @@ class ShardServicer(pb_grpc.TextGenerationServiceServicer):
         except GrammarError as e:
             return pb.CompileGrammarResponse(error=str(e))
         return pb.CompileGrammarResponse(compile_ns=compiled.compile_ns)
+
+
+def _prefill_inputs(batch: pb.Batch) -> list[PrefillInput]:
+    return [
+        PrefillInput(id=r.id, input_ids=list(r.input_ids), params=to_params(r.parameters),
+                     top_n_tokens=r.top_n_tokens, blocks=list(r.blocks), prefill_logprobs=r.prefill_logprobs,
+                     images=list(r.images), cached_tokens=r.cached_tokens, adapter=r.adapter_index,
+                     max_new_tokens=r.max_new_tokens, sequence_tokens=r.sequence_tokens,
+                     grammar=r.grammar.id if r.HasField("grammar") else None,
+                     thinking=_thinking(r))
+        for r in batch.requests
+    ]
 
 
 def _thinking(r) -> tuple[int, int, bool] | None:
