@@ -44,8 +44,9 @@ def _words(v: str | list[str]) -> str:
 
 
 # The default budget of one prefill (--max-batch-prefill-tokens) when prompts may be longer: a running
-# stream then waits at most one such chunk between two tokens (docs/performance.md, "Chunked prefill").
-DEFAULT_PREFILL_CHUNK = 384
+# stream then waits at most one pass that holds such a chunk between two tokens (docs/performance.md,
+# "Chunked prefill" and "Chunks in the decode step's pass, and a budget of 256").
+DEFAULT_PREFILL_CHUNK = 256
 
 # (flag, env var, type, default, help). The env var is the flag's TGI name in
 # upper snake case unless given. None as default means "derived" (see resolve).
@@ -61,8 +62,8 @@ FLAGS: list[tuple[str, str | None, type, object, str]] = [
     ("--max-batch-size", None, int, None, "Most requests in one batch (default: the bucket limits)."),
     ("--max-batch-prefill-tokens", None, int, None, "Most prompt tokens one prefill computes (vLLM's "
      "--max-num-batched-tokens, less the decodes): a longer prompt is prefilled in chunks of at most this many "
-     "tokens (whole KV blocks), each between two decode steps of the running requests, so that they never "
-     "wait for a whole long prompt (default: max-input-tokens + 50, at most 384). At least --block-size."),
+     "tokens (whole KV blocks), each in the forward pass of a decode step of the running requests, so that "
+     "they never wait for a whole long prompt (default: max-input-tokens + 50, at most 256). At least --block-size."),
     ("--max-batch-total-tokens", None, int, None, "KV-cache budget in tokens (default: sized from the device)."),
     ("--max-waiting-tokens", None, int, 20, "Decode steps before waiting requests are forced into the batch."),
     ("--waiting-served-ratio", None, float, 0.0, "Waiting/running ratio that allows a prefill to interrupt decoding (0: a waiting "

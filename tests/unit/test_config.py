@@ -15,9 +15,9 @@ def test_defaults_follow_tgi():
     cfg = resolve(None, env())
     assert cfg.limits.max_total_tokens == 2048
     assert cfg.limits.max_input_tokens == 2047
-    # TGI's max-input-tokens + 50, at most one chunk of 384: a longer prompt is prefilled in chunks.
-    assert cfg.scheduling.max_batch_prefill_tokens == 384
-    assert resolve(None, env(MAX_INPUT_TOKENS=256)).scheduling.max_batch_prefill_tokens == 256 + 50
+    # TGI's max-input-tokens + 50, at most one chunk of 256: a longer prompt is prefilled in chunks.
+    assert cfg.scheduling.max_batch_prefill_tokens == 256
+    assert resolve(None, env(MAX_INPUT_TOKENS=128)).scheduling.max_batch_prefill_tokens == 128 + 50
     assert cfg.limits.max_concurrent_requests == 128
     assert cfg.scheduling.max_waiting_tokens == 20
     assert cfg.scheduling.waiting_served_ratio == 0.0
