@@ -1,10 +1,12 @@
 """A long prompt's chunk riding a decode step (`ModelRunner.decode_with`): every row gets the tokens it gets
 when the chunk's pass and the step run one after the other. On the CPU both share one forward pass (the
 first chunk over no cached blocks, the next ones over the chunks before them, the last one kept as a batch
-that decodes on); on Gaudi (the recording fake) they stay two passes, each on a shape warmup ran."""
+that decodes on); beside a speculative step, and on Gaudi (the recording fake), they stay two passes, on
+Gaudi each on a shape warmup ran."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from gaudi_runtime.config import resolve
 from gaudi_runtime.device.base import Backend
 from gaudi_runtime.params import SamplingParameters
 from gaudi_runtime.shard.runner import ModelRunner, PrefillInput
+from gaudi_runtime.shard.speculation import DraftRows
 from gaudi_runtime.tools.tiny_model import make_tiny_model
 
 SMALL = {"DTYPE": "float32", "MAX_INPUT_TOKENS": "48", "MAX_TOTAL_TOKENS": "96", "MAX_BATCH_SIZE": "8",
@@ -84,6 +87,23 @@ def test_a_chunk_in_a_decode_steps_pass_gives_every_row_its_tokens(model_dir):
     assert shared == [True, True, True]
     assert together == alone
     assert [len(t) for t in together.values()] == [8, 8, 8, 5]
+
+
+def test_a_chunk_beside_a_speculative_step_gives_every_row_its_tokens(model_dir, monkeypatch):
+    """A step whose rows draft (--speculate) verifies its drafts in its own pass, after the chunk's. Every
+    row drafts a token at every step here (mostly rejected: verification keeps the greedy tokens)."""
+    def every_row_drafts(rows, k, max_rows, constrained=(), long_from=None):
+        plan = np.full((len(rows.rows), k + 1), -1, dtype=np.int64)
+        plan[:, 0], plan[:, 1] = [row.tokens()[-1] for row in rows.rows], 5
+        return plan
+
+    monkeypatch.setattr(DraftRows, "plan", every_row_drafts)
+    cfg = resolve(None, {"MODEL_ID": str(model_dir), **SMALL, "SPECULATE": "3"})
+    runner = ModelRunner(cfg, str(model_dir), Backend(torch.device("cpu")))
+    alone, _ = serve(runner, ride=False)
+    together, shared = serve(runner, ride=True)
+    assert shared == [False, False, False]
+    assert together == alone
 
 
 def test_on_gaudi_a_ridden_chunk_is_its_own_warmed_pass(fake_hpu, model_dir):

@@ -207,10 +207,9 @@ class ModelRunner:
             return *self.decode(batches), ride, False
         batch = self._merged(batches)
         plan = batch.draft_plan(self.cfg.scheduling.speculate, self.long_rope[0])
-        if plan is not None:
-            self.batches[batch.id] = batch
+        if plan is not None:  # planned once: a plan counts the rows' steps until they draft again
             ride = self.prefill(ride_id, reqs)
-            return *self.decode([(batch.id, list(batch.request_ids))]), ride, False
+            return batch.id, self._verify(batch, plan), ride, False
         tables, sampler = self._prefill_setup(reqs)
         prefill = inputs.prefill_step_inputs(reqs, tables, self.cfg, False, self.long_rope)
         decode = self._decode_inputs(batch, self.cfg, False)
