@@ -163,7 +163,7 @@ class BatchingLoop:
         parts = ([pb.CachedBatch(id=batch.id, request_ids=ids)] if ids else []) + joined
         ride = None
         if chunk is not None and parts:
-            ride = self._ride(batch, *chunk)
+            ride = self._ride(chunk[1])
         elif chunk is not None:
             parts = [b for b in [self._send_chunk(batch, *chunk)] if b is not None]
         if not parts:
@@ -180,18 +180,15 @@ class BatchingLoop:
             max_tokens += len(state.req.input_ids) + state.req.stopping.max_new_tokens
         self.metrics.batch_size(len(batch.request_ids), max_tokens)
         # The call is made (numbered) here, before anything else the loop sends.
-        if ride is None:
-            rpc = asyncio.ensure_future(self.client.decode(parts, steps))
-            batch.inflight.append(Call(rpc, self._answer_decode(parts, rpc, time.monotonic(), steps), steps))
-            return True
-        request, state, last = ride
-        rpc = asyncio.ensure_future(self.client.decode(parts, steps, request))
-        batch.inflight.append(Call(rpc, self._answer_decode(parts, rpc, time.monotonic(), steps, (state, last)),
-                                   steps))
-        if last and self._runs_on(batch, [state.id]):
-            batch.joining = [pb.CachedBatch(id=request.batch.id, request_ids=[state.id])]
-        else:  # a chunk before the last: its KV is kept, its batch dropped at once
-            batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(request.batch.id))))
+        rode = None if ride is None else (chunk[0], chunk[2])  # the chunk's request, whether it is the last
+        rpc = asyncio.ensure_future(self.client.decode(parts, steps, ride))
+        batch.inflight.append(Call(rpc, self._answer_decode(parts, rpc, time.monotonic(), steps, rode), steps))
+        if rode is not None:
+            state, last = rode
+            if last and self._runs_on(batch, [state.id]):
+                batch.joining = [pb.CachedBatch(id=ride.batch.id, request_ids=[state.id])]
+            else:  # a chunk before the last: its KV is kept, its batch dropped at once
+                batch.inflight.append(Call(asyncio.ensure_future(self.client.clear(ride.batch.id))))
         return True
 
     def _still_joining(self, batch: RunningBatch) -> list[pb.CachedBatch]:
@@ -334,14 +331,11 @@ class BatchingLoop:
             batch.chunking = None
         return state, request, last
 
-    def _ride(self, batch: RunningBatch, state: RequestState, request: pb.Request,
-              last: bool) -> tuple[pb.PrefillRequest, RequestState, bool]:
-        """A chunk riding the decode call about to be made (the shards compute it in the same forward pass
-        where they can): its prefill request, its request, whether it is the last."""
-        batch_id = next(self._batch_ids)
-        ride = pb.PrefillRequest(batch=pb.Batch(id=batch_id, requests=[request]), kv_copies=self._copies(),
-                                 forget_grammars=self.requests.grammars.take_forgotten())
-        return ride, state, last
+    def _ride(self, request: pb.Request) -> pb.PrefillRequest:
+        """A chunk's prefill, to ride the decode call about to be made (the shards compute it in the same
+        forward pass where they can), as a batch of its own."""
+        return pb.PrefillRequest(batch=pb.Batch(id=next(self._batch_ids), requests=[request]),
+                                 kv_copies=self._copies(), forget_grammars=self.requests.grammars.take_forgotten())
 
     def _send_chunk(self, batch: RunningBatch, state: RequestState, request: pb.Request,
                     last: bool) -> pb.CachedBatch | None:

@@ -13,6 +13,16 @@ from gaudi_runtime.layers.attention import AttentionMetadata
 from gaudi_runtime.shard.prompt_images import prompt_embeds
 
 
+def prefill_meta(slots, context_tables=None, context_lens=None) -> AttentionMetadata:
+    """A prefill's metadata: its slots [rows, seq], and the cached blocks its rows start with (None: none)."""
+    return AttentionMetadata(is_prefill=True, slots=slots, block_tables=context_tables, context_lens=context_lens)
+
+
+def decode_meta(slots, tables, context_lens) -> AttentionMetadata:
+    """A decode step's metadata: one slot per row [rows], each row's blocks and context length."""
+    return AttentionMetadata(is_prefill=False, slots=slots[:, None], block_tables=tables, context_lens=context_lens)
+
+
 class StepFunctions:
     def __init__(self, model, kv_cache, adapter_rows, image_processor):
         """`adapter_rows`: the model's per-row adapter index (None: no adapters); `image_processor`: a
@@ -27,7 +37,7 @@ class StepFunctions:
 
     def prefill_step(self, input_ids, positions, slots, last_idx, adapters):
         self.use_adapters(adapters)
-        hidden = self.model(input_ids, positions, self.kv_cache, AttentionMetadata(is_prefill=True, slots=slots))
+        hidden = self.model(input_ids, positions, self.kv_cache, prefill_meta(slots))
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return hidden, self.model.compute_logits(hidden[rows, last_idx])
 
@@ -36,8 +46,7 @@ class StepFunctions:
         tokens' embeddings. Eager (image tile counts vary), so text-only buckets and graphs are untouched."""
         embeds = prompt_embeds(self.model, self.image_processor, images, input_ids)
         self.use_adapters(adapters)
-        hidden = self.model(input_ids, positions, self.kv_cache, AttentionMetadata(is_prefill=True, slots=slots),
-                            inputs_embeds=embeds)
+        hidden = self.model(input_ids, positions, self.kv_cache, prefill_meta(slots), inputs_embeds=embeds)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return hidden, self.model.compute_logits(hidden[rows, last_idx])
 
@@ -45,7 +54,7 @@ class StepFunctions:
                               inputs_embeds=None):
         """A prefill of the tokens after each prompt's cached blocks (`context_tables`, the first
         `context_lens` positions), which they attend to."""
-        meta = AttentionMetadata(is_prefill=True, slots=slots, block_tables=context_tables, context_lens=context_lens)
+        meta = prefill_meta(slots, context_tables, context_lens)
         self.use_adapters(adapters)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, inputs_embeds=inputs_embeds)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
@@ -54,7 +63,7 @@ class StepFunctions:
     def verify_step(self, input_ids, positions, slots, context_tables, context_lens, adapters):
         """Each row's fed token and drafts [rows, width] over its cached positions -> logits [width, rows, V]
         (position-major, so that each position's logits are one contiguous block for the sampler)."""
-        meta = AttentionMetadata(is_prefill=True, slots=slots, block_tables=context_tables, context_lens=context_lens)
+        meta = prefill_meta(slots, context_tables, context_lens)
         self.use_adapters(adapters)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         rows, width = input_ids.shape
@@ -65,16 +74,9 @@ class StepFunctions:
         without cached blocks) in one forward pass over their tokens laid end to end -> logits of each decode
         row, then of each prompt's last token."""
         ids, positions, slots, tables, context_lens, _ = decode_args
-        decode = AttentionMetadata(is_prefill=False, slots=slots[:, None], block_tables=tables,
-                                   context_lens=context_lens)
-        if len(prefill_args) == 7:
-            new_ids, new_positions, new_slots, last_idx, context_tables, cached_lens, _ = prefill_args
-            prefill = AttentionMetadata(is_prefill=True, slots=new_slots, block_tables=context_tables,
-                                        context_lens=cached_lens)
-        else:
-            new_ids, new_positions, new_slots, last_idx, _ = prefill_args
-            prefill = AttentionMetadata(is_prefill=True, slots=new_slots)
-        meta = AttentionMetadata(is_prefill=True, slots=None, parts=(decode, prefill))
+        new_ids, new_positions, new_slots, last_idx, *context, _ = prefill_args  # context: cached blocks, lengths
+        meta = AttentionMetadata(is_prefill=True, slots=None,
+                                 parts=(decode_meta(slots, tables, context_lens), prefill_meta(new_slots, *context)))
         hidden = self.model(torch.cat([ids, new_ids.reshape(-1)])[None],
                             torch.cat([positions, new_positions.reshape(-1)])[None], self.kv_cache, meta)[0]
         d, (rows, seq) = ids.shape[0], new_ids.shape
@@ -83,9 +85,7 @@ class StepFunctions:
 
     def decode_step(self, input_ids, positions, slots, tables, context_lens, adapters):
         self.use_adapters(adapters)
-        meta = AttentionMetadata(is_prefill=False, slots=slots[:, None], block_tables=tables,
-                                 context_lens=context_lens)
-        hidden = self.model(input_ids[:, None], positions[:, None], self.kv_cache, meta)
+        hidden = self.model(input_ids[:, None], positions[:, None], self.kv_cache, decode_meta(slots, tables, context_lens))
         return self.model.compute_logits(hidden[:, -1])
 
     def flat_decode_step(self, input_ids, positions, slots, block_list, block_groups, block_bias, adapters):
